@@ -1,0 +1,5 @@
+import sys
+
+from expstream.cli import main
+
+sys.exit(main())

@@ -1,0 +1,158 @@
+"""Prompt files -> PromptBatch records on the input topic, and the experiences monitor."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kafka import TopicPartition
+
+from expstream.bus import KafkaConfig, make_consumer, make_producer, send_all_and_confirm
+from expstream.errors import ConfigError
+from schemas import PromptBatch, SampleBatch, decode, encode
+from schemas.errors import SchemaError
+
+
+@dataclass
+class PromptRow:
+    prompt_id: str
+    prompt: str
+    label: str = ""
+    reference: str = ""
+
+
+def read_prompts(path: str | Path) -> list[PromptRow]:
+    """A JSON-lines file: ``{"prompt": ..., "label": ..., "reference": ..., "id": ...}`` per line.
+
+    ``id`` defaults to the line number; ``label``/``reference`` default to "". A line that is not a
+    JSON object with a string ``prompt`` is a ConfigError naming the line.
+    """
+    rows: list[PromptRow] = []
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not JSON ({exc}); write one JSON object per line") from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ConfigError(f'{path}:{lineno}: needs a string "prompt" field, e.g. {{"prompt": "2+2?"}}')
+            pid = str(obj.get("id", lineno))
+            if pid in seen:
+                raise ConfigError(f"{path}:{lineno}: duplicate id {pid!r}; prompt ids must be unique in a run")
+            seen.add(pid)
+            rows.append(PromptRow(pid, obj["prompt"], str(obj.get("label", "") or ""),
+                                  str(obj.get("reference", "") or "")))
+    if not rows:
+        raise ConfigError(f"{path}: no prompts; add JSON lines with a \"prompt\" field")
+    return rows
+
+
+def prompt_batches(rows: list[PromptRow], batch_size: int) -> Iterator[PromptBatch]:
+    for k, start in enumerate(range(0, len(rows), batch_size)):
+        chunk = rows[start: start + batch_size]
+        yield PromptBatch(batch_id=f"p{k:06d}", prompt_id=[r.prompt_id for r in chunk],
+                          prompt=[r.prompt for r in chunk], label=[r.label for r in chunk],
+                          reference=[r.reference for r in chunk])
+
+
+def feed_prompts(bootstrap: str, cfg: KafkaConfig, topic: str, rows: list[PromptRow], batch_size: int) -> int:
+    """Publish the prompts and confirm every send; returns the number of records."""
+    producer = make_producer(bootstrap, cfg)
+    try:
+        items = [(topic, encode(b), b.batch_id.encode(), None) for b in prompt_batches(rows, batch_size)]
+        send_all_and_confirm(producer, items, cfg.produce_timeout_s)
+        return len(items)
+    finally:
+        producer.close(timeout=10)
+
+
+@dataclass
+class ExperienceCollector:
+    """Reads the experiences topic from outside any group; dedupes by sample id.
+
+    ``records`` keeps the raw bytes of every record that brought at least one new sample, in
+    arrival order, so ``experiences.msgpack`` is the wire format concatenated.
+    """
+
+    bootstrap: str
+    cfg: KafkaConfig
+    topic: str
+    n_per_group: int
+    dlq_topics: list[str] = field(default_factory=list)
+    records: list[bytes] = field(default_factory=list)
+    samples: set[str] = field(default_factory=set)
+    group_counts: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    dead_letters: list[dict] = field(default_factory=list)
+    dead_groups: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.consumer = make_consumer(self.bootstrap, None, self.cfg)
+        parts = []
+        for t in [self.topic, *self.dlq_topics]:
+            for p in sorted(self.consumer.partitions_for_topic(t) or []):
+                parts.append(TopicPartition(t, p))
+        self.consumer.assign(parts)
+        self.consumer.seek_to_beginning(*parts)
+
+    @property
+    def complete_groups(self) -> int:
+        return sum(1 for c in self.group_counts.values() if c >= self.n_per_group)
+
+    def poll(self, timeout_ms: int = 500) -> int:
+        """Take what has arrived; returns the number of new samples."""
+        new = 0
+        for tp, recs in self.consumer.poll(timeout_ms=timeout_ms).items():
+            for rec in recs:
+                if tp.topic == self.topic:
+                    new += self._experience(rec.value)
+                else:
+                    self._dead_letter(rec)
+        return new
+
+    def _experience(self, value: bytes) -> int:
+        batch = decode(value)
+        assert isinstance(batch, SampleBatch)
+        fresh = 0
+        for sid, gid in zip(batch.sample_ids(), batch.group_id, strict=True):
+            if sid in self.samples:
+                self.duplicates += 1
+                continue
+            self.samples.add(sid)
+            self.group_counts[gid] = self.group_counts.get(gid, 0) + 1
+            fresh += 1
+        if fresh:
+            self.records.append(bytes(value))
+        return fresh
+
+    def _dead_letter(self, rec) -> None:  # noqa: ANN001 - ConsumerRecord
+        headers = {k: v.decode(errors="replace") for k, v in (rec.headers or [])}
+        entry = {"topic": rec.topic, "offset": rec.offset, "stage": headers.get("stage"),
+                 "error_class": headers.get("error_class"),
+                 "error": (headers.get("error_message") or "").splitlines()[:1]}
+        try:
+            msg = decode(rec.value)
+            groups = msg.prompt_id if isinstance(msg, PromptBatch) else msg.group_id
+            self.dead_groups.update(groups)
+            entry["groups"] = sorted(set(groups))
+        except SchemaError:
+            entry["groups"] = []
+        self.dead_letters.append(entry)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

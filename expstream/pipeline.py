@@ -1,0 +1,210 @@
+"""``expstream run``: the embedded default (or existing services), end to end.
+
+1. Check the configuration that can only be checked here (reward function imports, model
+   directories; the built-in tiny models are built once, before any stage starts).
+2. Start a local broker and redis-server on free loopback ports unless addresses were given.
+3. Create every topic of the topology and its ``.dlq`` twin explicitly.
+4. Start every enabled stage replica as its own process under the supervisor.
+5. Feed the prompt file into the input topic (every send confirmed).
+6. Collect experiences (deduped by sample id) until every prompt group is accounted for:
+   emitted complete, dropped by dynamic sampling, or dead-lettered.
+7. Stop stages (SIGTERM, then SIGKILL after a grace period), then redis and the broker.
+8. Write ``experiences.msgpack`` and ``summary.json``; print the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from expstream.cli import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    dump_json,
+    install_interrupt_handler,
+    new_run_id,
+    write_resolved_topology,
+)
+from expstream.errors import ConfigError
+from expstream.feeder import ExperienceCollector, feed_prompts, read_prompts
+from expstream.supervisor import Supervisor, SupervisorError
+from expstream.topology import Topology
+
+log = logging.getLogger("expstream.run")
+# Why 5 s: often enough to see progress in a CI log, rare enough not to flood it.
+PROGRESS_LOG_INTERVAL_S = 5.0
+MONITOR_POLL_MS = 300
+
+
+def preflight(topo: Topology) -> None:
+    """Fail fast, before anything starts, on what a stage would only discover later."""
+    from stages.common import model_dir
+    from stages.reward import load_reward_fn
+
+    if topo.models.reward_fn:
+        load_reward_fn(topo.models.reward_fn)
+    roles = ["tokenizer", "actor"]
+    if topo.stages["reference"].enabled:
+        roles.append("reference")
+    if topo.stages["critic"].enabled:
+        roles.append("critic")
+    if topo.models.reward:
+        roles.append("reward")
+    for role in roles:
+        model_dir(topo, role)
+
+
+def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, redis_url: str, run_id: str) -> list[str]:
+    return [sys.executable, "-m", "expstream", "stage", name, "--topology", str(topo_path),
+            "--bootstrap-servers", bootstrap, "--redis-url", redis_url, "--run-id", run_id,
+            "--replica-id", str(replica)]
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.tty = sys.stderr.isatty()
+        self.last_log = 0.0
+        self.started = time.monotonic()
+
+    def update(self, done: int, samples: int, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not self.tty and not force and now - self.last_log < PROGRESS_LOG_INTERVAL_S:
+            return
+        self.last_log = now
+        width = 30
+        filled = int(width * done / max(self.total, 1))
+        rate = samples / max(now - self.started, 1e-9)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} groups  {samples} samples  " \
+               f"{rate:.2f} samples/s"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+
+
+def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
+    run_id = args.run_id or new_run_id()
+    out_dir = Path(args.output or f"runs/{run_id}")
+    run_dir = out_dir / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = read_prompts(args.prompts)
+    preflight(topo)
+    stop = install_interrupt_handler()
+    started = time.monotonic()
+    status, error = EXIT_OK, None
+    with ExitStack() as stack:
+        bootstrap, redis_url = args.bootstrap_servers, args.redis_url
+        if not bootstrap:
+            from expstream.infra import LocalBroker
+
+            broker = LocalBroker(run_dir)
+            bootstrap = broker.start()
+            stack.callback(broker.stop)
+            log.info("local broker at %s (log %s)", bootstrap, run_dir / "broker.log")
+        if not redis_url:
+            from expstream.infra import LocalRedis
+
+            redis = LocalRedis(run_dir)
+            redis_url = redis.start()
+            stack.callback(redis.stop)
+            log.info("local redis at %s", redis_url)
+        from expstream.infra import create_topics
+        from expstream.state import RedisState
+
+        create_topics(bootstrap, topo.all_topics(), with_dlq=True)
+        state = RedisState(redis_url, run_id)
+        topo_path = run_dir / "topology.yaml"
+        write_resolved_topology(topo, topo_path)
+        sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts)
+        for st in topo.enabled_stages():
+            for replica in range(st.replicas):
+                sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, redis_url, run_id))
+        sup.start()
+        stack.callback(sup.stop)
+        dlqs = [f"{t}.dlq" for t in topo.all_topics()]
+        collector = ExperienceCollector(bootstrap, topo.kafka, topo.output_topic,
+                                        topo.generate.n_samples_per_prompt, dlq_topics=dlqs)
+        stack.callback(collector.close)
+        n_records = feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows, topo.run.prompt_batch_size)
+        log.info("run %s: fed %d prompts in %d records to %s", run_id, len(rows), n_records, topo.topics.input)
+        progress = Progress(len(rows), enabled=not args.no_progress)
+        last_new = time.monotonic()
+        dropped = 0
+        try:
+            while True:
+                if stop["stop"]:
+                    status = EXIT_INTERRUPTED
+                    break
+                if collector.poll(MONITOR_POLL_MS):
+                    last_new = time.monotonic()
+                sup.poll()
+                dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
+                done = collector.complete_groups + dropped + len(collector.dead_groups - set(collector.group_counts))
+                progress.update(done, len(collector.samples))
+                if done >= len(rows):
+                    progress.update(done, len(collector.samples), force=True)
+                    break
+                if time.monotonic() - last_new > topo.run.timeout_s:
+                    error = f"no experience arrived for {topo.run.timeout_s:.0f}s (run.timeout_s); see {run_dir}/logs"
+                    status = EXIT_FAILED
+                    break
+        except SupervisorError as exc:
+            error, status = str(exc), EXIT_FAILED
+        finally:
+            progress.close()
+        wall = time.monotonic() - started
+        stage_stats = state.stage_stats()
+        (out_dir / "experiences.msgpack").write_bytes(b"".join(collector.records))
+        summary = {
+            "run_id": run_id,
+            "status": "ok" if status == EXIT_OK else ("interrupted" if status == EXIT_INTERRUPTED else "failed"),
+            "error": error,
+            "prompts": len(rows),
+            "groups_complete": collector.complete_groups,
+            "groups_dropped_dynamic_sampling": dropped,
+            "groups_dead_lettered": sorted(collector.dead_groups - set(collector.group_counts)),
+            "samples": len(collector.samples),
+            "experience_records": len(collector.records),
+            "duplicate_samples_dropped": collector.duplicates,
+            "dead_letters": collector.dead_letters,
+            "stage_restarts": {c.label: c.restarts for c in sup.children if c.restarts},
+            "wall_s": round(wall, 3),
+            "samples_per_s": round(len(collector.samples) / wall, 4) if wall > 0 else 0.0,
+            "stages": {
+                name: {**s, "ms_per_batch": round(1000 * s["seconds"] / s["batches"], 3) if s["batches"] else None}
+                for name, s in stage_stats.items()
+            },
+            "estimator": topo.algo.advantage_estimator,
+            "n_samples_per_prompt": topo.generate.n_samples_per_prompt,
+            "bootstrap_servers": bootstrap,
+        }
+        dump_json(summary, out_dir / "summary.json")
+    print_summary(summary, out_dir)
+    if error:
+        print(f"expstream: run failed: {error}", file=sys.stderr)
+    return status
+
+
+def print_summary(summary: dict, out_dir: Path) -> None:
+    print(f"run {summary['run_id']}: {summary['status']}")
+    print(f"  prompts {summary['prompts']}, groups complete {summary['groups_complete']}, "
+          f"samples {summary['samples']}, dropped (dynamic sampling) {summary['groups_dropped_dynamic_sampling']}, "
+          f"dead letters {len(summary['dead_letters'])}")
+    print(f"  wall {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
+          f"duplicates dropped {summary['duplicate_samples_dropped']}, restarts {summary['stage_restarts'] or 0}")
+    for name, s in summary["stages"].items():
+        print(f"  {name:<17} {s['batches']:>4} batches {s['samples']:>5} samples  {s['ms_per_batch']} ms/batch")
+    print(f"  wrote {out_dir / 'experiences.msgpack'} and {out_dir / 'summary.json'}")
+
+
+__all__ = ["run_pipeline", "preflight", "EXIT_CONFIG", "ConfigError"]

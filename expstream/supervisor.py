@@ -1,0 +1,148 @@
+"""Runs every stage replica as its own OS process and restarts the ones that die.
+
+A child that exits on its own (crash, SIGKILL, OOM) is restarted after a backoff that doubles
+per consecutive failure of that replica; each restart is logged with the exit code. A child
+that exits with code 2 (a configuration error) is not restarted: the same error would recur.
+``stop()`` sends SIGTERM to every child (each finishes its micro-batch and commits), waits,
+then SIGKILLs stragglers, so no orphan survives the run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("expstream.supervisor")
+
+# Why 0.5 s doubling to 10 s: a stage that dies at start (e.g. the broker is still electing)
+# is retried quickly, while a crash-looping one does not eat the CPU the other stages need.
+RESTART_BACKOFF_START_S = 0.5
+RESTART_BACKOFF_MAX_S = 10.0
+# A replica that ran this long before dying is considered healthy again: its backoff resets.
+HEALTHY_AFTER_S = 30.0
+# Why 20 s: a stage finishing a CPU forward pass on a busy 2-core machine needs a few seconds.
+STOP_GRACE_S = 20.0
+EXIT_CONFIG_ERROR = 2
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    replica: int
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    failures_in_a_row: int = 0
+    next_start_at: float = 0.0
+    exit_codes: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[{self.replica}]"
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path, max_restarts: int = 5, env: dict[str, str] | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.max_restarts = max_restarts
+        self.env = {**os.environ, **(env or {})}
+        self.children: list[Child] = []
+        self.stopping = False
+
+    def add(self, name: str, replica: int, argv: list[str]) -> Child:
+        child = Child(name, replica, argv, self.log_dir / f"{name}-{replica}.log")
+        self.children.append(child)
+        return child
+
+    def _spawn(self, child: Child) -> None:
+        out = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
+        finally:
+            out.close()
+        child.started_at = time.monotonic()
+        log.info("started %s pid %d (log %s)", child.label, child.proc.pid, child.log_path)
+
+    def start(self) -> None:
+        for child in self.children:
+            self._spawn(child)
+
+    def poll(self) -> None:
+        """Restart children that died; raise SupervisorError when one cannot be kept alive."""
+        if self.stopping:
+            return
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is None:
+                if now >= child.next_start_at:
+                    self._spawn(child)
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            child.exit_codes.append(code)
+            child.proc = None
+            if code == EXIT_CONFIG_ERROR:
+                raise SupervisorError(f"stage {child.label} exited with a configuration error (code 2); "
+                                      f"see {child.log_path}")
+            if now - child.started_at > HEALTHY_AFTER_S:
+                child.failures_in_a_row = 0
+            child.failures_in_a_row += 1
+            child.restarts += 1
+            if child.restarts > self.max_restarts:
+                raise SupervisorError(f"stage {child.label} died {child.restarts} times (last exit code {code}); "
+                                      f"giving up, see {child.log_path}")
+            delay = min(RESTART_BACKOFF_START_S * 2 ** (child.failures_in_a_row - 1), RESTART_BACKOFF_MAX_S)
+            child.next_start_at = now + delay
+            log.warning("stage %s exited with code %s; restart %d in %.1fs (log %s)", child.label, code,
+                        child.restarts, delay, child.log_path)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        self.stopping = True
+        live = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for child in live:
+            try:
+                child.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for child in live:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("stage %s did not stop within %.0fs of SIGTERM; killing it", child.label, grace_s)
+                child.proc.kill()
+                child.proc.wait()
+        for child in self.children:
+            if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
+                log.warning("stage %s exited with code %s on stop", child.label, child.proc.returncode)
+
+    def pids(self) -> dict[str, int]:
+        return {c.label: c.proc.pid for c in self.children if c.proc is not None and c.proc.poll() is None}
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(c.restarts for c in self.children)

@@ -1,0 +1,357 @@
+"""topology.yaml -> typed, validated configuration.
+
+One dataclass per block. Unknown keys are errors that name the closest valid key; values are
+checked in ``__post_init__`` with a message that says why and how to fix it. The loader also
+switches stages off (no critic unless the estimator is ``gae``, no reference when
+``init_kl_coef`` is 0) and re-links the chain, so stages never test for their neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.resources
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from expstream.bus import KafkaConfig
+from expstream.errors import ConfigError
+
+STAGE_ORDER: tuple[str, ...] = (
+    "generate",
+    "shard-preprocess",
+    "actor-logprob",
+    "reference",
+    "critic",
+    "reward",
+    "postprocess",
+    "advantage",
+)
+ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo", "cpgd")
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "grpo", "dr_grpo")
+BUILTIN_TINY = "builtin:tiny"
+
+
+def _closest(key: str, valid: Iterable[str]) -> str:
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
+    return match[0] if match else "?"
+
+
+def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys with a suggestion."""
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(
+                f"{where}.{key}: unknown key. Did you mean {where}.{_closest(key, names)}? "
+                f"Valid keys: {', '.join(sorted(names))}."
+            )
+    return cls(**data)
+
+
+def _check(cond: bool, field_name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {msg}")
+
+
+@dataclass
+class RunConfig:
+    seed: int = 1234
+    prompt_batch_size: int = 2
+    timeout_s: float = 900.0
+    torch_threads: int = 1
+    max_restarts: int = 5
+
+    def __post_init__(self) -> None:
+        _check(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
+        _check(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
+
+
+@dataclass
+class RedisConfig:
+    group_ttl_s: int = 86400
+
+
+@dataclass
+class ModelsConfig:
+    cache_dir: str = ".cache/expstream/models"
+    tokenizer: str = BUILTIN_TINY
+    actor: str = BUILTIN_TINY
+    reference: str | None = BUILTIN_TINY
+    critic: str | None = BUILTIN_TINY
+    reward: str | None = BUILTIN_TINY
+    reward_fn: str | None = None
+    reward_combine: str = "sum"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.reward is not None or self.reward_fn is not None,
+            "models.reward",
+            "no reward source: set models.reward to a model directory (or builtin:tiny) "
+            "or models.reward_fn to 'module:function'",
+        )
+        _check(
+            self.reward_combine in ("sum", "mean", "model", "fn"),
+            "models.reward_combine",
+            f"got {self.reward_combine!r}; use one of sum, mean, model, fn",
+        )
+        if self.reward_fn is not None:
+            _check(
+                ":" in self.reward_fn,
+                "models.reward_fn",
+                f"got {self.reward_fn!r}; write it as 'package.module:function'",
+            )
+
+
+@dataclass
+class GenerateConfig:
+    backend: str = "transformers"
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 16
+    min_new_tokens: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    prompt_max_len: int = 64
+    truncate_prompts: bool = True
+    skip_special_tokens: bool = False
+    apply_chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("transformers", "vllm"), "generate.backend",
+               f"got {self.backend!r}; use transformers or vllm")
+        _check(self.n_samples_per_prompt >= 1, "generate.n_samples_per_prompt", "must be >= 1")
+        _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "generate.min_new_tokens",
+               "must be between 0 and generate.max_new_tokens")
+        _check(self.temperature >= 0, "generate.temperature", "must be >= 0 (0 means greedy)")
+        _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
+        _check(self.prompt_max_len >= 1, "generate.prompt_max_len", "must be >= 1")
+
+
+@dataclass
+class AlgoConfig:
+    advantage_estimator: str = "group_norm"
+    micro_rollout_batch_size: int = 4
+    gamma: float = 1.0
+    lambd: float = 0.95
+    init_kl_coef: float = 0.01
+    kl_estimator: str = "k3"
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    use_kl_loss: bool = False
+    reward_running_norm: bool = False
+    reward_running_norm_minus_mean: bool = False
+    reward_clip: float = 0.0
+    advantage_clip: float = 0.0
+    advantages_norm: bool = False
+    overlong_buffer: bool = False
+    overlong_buffer_len: int = 8
+    overlong_buffer_penalty_factor: float = 1.0
+    dynamic_sampling: bool = False
+    high_entropy_token_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.advantage_estimator in ESTIMATORS, "algo.advantage_estimator",
+               f"got {self.advantage_estimator!r}; use one of {', '.join(ESTIMATORS)}")
+        _check(self.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator",
+               f"got {self.kl_estimator!r}; use k1, k2 or k3")
+        _check(self.micro_rollout_batch_size >= 1, "algo.micro_rollout_batch_size", "must be >= 1")
+        _check(0 <= self.gamma <= 1, "algo.gamma", "must be in [0, 1]")
+        _check(0 <= self.lambd <= 1, "algo.lambd", "must be in [0, 1]")
+        _check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 switches clipping off)")
+        _check(self.advantage_clip >= 0, "algo.advantage_clip", "must be >= 0 (0 switches clipping off)")
+        _check(self.overlong_buffer_len >= 1, "algo.overlong_buffer_len", "must be >= 1")
+        _check(0 <= self.high_entropy_token_ratio < 1, "algo.high_entropy_token_ratio",
+               "must be in [0, 1); 0 switches it off")
+        _check(self.kl_target is None or self.kl_target > 0, "algo.kl_target",
+               "must be > 0, or null for the fixed KL controller")
+
+
+@dataclass
+class StageConfig:
+    output: str = ""
+    replicas: int = 1
+    enabled: bool = True
+    name: str = ""
+    input: str = ""  # filled by the loader: the previous enabled stage's output
+
+    def __post_init__(self) -> None:
+        _check(self.replicas >= 1, f"stages.{self.name}.replicas", "must be >= 1")
+
+
+@dataclass
+class TopicsConfig:
+    input: str = "prompts"
+    partitions: int = 2
+
+    def __post_init__(self) -> None:
+        _check(self.partitions >= 1, "topics.partitions", "must be >= 1")
+
+
+@dataclass
+class Topology:
+    run: RunConfig = field(default_factory=RunConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    stages: dict[str, StageConfig] = field(default_factory=dict)
+    topics: TopicsConfig = field(default_factory=TopicsConfig)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # ---- derived views -------------------------------------------------------------------
+    def enabled_stages(self) -> list[StageConfig]:
+        return [self.stages[name] for name in STAGE_ORDER if self.stages[name].enabled]
+
+    def all_topics(self) -> dict[str, int]:
+        topics = {self.topics.input: self.topics.partitions}
+        for st in self.enabled_stages():
+            topics[st.output] = self.topics.partitions
+        return topics
+
+    @property
+    def output_topic(self) -> str:
+        return self.enabled_stages()[-1].output
+
+    @property
+    def is_group_estimator(self) -> bool:
+        return self.algo.advantage_estimator in GROUP_ESTIMATORS or self.algo.dynamic_sampling
+
+
+def default_topology_text() -> str:
+    return importlib.resources.files("expstream").joinpath("topology.yaml").read_text()
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any, valid: dict[str, Any]) -> None:
+    parts = dotted.split(".")
+    node, ref = raw, valid
+    for i, part in enumerate(parts):
+        where = ".".join(parts[:i]) or "<top>"
+        if not isinstance(ref, dict) or part not in ref:
+            choices = list(ref.keys()) if isinstance(ref, dict) else []
+            hint = f" Did you mean {'.'.join(parts[:i] + [_closest(part, choices)])}?" if choices else ""
+            raise ConfigError(f"--set {dotted}: unknown key {part!r} under {where}.{hint}")
+        if i == len(parts) - 1:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+            ref = ref[part]
+
+
+def _valid_tree() -> dict[str, Any]:
+    """Every settable dotted key, as nested dicts (values are placeholders)."""
+    def fields_of(cls: type) -> dict[str, Any]:
+        return {f.name: None for f in dataclasses.fields(cls)}
+
+    stage_fields = {k: None for k in ("output", "replicas", "enabled")}
+    return {
+        "run": fields_of(RunConfig),
+        "kafka": fields_of(KafkaConfig),
+        "redis": fields_of(RedisConfig),
+        "models": fields_of(ModelsConfig),
+        "generate": fields_of(GenerateConfig),
+        "algo": fields_of(AlgoConfig),
+        "stages": {name: dict(stage_fields) for name in STAGE_ORDER},
+        "topics": fields_of(TopicsConfig),
+    }
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"algo.gamma=0.9"`` -> ``("algo.gamma", 0.9)``; the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: write it as dotted.key=value, e.g. --set algo.gamma=0.99")
+    key, _, text = item.partition("=")
+    return key.strip(), yaml.safe_load(text) if text.strip() else None
+
+
+def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Topology:
+    """Read a topology file (the packaged default when ``path`` is None) and apply ``--set`` items."""
+    text = Path(path).read_text() if path else default_topology_text()
+    raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'topology.yaml'}: the top level must be a mapping of blocks")
+    valid = _valid_tree()
+    for key in raw:
+        if key not in valid:
+            raise ConfigError(f"{key}: unknown block. Did you mean {_closest(key, valid)}? "
+                              f"Valid blocks: {', '.join(valid)}.")
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value, valid)
+    return build_topology(raw)
+
+
+def build_topology(raw: dict[str, Any]) -> Topology:
+    stages_raw = raw.get("stages") or {}
+    for name in stages_raw:
+        if name not in STAGE_ORDER:
+            raise ConfigError(f"stages.{name}: unknown stage. Did you mean stages.{_closest(name, STAGE_ORDER)}? "
+                              f"Stages: {', '.join(STAGE_ORDER)}.")
+    topo = Topology(
+        run=_from_dict(RunConfig, raw.get("run"), "run"),
+        kafka=KafkaConfig.from_dict(raw.get("kafka") or {}),
+        redis=_from_dict(RedisConfig, raw.get("redis"), "redis"),
+        models=_from_dict(ModelsConfig, raw.get("models"), "models"),
+        generate=_from_dict(GenerateConfig, raw.get("generate"), "generate"),
+        algo=_from_dict(AlgoConfig, raw.get("algo"), "algo"),
+        topics=_from_dict(TopicsConfig, raw.get("topics"), "topics"),
+        raw=raw,
+    )
+    for name in STAGE_ORDER:
+        st = dict(stages_raw.get(name) or {})
+        for key in ("name", "input"):
+            if key in st:
+                raise ConfigError(f"stages.{name}.{key}: set by the loader; remove it from the topology")
+        st.setdefault("output", name.replace("-", "_"))
+        topo.stages[name] = _from_dict(StageConfig, {**st, "name": name}, f"stages.{name}")
+    _switch_stages(topo)
+    _check_cross_fields(topo)
+    return topo
+
+
+def _switch_stages(topo: Topology) -> None:
+    """Remove stages the algorithm does not need, then link each stage to its predecessor."""
+    algo = topo.algo
+    if algo.advantage_estimator != "gae":
+        topo.stages["critic"].enabled = False  # the seed forces critic_pretrain=None unless gae
+    if algo.init_kl_coef == 0:
+        topo.stages["reference"].enabled = False  # no initial model, no KL anywhere (§10)
+    previous = topo.topics.input
+    seen: dict[str, str] = {previous: "topics.input"}
+    for st in topo.enabled_stages():
+        st.input = previous
+        if st.output in seen:
+            raise ConfigError(f"stages.{st.name}.output: topic {st.output!r} is already used by {seen[st.output]}; "
+                              "give every stage its own output topic")
+        seen[st.output] = f"stages.{st.name}.output"
+        previous = st.output
+
+
+def _check_cross_fields(topo: Topology) -> None:
+    algo, gen, models = topo.algo, topo.generate, topo.models
+    est = algo.advantage_estimator
+    if est == "gae" and not models.critic:
+        raise ConfigError("algo.advantage_estimator: gae needs a critic (per-token values) but models.critic is "
+                          "null; set models.critic to a model directory (or builtin:tiny), or pick an estimator "
+                          "without a critic such as group_norm or reinforce")
+    if est in GROUP_ESTIMATORS and gen.n_samples_per_prompt < 2:
+        raise ConfigError(f"generate.n_samples_per_prompt: {est} compares the samples of one prompt group, so "
+                          f"it needs at least 2 per prompt (got {gen.n_samples_per_prompt}); set "
+                          "generate.n_samples_per_prompt=4, or use reinforce/gae for one sample per prompt")
+    if algo.init_kl_coef != 0 and not models.reference:
+        raise ConfigError("models.reference: init_kl_coef is not 0, so a reference model is needed; set "
+                          "models.reference (builtin:tiny or a directory), or set algo.init_kl_coef=0")
+    if algo.overlong_buffer and algo.overlong_buffer_len > gen.max_new_tokens:
+        raise ConfigError("algo.overlong_buffer_len: larger than generate.max_new_tokens, so every response "
+                          "would be penalised; make it at most generate.max_new_tokens")
+    if algo.dynamic_sampling and gen.n_samples_per_prompt < 2:
+        raise ConfigError("algo.dynamic_sampling: drops prompt groups whose rewards are all equal, which needs "
+                          "generate.n_samples_per_prompt >= 2")

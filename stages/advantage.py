@@ -1,0 +1,86 @@
+"""advantage: advantages and returns; group estimators complete their prompt groups through Redis.
+
+* Per-sample estimators (``gae``, ``reinforce``, ``cpgd``) compute on the micro-batch and emit it
+  under its own batch id.
+* Group estimators (``rloo``, ``reinforce_baseline``, ``group_norm``/``grpo``, ``dr_grpo``) and
+  dynamic sampling park each sample in its group's Redis buffer (atomic add-and-take); the call
+  that completes a group — on whichever replica and partition — gets all n members back and
+  emits the whole group once, as batch ``g/<group_id>``. A redelivery of that completing record
+  emits the same group again with the same ids; readers dedupe by sample id.
+* Dynamic sampling drops groups whose processed rewards are all equal and counts them in Redis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from expstream import numerics
+from schemas import SampleBatch, decode, encode
+from stages.common import action_field, padded, scalar, to_ragged
+from stages.context import StageContext
+
+
+def setup(ctx: StageContext) -> None:
+    return None
+
+
+def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None = None) -> SampleBatch:
+    """Advantages/returns for ``batch``; ``shaped`` replaces the processed rewards R at t* (groups)."""
+    algo = ctx.topology.algo
+    lay = padded(batch)
+    mask, width = lay.action_mask, lay.num_actions
+    token_rewards = action_field(batch, "token_rewards", width)
+    if shaped is not None:
+        r = torch.from_numpy(np.array(batch.processed_rewards, dtype=np.float32))
+        token_rewards = token_rewards + numerics.kl_penalized_rewards(shaped - r, torch.zeros_like(token_rewards),
+                                                                       mask, 0.0)
+    values = action_field(batch, "values", width) if algo.advantage_estimator == "gae" else None
+    raw = torch.from_numpy(np.array(batch.info["reward"], dtype=np.float32))
+    adv, ret, extra = numerics.compute_advantages(
+        algo.advantage_estimator, token_rewards, mask, values=values, raw_rewards=raw, gamma=algo.gamma,
+        lambd=algo.lambd, advantages_norm=algo.advantages_norm, advantage_clip=algo.advantage_clip)
+    info = dict(batch.info or {})
+    info["return"] = scalar((token_rewards * mask).sum(-1))
+    info.update({k: scalar(v) for k, v in extra.items()})
+    return batch.replace(advantages=to_ragged(adv, batch), returns=to_ragged(ret, batch), info=info,
+                         kl=None, token_rewards=None)
+
+
+def _groups(batch: SampleBatch) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(batch.group_id):
+        groups.setdefault(g, []).append(i)
+    return groups
+
+
+def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    if not ctx.topology.is_group_estimator:
+        return [compute(batch, ctx)]
+    state = ctx.require_state()
+    out = []
+    for group_id, rows in _groups(batch).items():
+        members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
+                   for i in rows}
+        payloads = state.park_group(group_id, batch.n_samples_per_prompt, batch.batch_id, members)
+        if payloads is None:
+            continue
+        group = SampleBatch.concat([decode(p) for p in payloads], batch_id=f"g/{group_id}")
+        emitted = complete_group(group, ctx)
+        if emitted is not None:
+            out.append(emitted)
+    return out
+
+
+def complete_group(group: SampleBatch, ctx: StageContext) -> SampleBatch | None:
+    """Shape one complete prompt group's rewards and compute its advantages (None: dropped)."""
+    algo = ctx.topology.algo
+    r = torch.from_numpy(np.array(group.processed_rewards, dtype=np.float32)).reshape(1, -1)
+    if algo.dynamic_sampling and bool(numerics.group_is_constant(r)[0]):
+        if ctx.state is not None:
+            ctx.state.incr_counter("dynamic_sampling_dropped_groups", 1, once_id=group.batch_id)
+        ctx.log.info("advantage batch=%s: dropped by dynamic sampling (all rewards equal %.4g)",
+                     group.batch_id, float(r[0, 0]))
+        return None
+    shaped = numerics.shape_group_rewards(r, algo.advantage_estimator).reshape(-1)
+    return compute(group, ctx, shaped=shaped)

@@ -1,0 +1,87 @@
+"""generate: prompts -> n sampled responses per prompt, with stable group and sample ids."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from expstream.errors import PoisonRecordError
+from schemas import PromptBatch, Ragged, SampleBatch
+from stages.common import model_dir
+from stages.context import StageContext
+
+
+def setup(ctx: StageContext) -> None:
+    from expstream.models import TransformersGenerator, load_causal_lm, load_tokenizer
+
+    topo = ctx.topology
+    tok = load_tokenizer(model_dir(topo, "tokenizer"))
+    if topo.generate.backend == "vllm":
+        from expstream.vllm_backend import VLLMGenerator  # GPU only; imported lazily
+
+        ctx.models["generator"] = VLLMGenerator(str(model_dir(topo, "actor")), tok)
+    else:
+        model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
+        ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
+    ctx.models["tokenizer"] = tok
+
+
+def batch_seed(run_seed: int, batch_id: str) -> int:
+    """A per-record sampling seed: the same record always samples the same responses."""
+    digest = hashlib.sha256(f"{run_seed}:{batch_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def tokenize_prompts(batch: PromptBatch, ctx: StageContext) -> list[list[int]]:
+    gen = ctx.topology.generate
+    tok = ctx.models["tokenizer"]
+    out = []
+    for pid, text in zip(batch.prompt_id, batch.prompt, strict=True):
+        if not text or not text.strip():
+            raise PoisonRecordError(f"PromptBatch.prompt[{pid}]: empty prompt; give every prompt some text")
+        if gen.apply_chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > gen.prompt_max_len:
+            if not gen.truncate_prompts:
+                raise PoisonRecordError(
+                    f"PromptBatch.prompt[{pid}]: {len(ids)} tokens > generate.prompt_max_len="
+                    f"{gen.prompt_max_len}; shorten it, raise prompt_max_len, or set generate.truncate_prompts=true")
+            ids = ids[: gen.prompt_max_len]
+        out.append(list(ids))
+    return out
+
+
+def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
+    if not isinstance(batch, PromptBatch):
+        raise PoisonRecordError(f"generate: expected an expstream.PromptBatch, got {type(batch).__name__}; "
+                                "only the prompt feeder writes to the input topic")
+    gen = ctx.topology.generate
+    n = gen.n_samples_per_prompt
+    tok = ctx.models["tokenizer"]
+    prompts = tokenize_prompts(batch, ctx)
+    outputs = ctx.models["generator"].generate(
+        prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+        max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+        seed=batch_seed(ctx.topology.run.seed, batch.batch_id),
+    )
+    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
+    version = ctx.state.policy_version() if ctx.state is not None else 0
+    return [SampleBatch(
+        batch_id=batch.batch_id,
+        policy_version=int(version),
+        n_samples_per_prompt=n,
+        eos_token_id=int(tok.eos_token_id),
+        pad_token_id=int(tok.pad_token_id),
+        prompt_id=rep(batch.prompt_id),
+        group_id=rep(batch.prompt_id),
+        sample_index=[i for _ in batch.prompt_id for i in range(n)],
+        prompt=rep(batch.prompt),
+        label=rep(batch.label),
+        reference=rep(batch.reference),
+        response=tok.batch_decode(outputs, skip_special_tokens=gen.skip_special_tokens),
+        prompt_ids=Ragged.from_rows([np.asarray(p, np.int32) for p in rep(prompts)], "int32"),
+        response_ids=Ragged.from_rows([np.asarray(o, np.int32) for o in outputs], "int32"),
+    )]

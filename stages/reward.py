@@ -1,0 +1,77 @@
+"""reward: the scalar reward per sample from a reward model and/or a Python reward function.
+
+A reward function is named in the topology as ``module:function`` and called as in the seed:
+``fn(queries, prompts, labels) -> sequence of floats``, where ``queries`` are the decoded prompt +
+repaired response (no padding tokens). With both sources, ``models.reward_combine`` says how they
+combine (sum | mean | model | fn) and each source's score is kept in ``reward_metrics``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import numpy as np
+
+from expstream.errors import ConfigError, PoisonRecordError
+from schemas import SampleBatch
+from stages.common import model_dir, padded, scalar
+from stages.context import StageContext
+
+
+def load_reward_fn(path: str) -> Callable:
+    module_name, _, func_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"models.reward_fn: cannot import module {module_name!r} ({exc}); make it importable "
+                          "(on PYTHONPATH or installed) or fix the name") from exc
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ConfigError(f"models.reward_fn: {module_name} has no function {func_name!r}; write it as "
+                          "'module:function'")
+    return fn
+
+
+def setup(ctx: StageContext) -> None:
+    from expstream.models import load_reward_model, load_tokenizer
+
+    models = ctx.topology.models
+    ctx.models["tokenizer"] = load_tokenizer(model_dir(ctx.topology, "tokenizer"))
+    if models.reward:
+        ctx.models["rm"] = load_reward_model(model_dir(ctx.topology, "reward"), device=models.device)
+    if models.reward_fn:
+        ctx.models["reward_fn"] = load_reward_fn(models.reward_fn)
+
+
+def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    sources: dict[str, np.ndarray] = {}
+    if "rm" in ctx.models:
+        from expstream.models import forward_reward
+
+        lay = padded(batch)
+        sources["model"] = scalar(forward_reward(ctx.models["rm"], lay.sequences, lay.attention_mask))
+    if "reward_fn" in ctx.models:
+        tok = ctx.models["tokenizer"]
+        queries = [tok.decode(list(p) + list(a), skip_special_tokens=False)
+                   for p, a in zip(batch.prompt_ids.rows(), batch.action_ids.rows(), strict=True)]
+        scores = np.asarray(ctx.models["reward_fn"](queries, list(batch.prompt), list(batch.label)),
+                            dtype=np.float32).reshape(-1)
+        if scores.shape != (len(batch),):
+            raise PoisonRecordError(f"reward_fn returned {scores.shape[0]} scores for {len(batch)} samples; it "
+                                    "must return one float per query")
+        sources["fn"] = scores
+    combine = ctx.topology.models.reward_combine
+    if len(sources) == 1:
+        rewards = next(iter(sources.values()))
+    elif combine in sources:
+        rewards = sources[combine]
+    else:
+        stacked = np.stack(list(sources.values()))
+        rewards = stacked.mean(0) if combine == "mean" else stacked.sum(0)
+    bad = ~np.isfinite(rewards)
+    if bad.any():
+        ids = [batch.sample_ids()[i] for i in np.flatnonzero(bad)]
+        raise PoisonRecordError(f"reward: non-finite reward for samples {ids}; check the reward model/function")
+    metrics = {k: v.astype(np.float32) for k, v in sources.items()} if len(sources) > 1 else None
+    return [batch.replace(rewards=rewards.astype(np.float32), reward_metrics=metrics)]

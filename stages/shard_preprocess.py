@@ -1,0 +1,40 @@
+"""shard-preprocess: rollouts -> model-ready micro-batches in the padded layout (§1.1-1.2).
+
+The EOS repair and action mask depend on the micro-batch's widths, so they are computed here,
+once, and travel as ragged ``action_ids``/``action_mask``; every later stage rebuilds the same
+padded tensors from them whatever batch it ends up in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from expstream import numerics
+from expstream.errors import PoisonRecordError
+from schemas import Ragged, SampleBatch
+from stages.common import rows_of
+from stages.context import StageContext
+
+
+def setup(ctx: StageContext) -> None:
+    return None
+
+
+def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    if batch.layout:
+        raise PoisonRecordError(f"SampleBatch.layout: {batch.layout!r} already; shard-preprocess takes raw "
+                                "rollouts (layout \"\") from generate")
+    mrb = ctx.topology.algo.micro_rollout_batch_size
+    out = []
+    for j, start in enumerate(range(0, len(batch), mrb)):
+        idx = list(range(start, min(start + mrb, len(batch))))
+        mb = batch.select(idx, batch_id=f"{batch.batch_id}/m{j}")
+        layout = numerics.padded_layout(rows_of(mb.prompt_ids), rows_of(mb.response_ids),
+                                        mb.eos_token_id, mb.pad_token_id)
+        lengths = numerics.action_lengths(layout.action_mask)
+        p = layout.prompt_width
+        action_rows = [layout.sequences[b, p: p + int(n)].numpy().astype(np.int32) for b, n in enumerate(lengths)]
+        mask_rows = [layout.action_mask[b, : int(n)].numpy() for b, n in enumerate(lengths)]
+        out.append(mb.replace(layout="padded", action_ids=Ragged.from_rows(action_rows, "int32"),
+                              action_mask=Ragged.from_rows(mask_rows, "bool")))
+    return out
