@@ -125,7 +125,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
-        sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts)
+        sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts,
+                         env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
                 sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, redis_url, run_id))
