@@ -1,0 +1,191 @@
+"""msgpack codec: :func:`encode` a message to one Kafka record value, :func:`decode` it back.
+
+The encoding is canonical: top-level keys are ``schema``, ``version`` and then the message's
+fields in declaration order (``None`` optional fields omitted), dict-of-array fields have their
+keys sorted, tensors are little-endian C-order. So ``encode(decode(encode(m))) == encode(m)``
+byte for byte, and the same message always gives the same bytes.
+
+:func:`decode` raises only :class:`schemas.errors.SchemaError` subclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
+from schemas.messages import PromptBatch, SampleBatch
+from schemas.tensors import Ragged, decode_tensor, encode_tensor
+
+__all__ = ["MESSAGE_TYPES", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header"]
+
+Message = PromptBatch | SampleBatch
+#: Schema name -> the one version this reader and writer speak.
+SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 1, "expstream.SampleBatch": 1}
+#: Schema name -> message class.
+MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
+    PromptBatch.SCHEMA: PromptBatch,
+    SampleBatch.SCHEMA: SampleBatch,
+}
+_ENVELOPE = ("schema", "version")
+
+
+def encode(msg: Message) -> bytes:
+    """The msgpack bytes of ``msg`` (validated first; raises ValidationError if it is invalid)."""
+    if not isinstance(msg, (PromptBatch, SampleBatch)):
+        raise TypeError(f"encode() takes a PromptBatch or SampleBatch, got {type(msg).__name__}")
+    msg.validate()  # fields may have been assigned since construction
+    cls = type(msg).__name__
+    out: dict[str, Any] = {"schema": msg.SCHEMA, "version": SCHEMA_VERSIONS[msg.SCHEMA]}
+    for name, kind in msg.FIELDS.items():
+        value = getattr(msg, name)
+        if value is None:
+            continue
+        if kind == "ragged":
+            value = value.to_dict()
+        elif kind == "array":
+            value = encode_tensor(value, "float32", field=f"{cls}.{name}")
+        elif kind == "arrays":
+            value = {
+                k: encode_tensor(value[k], "float32", field=f"{cls}.{name}[{k!r}]") for k in sorted(value)
+            }
+        out[name] = value
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def _unpack(data: Any) -> dict[str, Any]:
+    """The top-level map of ``data``, or DecodeError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"expected the record value as bytes, got {type(data).__name__}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except msgpack.ExtraData as e:
+        raise DecodeError(
+            f"trailing bytes after the message map ({len(e.extra)} extra bytes); one record must hold "
+            "exactly one msgpack map"
+        ) from None
+    except Exception as e:  # truncated, malformed, bad UTF-8, non-str map keys, ...
+        if "incomplete" in str(e) or isinstance(e, msgpack.OutOfData):
+            what = "truncated"
+        elif "exceeds max_" in str(e):  # a length prefix larger than the whole record
+            what = "truncated or corrupt"
+        else:
+            what = "not valid msgpack"
+        raise DecodeError(
+            f"record value is {what} ({type(e).__name__}: {e}); the producer must write one complete "
+            "msgpack map made by schemas.encode"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DecodeError(
+            f"record value is a msgpack {type(obj).__name__}, expected a map with schema and version"
+        )
+    return obj
+
+
+def _check_envelope(obj: dict[str, Any]) -> type[PromptBatch] | type[SampleBatch]:
+    schema = obj.get("schema")
+    if not isinstance(schema, str):
+        raise UnknownSchemaError(
+            f"message has no 'schema' string (got {schema!r}); every map needs schema: "
+            f"one of {sorted(SCHEMA_VERSIONS)}"
+        )
+    if schema not in MESSAGE_TYPES:
+        raise UnknownSchemaError(
+            f"unknown schema {schema!r}; this reader knows {sorted(SCHEMA_VERSIONS)} — check the topic "
+            "wiring or upgrade the reader"
+        )
+    version = obj.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise VersionError(
+            f"{schema}: message has no integer 'version' (got {version!r}); write version: int"
+        )
+    if version != SCHEMA_VERSIONS[schema]:
+        raise VersionError(
+            f"{schema}: version {version} is not supported by this reader (it reads version "
+            f"{SCHEMA_VERSIONS[schema]}); upgrade the reader or have the writer emit version {SCHEMA_VERSIONS[schema]}"
+        )
+    return MESSAGE_TYPES[schema]
+
+
+def _field_value(cls: type, name: str, kind: str, value: Any) -> Any:
+    path = f"{cls.__name__}.{name}"
+    if value is None or kind not in ("ragged", "array", "arrays"):
+        return value  # scalars and lists: type-checked by the dataclass
+    if kind == "ragged":
+        return Ragged.from_dict(value, field=path)
+    if kind == "array":
+        return _float_tensor(value, path)
+    if not isinstance(value, dict):
+        raise ValidationError(
+            f"{path}: expected a map of name -> float32 tensor, got {type(value).__name__}", field=path
+        )
+    return {k: _float_tensor(v, f"{path}[{k!r}]") for k, v in value.items()}
+
+
+def _float_tensor(value: Any, path: str) -> Any:
+    arr = decode_tensor(value, field=path)
+    if value["dtype"] != "float32":
+        raise ValidationError(
+            f"{path}: wire dtype is {value['dtype']} but must be float32; write float32", field=path
+        )
+    return arr
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """The message in ``data``; tensors view the decoded bytes without copying (read-only).
+
+    Raises DecodeError (not one msgpack map), UnknownSchemaError, VersionError or
+    ValidationError (unknown/missing/ill-typed fields, failed message validation).
+    """
+    obj = _unpack(data)
+    cls = _check_envelope(obj)
+    unknown = [k for k in obj if k not in _ENVELOPE and k not in cls.FIELDS]
+    if unknown:
+        path = f"{cls.__name__}.{unknown[0]}"
+        raise ValidationError(
+            f"{path}: unknown field {unknown[0]!r} for {cls.SCHEMA} version {cls.VERSION}; "
+            "the writer is newer than this reader (upgrade the reader) or misspelt the field",
+            field=path,
+        )
+    kwargs: dict[str, Any] = {}
+    try:
+        for f in dataclasses.fields(cls):
+            if f.name in obj:
+                kwargs[f.name] = _field_value(cls, f.name, cls.FIELDS[f.name], obj[f.name])
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                path = f"{cls.__name__}.{f.name}"
+                raise ValidationError(
+                    f"{path}: required field is missing; the writer must set it", field=path
+                )
+        return cls(**kwargs)
+    except SchemaError:
+        raise
+    except Exception as e:  # defensive: never let a KeyError/TypeError escape
+        raise ValidationError(f"{cls.__name__}: invalid message ({type(e).__name__}: {e})") from None
+
+
+def peek_header(data: Any) -> tuple[str | None, int | None, str | None]:
+    """``(schema, version, batch_id)`` read without decoding tensors; ``None`` for what is unreadable.
+
+    Best effort, for logs and dead-letter headers: never raises.
+    """
+    found: dict[str, Any] = {}
+    types = {"schema": str, "version": int, "batch_id": str}
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data))
+        unpacker.feed(data)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in types and key not in found:
+                value = unpacker.unpack()
+                if isinstance(value, types[key]) and not isinstance(value, bool):
+                    found[key] = value
+                if len(found) == len(types):
+                    break
+            else:
+                unpacker.skip()
+    except Exception:
+        pass
+    return found.get("schema"), found.get("version"), found.get("batch_id")

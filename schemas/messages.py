@@ -1,0 +1,348 @@
+"""The two message types of the pipeline: :class:`PromptBatch` and :class:`SampleBatch`.
+
+Fields, types and meaning follow docs/ARCHITECTURE.md ("Wire format"). Construction validates
+(``__post_init__`` -> :meth:`validate`) and raises :class:`schemas.errors.ValidationError`
+naming the field and the fix. Fields assigned after construction are re-checked by
+:func:`schemas.codec.encode` (it calls ``validate()``); prefer :meth:`replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from schemas.errors import ValidationError
+from schemas.tensors import Ragged, _normalise_indices, _short, as_dtype
+
+__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch"]
+
+#: Allowed values of ``SampleBatch.layout``.
+LAYOUTS = ("", "padded", "packed")
+#: Action-level ragged fields: each must have exactly the lengths of ``action_ids``.
+ACTION_FIELDS = (
+    "action_mask", "action_log_probs", "action_entropy", "base_action_log_probs",
+    "values", "kl", "token_rewards", "advantages", "returns",
+)  # fmt: skip
+#: Wire dtype of every ragged field of SampleBatch.
+RAGGED_DTYPES = {
+    "prompt_ids": "int32", "response_ids": "int32", "action_ids": "int32", "action_mask": "bool",
+    **{f: "float32" for f in ACTION_FIELDS if f != "action_mask"},
+}  # fmt: skip
+
+
+def _err(msg: Any, name: str, text: str) -> ValidationError:
+    path = f"{type(msg).__name__}.{name}"
+    return ValidationError(f"{path}: {text}", field=path)
+
+
+def _ids_text(ids: list[str], rows: np.ndarray) -> str:
+    """Sample ids of ``rows`` for an error message (row numbers when ids are unavailable)."""
+    return _short([ids[i] if i < len(ids) else f"row {i}" for i in rows.tolist()], limit=5)
+
+
+class _Message:
+    """Behaviour shared by the message dataclasses."""
+
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    #: field name -> kind: str | int | float | strs | ints | ragged | array | arrays (dataclass order)
+    FIELDS: ClassVar[dict[str, str]]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def replace(self, **changes: Any) -> Any:
+        """Copy with ``changes`` applied (validated again): ``dataclasses.replace``."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    def __len__(self) -> int:
+        return len(self.prompt_id)  # type: ignore[attr-defined]
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_value_eq(getattr(self, f), getattr(other, f)) for f in self.FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # -- field checks (each normalises the attribute in place) --------------------------------
+    def _str(self, name: str) -> None:
+        if not isinstance(getattr(self, name), str):
+            raise _err(self, name, f"expected str, got {type(getattr(self, name)).__name__}")
+
+    def _int(self, name: str) -> None:
+        v = getattr(self, name)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise _err(self, name, f"expected int, got {type(v).__name__} {v!r}")
+        setattr(self, name, int(v))
+
+    def _list(self, name: str, kind: type, B: int | None) -> None:
+        v = getattr(self, name)
+        if isinstance(v, np.ndarray) and kind is int and v.ndim == 1 and v.dtype.kind in "iu":
+            v = v.tolist()
+        if not isinstance(v, (list, tuple)):
+            raise _err(self, name, f"expected list[{kind.__name__}], got {type(v).__name__}")
+        v = list(v)
+        ok = (int, np.integer) if kind is int else (kind,)
+        for i, x in enumerate(v):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, ok):
+                raise _err(self, name, f"entry {i} is {type(x).__name__} {x!r}, expected {kind.__name__}")
+        setattr(self, name, [int(x) for x in v] if kind is int else v)
+        if B is not None and len(v) != B:
+            raise _err(
+                self, name, f"has {len(v)} entries but B={B} (len(prompt_id)); give one entry per sample"
+            )
+
+    def _vector(self, name: str, value: Any, B: int, ids: list[str]) -> np.ndarray:
+        """A float32 (B,) finite vector; Python lists are converted, other arrays rejected."""
+        if not isinstance(value, np.ndarray):
+            value = as_dtype(value, "float32", field=f"{type(self).__name__}.{name}")
+        elif value.dtype != np.float32:
+            raise _err(self, name, f"has dtype {value.dtype}; cast it to float32 (arr.astype(np.float32))")
+        if value.shape != (B,):
+            raise _err(self, name, f"has shape {value.shape} but must be (B,) = ({B},), one value per sample")
+        bad = np.flatnonzero(~np.isfinite(value))
+        if bad.size:
+            raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, bad)}; "
+                                   "fix or drop those samples upstream")  # fmt: skip
+        return value
+
+
+def _value_eq(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+            and a.shape == b.shape and a.tobytes() == b.tobytes()
+        )  # fmt: skip
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_value_eq(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@dataclass(eq=False)
+class PromptBatch(_Message):
+    """G prompts read by the feeder (topic ``prompts``). ``len(batch)`` = G."""
+
+    SCHEMA: ClassVar[str] = "expstream.PromptBatch"
+    VERSION: ClassVar[int] = 1
+    FIELDS: ClassVar[dict[str, str]] = {
+        "batch_id": "str", "prompt_id": "strs", "prompt": "strs", "label": "strs", "reference": "strs",
+    }  # fmt: skip
+
+    batch_id: str  # stable id of this record, e.g. "p000003"
+    prompt_id: list[str] = field(default_factory=list)  # (G,) one id per prompt group; unique within a run
+    prompt: list[str] = field(default_factory=list)  # (G,) prompt text
+    label: list[str] = field(default_factory=list)  # (G,) label for reward functions ("" when none)
+    reference: list[str] = field(default_factory=list)  # (G,) reference answer ("" when none)
+
+    def validate(self) -> None:
+        """Check types and that every list has G = len(prompt_id) entries."""
+        self._str("batch_id")
+        self._list("prompt_id", str, None)
+        for name in ("prompt", "label", "reference"):
+            self._list(name, str, len(self.prompt_id))
+
+
+@dataclass(eq=False)
+class SampleBatch(_Message):
+    """B samples (responses) of a micro-batch; every topic after ``prompts``. ``len(batch)`` = B.
+
+    ``Ragged (B; x)`` below is a :class:`Ragged` with B rows, row b of length x_b; a_b is the
+    number of action tokens of sample b (the lengths of ``action_ids``).
+    """
+
+    SCHEMA: ClassVar[str] = "expstream.SampleBatch"
+    VERSION: ClassVar[int] = 1
+    FIELDS: ClassVar[dict[str, str]] = {
+        "batch_id": "str", "policy_version": "int", "n_samples_per_prompt": "int",
+        "eos_token_id": "int", "pad_token_id": "int",
+        "prompt_id": "strs", "group_id": "strs", "sample_index": "ints", "prompt": "strs",
+        "label": "strs", "reference": "strs", "response": "strs",
+        "prompt_ids": "ragged", "response_ids": "ragged", "layout": "str",
+        "action_ids": "ragged", "action_mask": "ragged", "action_log_probs": "ragged",
+        "action_entropy": "ragged", "base_action_log_probs": "ragged", "values": "ragged",
+        "rewards": "array", "reward_metrics": "arrays", "kl": "ragged", "kl_coef": "float",
+        "processed_rewards": "array", "token_rewards": "ragged", "advantages": "ragged",
+        "returns": "ragged", "info": "arrays",
+    }  # fmt: skip
+    #: Fields describing the whole micro-batch (not sliced by select / joined by concat).
+    PER_BATCH: ClassVar[tuple[str, ...]] = (
+        "batch_id", "policy_version", "n_samples_per_prompt", "eos_token_id", "pad_token_id", "layout", "kl_coef",
+    )  # fmt: skip
+
+    batch_id: str  # stable micro-batch id (feeder p{k:06d}; shard-preprocess appends /m{j}; g/{group_id})
+    policy_version: int  # version of the actor weights that generated the responses
+    n_samples_per_prompt: int  # n, the group size (>= 1)
+    eos_token_id: int  # actor tokenizer EOS id
+    pad_token_id: int  # actor tokenizer pad id
+    prompt_id: list[str] = field(default_factory=list)  # (B,) prompt id of each sample; defines B
+    group_id: list[str] = field(default_factory=list)  # (B,) group id (= prompt_id)
+    sample_index: list[int] = field(default_factory=list)  # (B,) 0..n-1 within the group
+    prompt: list[str] = field(default_factory=list)  # (B,) prompt text
+    label: list[str] = field(default_factory=list)  # (B,) label ("" when none)
+    reference: list[str] = field(default_factory=list)  # (B,) reference answer ("" when none)
+    response: list[str] = field(default_factory=list)  # (B,) decoded response text
+    prompt_ids: Ragged | None = None  # Ragged int32 (B; p_b) prompt tokens after prompt_max_len truncation
+    response_ids: Ragged | None = None  # Ragged int32 (B; o_b) raw engine output tokens
+    layout: str = ""  # "" before shard-preprocess, then "padded" or "packed"
+    action_ids: Ragged | None = None  # Ragged int32 (B; a_b) response tokens after EOS repair, incl. EOS
+    action_mask: Ragged | None = None  # Ragged bool (B; a_b) action mask cut to a_b
+    action_log_probs: Ragged | None = None  # Ragged float32 (B; a_b) log-probs under the current policy
+    action_entropy: Ragged | None = None  # Ragged float32 (B; a_b) entropy (high_entropy_token_ratio > 0)
+    base_action_log_probs: Ragged | None = None  # Ragged float32 (B; a_b) reference-model log-probs
+    values: Ragged | None = None  # Ragged float32 (B; a_b) critic values
+    rewards: np.ndarray | None = None  # float32 (B,) raw scalar reward r_b
+    reward_metrics: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 (B,)
+    kl: Ragged | None = None  # Ragged float32 (B; a_b) token KL (masked positions 0)
+    kl_coef: float | None = None  # beta used for this batch
+    processed_rewards: np.ndarray | None = None  # float32 (B,) R_b after overlong penalty, norm, clip
+    token_rewards: Ragged | None = None  # Ragged float32 (B; a_b) -beta*kl + R_b at the last valid action
+    advantages: Ragged | None = None  # Ragged float32 (B; a_b)
+    returns: Ragged | None = None  # Ragged float32 (B; a_b)
+    info: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 (B,) per-sample metrics
+
+    def sample_ids(self) -> list[str]:
+        """``f"{group_id}#{sample_index}"`` for every sample."""
+        return [f"{g}#{i}" for g, i in zip(self.group_id, self.sample_index, strict=True)]
+
+    def validate(self) -> None:
+        """Check every field against the contract (types, B, dtypes, lengths, finiteness)."""
+        self._str("batch_id")
+        for name in ("policy_version", "n_samples_per_prompt", "eos_token_id", "pad_token_id"):
+            self._int(name)
+        n = self.n_samples_per_prompt
+        if n < 1:
+            raise _err(self, "n_samples_per_prompt", f"must be >= 1, got {n}")
+        self._list("prompt_id", str, None)
+        B = len(self.prompt_id)
+        for name in ("group_id", "prompt", "label", "reference", "response"):
+            self._list(name, str, B)
+        self._list("sample_index", int, B)
+        bad = [i for i, s in enumerate(self.sample_index) if not 0 <= s < n]
+        if bad:
+            raise _err(self, "sample_index", f"values {_short([self.sample_index[i] for i in bad], 5)} at rows "
+                                             f"{_short(bad, 5)} are outside [0, n_samples_per_prompt={n}); "
+                                             "sample_index must be 0..n-1 within its group")  # fmt: skip
+        ids = self.sample_ids()
+        self._str("layout")
+        if self.layout not in LAYOUTS:
+            raise _err(self, "layout", f"unknown layout {self.layout!r}; use one of {list(LAYOUTS)}")
+        if self.kl_coef is not None:
+            if isinstance(self.kl_coef, (bool, np.bool_)) or not isinstance(
+                self.kl_coef, (int, float, np.number)
+            ):
+                raise _err(self, "kl_coef", f"expected float or None, got {type(self.kl_coef).__name__}")
+            self.kl_coef = float(self.kl_coef)
+            if not math.isfinite(self.kl_coef):
+                raise _err(self, "kl_coef", f"must be finite, got {self.kl_coef}")
+        for name, dtype in RAGGED_DTYPES.items():
+            self._ragged(name, dtype, B, ids)
+        for name in ("rewards", "processed_rewards"):
+            if getattr(self, name) is not None:
+                setattr(self, name, self._vector(name, getattr(self, name), B, ids))
+        for name in ("reward_metrics", "info"):
+            d = {} if getattr(self, name) is None else getattr(self, name)
+            if not isinstance(d, dict):
+                raise _err(self, name, f"expected dict[str, float32 array (B,)], got {type(d).__name__}")
+            for k in d:
+                if not isinstance(k, str):
+                    raise _err(self, name, f"key {k!r} is {type(k).__name__}; keys must be str")
+            setattr(self, name, {k: self._vector(f"{name}[{k!r}]", v, B, ids) for k, v in d.items()})
+
+    def _ragged(self, name: str, dtype: str, B: int, ids: list[str]) -> None:
+        r = getattr(self, name)
+        if r is None:
+            return
+        if not isinstance(r, Ragged):
+            raise _err(self, name, f"expected schemas.Ragged or None, got {type(r).__name__}; "
+                                   f"build it with Ragged.from_rows(rows, {dtype!r})")  # fmt: skip
+        if r.dtype != dtype:
+            raise _err(self, name, f"has dtype {r.dtype} but must be {dtype}; "
+                                   f"cast it (Ragged.from_rows(r.rows(), {dtype!r}))")  # fmt: skip
+        if len(r) != B:
+            raise _err(self, name, f"has {len(r)} rows but B={B} (len(prompt_id)); give one row per sample")
+        if name in ACTION_FIELDS:
+            if self.action_ids is None:
+                raise _err(self, name, "is set but action_ids is missing; action-level fields need "
+                                       "action_ids (set by shard-preprocess) to define the action lengths")  # fmt: skip
+            ref = self.action_ids.lengths
+            if not np.array_equal(r.lengths, ref):
+                row = int(np.flatnonzero(r.lengths != ref)[0])
+                raise _err(self, name, f"ragged lengths {_short(r.lengths)} disagree with action_ids lengths "
+                                       f"{_short(ref)} (first at sample {ids[row]}); every action-level field "
+                                       "must have one value per action token")  # fmt: skip
+        if dtype == "float32":
+            bad = np.flatnonzero(~np.isfinite(r.values))
+            if bad.size:
+                rows = np.unique(np.searchsorted(r.offsets, bad, side="right") - 1)
+                raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, rows)}; "
+                                       "fix or drop those samples upstream")  # fmt: skip
+
+    def select(self, indices: Sequence[int] | np.ndarray, batch_id: str | None = None) -> SampleBatch:
+        """New batch with samples ``indices`` (ints or a bool mask); per-batch fields are kept.
+
+        ``batch_id`` replaces the batch id (kept when None).
+        """
+        idx = _normalise_indices(indices, len(self))
+        changes: dict[str, Any] = {} if batch_id is None else {"batch_id": batch_id}
+        for name, kind in self.FIELDS.items():
+            v = getattr(self, name)
+            if name in self.PER_BATCH or v is None:
+                continue
+            if kind in ("strs", "ints"):
+                changes[name] = [v[i] for i in idx.tolist()]
+            elif kind == "ragged":
+                changes[name] = v.select(idx)
+            elif kind == "array":
+                changes[name] = v[idx]
+            elif kind == "arrays":
+                changes[name] = {k: a[idx] for k, a in v.items()}
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def concat(cls, batches: Sequence[SampleBatch], batch_id: str) -> SampleBatch:
+        """All samples of ``batches`` in order, as one batch called ``batch_id``.
+
+        n_samples_per_prompt, eos/pad token ids and layout must agree; policy_version is the
+        minimum; kl_coef is the first batch's (None unless every batch has one); an optional
+        field (or an info / reward_metrics key) is kept only if every batch has it.
+        """
+        if not batches:
+            raise ValueError("SampleBatch.concat: no batches; there is nothing to take per-batch fields from")
+        first = batches[0]
+        kwargs: dict[str, Any] = {
+            "batch_id": batch_id,
+            "policy_version": min(b.policy_version for b in batches),
+        }
+        for name in ("n_samples_per_prompt", "eos_token_id", "pad_token_id", "layout"):
+            seen = [getattr(b, name) for b in batches]
+            if any(s != seen[0] for s in seen):
+                raise ValidationError(
+                    f"SampleBatch.{name}: batches to concat disagree ({_short(seen, 5)}); only batches "
+                    "of one run and one layout can be joined", field=f"SampleBatch.{name}")  # fmt: skip
+            kwargs[name] = seen[0]
+        kwargs["kl_coef"] = first.kl_coef if all(b.kl_coef is not None for b in batches) else None
+        for name, kind in cls.FIELDS.items():
+            if name in cls.PER_BATCH:
+                continue
+            vals = [getattr(b, name) for b in batches]
+            if kind in ("strs", "ints"):
+                kwargs[name] = [x for v in vals for x in v]
+            elif any(v is None for v in vals):
+                continue
+            elif kind == "ragged":
+                kwargs[name] = Ragged.concat(vals)
+            elif kind == "array":
+                kwargs[name] = np.concatenate(vals)
+            elif kind == "arrays":
+                keys = [k for k in vals[0] if all(k in v for v in vals)]
+                kwargs[name] = {k: np.concatenate([v[k] for v in vals]) for k in keys}
+        return cls(**kwargs)
