@@ -26,7 +26,8 @@ def padded(batch: SampleBatch) -> numerics.PaddedLayout:
             "shard-preprocess (check the topology's stage order)"
         )
     return numerics.rebuild_padded(
-        rows_of(batch.prompt_ids), rows_of(batch.action_ids), rows_of(batch.action_mask), batch.pad_token_id
+        rows_of(batch.prompt_ids), rows_of(batch.action_ids), rows_of(batch.action_mask), batch.pad_token_id,
+        eos_id=batch.eos_token_id,
     )
 
 

@@ -58,6 +58,12 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     if algo.reward_running_norm:
         m = ctx.require_state().merge_reward_moments(batch.batch_id, r.numpy().astype(np.float64))
         r = numerics.normalize_rewards(r, m.mean, m.std, algo.reward_running_norm_minus_mean).to(torch.float32)
+        if not bool(torch.isfinite(r).all()):
+            # std is inf after one reward in total and 0 while every reward so far was equal: the
+            # seed gives 0 (or ±huge) there; we give 0 and say so rather than emit inf downstream.
+            ctx.log.warning("postprocess batch=%s: running std %.3g cannot normalise; rewards set to 0",
+                            batch.batch_id, m.std)
+            r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
     if algo.reward_clip > 0:
         c = algo.reward_clip
         info["reward_clip_frac"] = scalar(numerics.clip_fraction(r, -c, c))
