@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topology_args(stage)
     stage.add_argument("name", help="stage name, e.g. generate")
     stage.add_argument("--run-id", default="prod")
-    stage.add_argument("--replica-id", default="0")
+    stage.add_argument("--replica-id", default=os.environ.get("EXPSTREAM_REPLICA_ID") or socket.gethostname(),
+                       help="names this replica in heartbeats (default: $EXPSTREAM_REPLICA_ID or the host name)")
 
     topics = sub.add_parser("topics", help="create the topology's topics (and .dlq twins)")
     topics.add_argument("action", choices=["create", "list"])
