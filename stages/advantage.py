@@ -57,8 +57,15 @@ def _groups(batch: SampleBatch) -> dict[str, list[int]]:
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     if not ctx.topology.is_group_estimator:
         return [compute(batch, ctx)]
-    state = ctx.require_state()
     out = []
+    if ctx.state is None:  # in-process (replay, tests): only groups wholly inside this batch can complete
+        for group_id, rows in _groups(batch).items():
+            if len(rows) != batch.n_samples_per_prompt:
+                ctx.require_state()  # raises: a split group needs the Redis group buffers
+            emitted = complete_group(batch.select(rows, batch_id=f"g/{group_id}"), ctx)
+            out.extend([emitted] if emitted is not None else [])
+        return out
+    state = ctx.state
     for group_id, rows in _groups(batch).items():
         members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
                    for i in rows}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from expstream.topology import Topology
-from schemas import decode, encode
+from schemas import SampleBatch, decode, encode
 from stages import STAGES
 from stages.context import StageContext, make_context
 
@@ -51,5 +51,8 @@ class LocalChain:
         """Every enabled stage over all inputs, stage by stage; returns the experiences."""
         data: list[Any] = list(prompt_batches)
         for st in self.topology.enabled_stages():
+            if st.name == "advantage" and self.state is None and self.topology.is_group_estimator and data:
+                # the seed's shape: advantages over the whole batch, so every group is complete
+                data = [SampleBatch.concat(data, batch_id="all")]
             data = self.run_stage(st.name, data)
         return data

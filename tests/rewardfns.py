@@ -1,0 +1,14 @@
+"""Reward functions used by the tests through ``models.reward_fn`` (imported by path)."""
+
+
+def label_length(queries, prompts, labels):
+    return [float(len(label)) for label in labels]
+
+
+def wrong_count(queries, prompts, labels):
+    return [1.0]  # always one score: wrong when the batch has more than one sample
+
+
+def first_char_code(queries, prompts, labels):
+    """Deterministic but varied: rewards differ across samples of a group (used end to end)."""
+    return [float(sum(q.encode()) % 7) for q in queries]
