@@ -1,0 +1,110 @@
+"""The expstream error hierarchy.
+
+Modelled on kafka-python's ``kafka.errors``: every class says, through its ``retriable`` class
+attribute, whether doing the same thing again later can succeed. The shared stage runner relies on
+that single bit:
+
+* ``retriable = True``  -> back off and try again (broker or Redis briefly unreachable);
+* ``retriable = False`` -> retrying cannot help: a bad record goes to the dead-letter topic, a bad
+  configuration stops the process with a message that names the field and the fix.
+
+An instance may override ``retriable`` when its cause says otherwise (for example a
+``ProduceError`` caused by a record that is too large for the broker).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ExpstreamError",
+    "ConfigError",
+    "PoisonRecordError",
+    "InfraError",
+    "BrokerUnavailableError",
+    "StateUnavailableError",
+    "ProduceError",
+    "ShutdownRequested",
+]
+
+
+class ExpstreamError(Exception):
+    """Base class of every error raised on purpose by expstream."""
+
+    #: Whether the same operation may succeed when tried again later.
+    retriable: bool = False
+
+
+class ConfigError(ExpstreamError):
+    """A configuration value is missing, unknown or out of range. Not retriable.
+
+    The message names the offending field and says how to fix it::
+
+        raise ConfigError("unknown kafka setting 'sesion_timeout_ms'", field="kafka.sesion_timeout_ms",
+                          fix="did you mean 'session_timeout_ms'?")
+    """
+
+    retriable = False
+
+    def __init__(self, message: str, *, field: str | None = None, fix: str | None = None) -> None:
+        self.field = field
+        self.fix = fix
+        text = message
+        if field and field not in message:
+            text = f"{field}: {text}"
+        if fix:
+            text = f"{text} (fix: {fix})"
+        super().__init__(text)
+
+
+class PoisonRecordError(ExpstreamError):
+    """A record that can never be processed (bad payload, inconsistent ids, non-finite values).
+
+    Not retriable: the runner sends the original bytes to the ``<topic>.dlq`` twin and moves on.
+    """
+
+    retriable = False
+
+
+class InfraError(ExpstreamError):
+    """The broker or Redis is unreachable or misbehaving. Retriable: back off and try again."""
+
+    retriable = True
+
+
+class BrokerUnavailableError(InfraError):
+    """No Kafka broker answered (bootstrap failed, connection refused, request timed out)."""
+
+
+class StateUnavailableError(InfraError):
+    """Redis did not answer within the reconnect budget of :class:`expstream.state.RedisState`."""
+
+
+class ProduceError(InfraError):
+    """A record was not acknowledged by the broker.
+
+    Retriable by default (a timeout, a leader change). When the underlying kafka-python error is
+    not retriable (for example ``MessageSizeTooLargeError``) the instance's ``retriable`` is False.
+    """
+
+    def __init__(self, message: str, *, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+        if _broker_refused(cause):
+            self.retriable = False
+
+
+class ShutdownRequested(ExpstreamError):
+    """Raised inside a stage loop when SIGTERM/SIGINT asked the process to stop. Not retriable."""
+
+    retriable = False
+
+
+def _broker_refused(exc: BaseException | None) -> bool:
+    """True for a kafka-python ``BrokerResponseError`` that kafka-python itself marks not retriable
+    (record too large, authorization failed, ...). Generic client errors stay retriable."""
+    if exc is None:
+        return False
+    try:
+        from kafka.errors import BrokerResponseError
+    except ImportError:  # pragma: no cover - kafka-python is a hard dependency
+        return False
+    return isinstance(exc, BrokerResponseError) and not exc.retriable

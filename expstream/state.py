@@ -1,0 +1,527 @@
+"""Redis state shared by stage replicas: reward moments, group buffers, KL coefficient, stage stats.
+
+Every key of a run lives under ``expstream:{<run_id>}:``. The braces are a Redis Cluster hash tag:
+all keys of a run hash to one slot, so the multi-key Lua scripts below also run on a cluster.
+
+Rules that make Kafka's at-least-once delivery exactly-once in effect:
+
+* every multi-step update is ONE Lua script, so it is atomic across replicas;
+* every update carries an id (a ``batch_id``, a ``step_id``) and is applied once per id; the set
+  of applied ids is kept in Redis next to the data, inside the same script. A redelivered batch
+  gets the same answer as the first delivery (the stored post-update snapshot).
+
+Connection errors and timeouts are retried with bounded exponential backoff (a Redis restart or
+failover); after :data:`RETRY_DEADLINE_S` a retriable :class:`StateUnavailableError` is raised and
+the stage runner backs off at its level. Retrying a script is safe because scripts are idempotent
+by id; plain setters (``set_kl_coef``, ``heartbeat``) are idempotent by nature; ``incr_counter``
+without ``once_id`` may count twice when a reply is lost.
+
+Keys (``P`` = prefix):
+
+==============================  ======  =================================================
+``P moments:<name>``            hash    count, mean, m2 (``%.17g`` strings: exact doubles)
+``P moments:<name>:applied``    hash    batch_id -> post-merge snapshot "count mean m2"
+``P group:<group_id>``          hash    sample_index -> payload bytes (TTL ``group_ttl_s``)
+``P group:<group_id>:meta``     hash    n, completer (TTL ``group_ttl_s``)
+``P kl_coef``                   string  current KL coefficient
+``P kl_coef:applied``           hash    step_id -> coefficient after that step
+``P stage:<stage>``             hash    batches, samples, seconds
+``P stage:<stage>:applied``     set     batch ids already counted for this stage
+``P stages``                    set     stage names seen
+``P heartbeats``                hash    "<stage>/<replica>" -> unix time
+``P policy_version``            string  int, never decreases
+``P once:<namespace>``          set     ids seen by mark_once
+``P counters``                  hash    name -> float
+``P counters:applied:<name>``   set     once_ids applied to that counter
+==============================  ======  =================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
+
+__all__ = [
+    "RedisState",
+    "Moments",
+    "RETRY_BASE_DELAY_S",
+    "RETRY_MAX_DELAY_S",
+    "RETRY_DEADLINE_S",
+    "DEFAULT_GROUP_TTL_S",
+]
+
+log = logging.getLogger("expstream.state")
+
+T = TypeVar("T")
+
+# --- timing knobs ----------------------------------------------------------------------------
+# Why 50 ms: a local redis-server restarts in ~20-100 ms; the first retry should usually succeed.
+RETRY_BASE_DELAY_S = 0.05
+# Why 2 s: the backoff doubles per attempt but is capped, so a Redis that comes back after a
+# failover (seconds) is found again within ~2 s instead of after an ever-growing sleep.
+RETRY_MAX_DELAY_S = 2.0
+# Why 30 s: rides through a restart or a Sentinel/cluster failover; longer is an outage, better
+# reported (StateUnavailableError, retriable) to the stage runner, which backs off and whose
+# supervisor restarts it, than hidden inside one call while the Kafka group evicts the consumer
+# (max_poll_interval_ms is 60 s).
+RETRY_DEADLINE_S = 30.0
+# Why 5 s: a command on a healthy Redis takes well under a millisecond; 5 s only trips on a hung
+# server (or a 64 MiB group payload on a slow link).
+SOCKET_TIMEOUT_S = 5.0
+# Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
+# only garbage-collects groups of an abandoned run. 0 disables expiry.
+DEFAULT_GROUP_TTL_S = 86400
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Running moments of a stream of scalars (Chan et al.'s count, mean, M2).
+
+    ``var``/``std`` are unbiased (``M2 / (count - 1)``) and ``inf`` when ``count <= 1``.
+    """
+
+    count: int
+    mean: float
+    m2: float
+    var: float
+    std: float
+
+    @classmethod
+    def from_triple(cls, count: int, mean: float, m2: float) -> Moments:
+        var = m2 / (count - 1) if count > 1 else math.inf
+        return cls(int(count), float(mean), float(m2), var, math.sqrt(var) if var >= 0 else math.nan)
+
+    @classmethod
+    def _parse(cls, snapshot: bytes | str) -> Moments:
+        if isinstance(snapshot, bytes):
+            snapshot = snapshot.decode()
+        c, m, m2 = snapshot.split()
+        return cls.from_triple(int(float(c)), float(m), float(m2))
+
+
+# --- Lua scripts ------------------------------------------------------------------------------
+# Numbers cross the Lua boundary as strings: Lua numbers are doubles, ``tonumber`` of a Python
+# ``repr`` is exact, and ``%.17g`` prints a double that parses back to the same double. (A Lua
+# number returned to Redis as a reply would be truncated to an integer.)
+
+_MERGE_MOMENTS = """
+-- KEYS[1] moments hash, KEYS[2] applied hash; ARGV batch_id, k, mean_b, m2_b
+local snap = redis.call('HGET', KEYS[2], ARGV[1])
+if snap then return {0, snap} end
+local vals = redis.call('HMGET', KEYS[1], 'count', 'mean', 'm2')
+local n = tonumber(vals[1] or '0')
+local mean = tonumber(vals[2] or '0')
+local m2 = tonumber(vals[3] or '0')
+local k = tonumber(ARGV[2])
+local mb = tonumber(ARGV[3])
+local m2b = tonumber(ARGV[4])
+if k > 0 then
+  local tot = n + k
+  local delta = mb - mean
+  mean = mean + delta * k / tot
+  m2 = m2 + m2b + delta * delta * n * k / tot
+  n = tot
+end
+local sn = string.format('%d', n)
+local smean = string.format('%.17g', mean)
+local sm2 = string.format('%.17g', m2)
+redis.call('HSET', KEYS[1], 'count', sn, 'mean', smean, 'm2', sm2)
+snap = sn .. ' ' .. smean .. ' ' .. sm2
+redis.call('HSET', KEYS[2], ARGV[1], snap)
+return {1, snap}
+"""
+
+_PARK_GROUP = """
+-- KEYS[1] members hash, KEYS[2] meta hash; ARGV n, batch_id, ttl, idx1, payload1, idx2, ...
+local n = tonumber(ARGV[1])
+local stored_n = redis.call('HGET', KEYS[2], 'n')
+if stored_n then
+  if tonumber(stored_n) ~= n then
+    return redis.error_reply('GROUPSIZE group already parked with n=' .. stored_n .. ', got n=' .. ARGV[1])
+  end
+else
+  redis.call('HSET', KEYS[2], 'n', ARGV[1])
+end
+for i = 4, #ARGV, 2 do
+  redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+local ttl = tonumber(ARGV[3])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+if redis.call('HLEN', KEYS[1]) < n then return {0} end
+local completer = redis.call('HGET', KEYS[2], 'completer')
+if not completer then
+  redis.call('HSET', KEYS[2], 'completer', ARGV[2])
+  completer = ARGV[2]
+end
+if completer ~= ARGV[2] then return {0} end
+local out = {1}
+for idx = 0, n - 1 do
+  out[#out + 1] = redis.call('HGET', KEYS[1], tostring(idx))
+end
+return out
+"""
+
+_KL_INIT = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+return redis.call('GET', KEYS[1])
+"""
+
+_KL_ADAPTIVE = """
+-- KEYS[1] kl_coef, KEYS[2] applied hash; ARGV step_id, current, target, n_steps, horizon, default
+local done = redis.call('HGET', KEYS[2], ARGV[1])
+if done then return done end
+local v = redis.call('GET', KEYS[1])
+if not v then
+  if ARGV[6] == '' then return redis.error_reply('NOKL kl_coef not initialised') end
+  v = ARGV[6]
+end
+local value = tonumber(v)
+local e = tonumber(ARGV[2]) / tonumber(ARGV[3]) - 1
+if e < -0.2 then e = -0.2 elseif e > 0.2 then e = 0.2 end
+local mult = 1 + e * tonumber(ARGV[4]) / tonumber(ARGV[5])
+value = value * mult
+local s = string.format('%.17g', value)
+redis.call('SET', KEYS[1], s)
+redis.call('HSET', KEYS[2], ARGV[1], s)
+return s
+"""
+
+_STAGE_TIME = """
+-- KEYS[1] stage hash, KEYS[2] applied set, KEYS[3] stages set; ARGV batch_id, seconds, samples, stage
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('SADD', KEYS[3], ARGV[4])
+redis.call('HINCRBY', KEYS[1], 'batches', 1)
+redis.call('HINCRBY', KEYS[1], 'samples', ARGV[3])
+redis.call('HINCRBYFLOAT', KEYS[1], 'seconds', ARGV[2])
+return 1
+"""
+
+_POLICY_VERSION = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local v = tonumber(ARGV[1])
+if v > cur then redis.call('SET', KEYS[1], ARGV[1]); return ARGV[1] end
+return tostring(cur)
+"""
+
+_INCR_COUNTER = """
+-- KEYS[1] counters hash, KEYS[2] applied set; ARGV name, by, once_id ('' = always)
+if ARGV[3] ~= '' and redis.call('SADD', KEYS[2], ARGV[3]) == 0 then
+  return redis.call('HGET', KEYS[1], ARGV[1]) or '0'
+end
+return redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+
+def _batch_moments(values: np.ndarray) -> tuple[int, float, float]:
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if v.size == 0:
+        return 0, 0.0, 0.0
+    if not np.all(np.isfinite(v)):
+        raise PoisonRecordError(
+            f"non-finite reward values in batch ({int((~np.isfinite(v)).sum())} of {v.size})"
+        )
+    mean = float(v.mean())
+    m2 = float(np.sum((v - mean) ** 2))
+    return int(v.size), mean, m2
+
+
+class RedisState:
+    """Run-scoped state in Redis, shared by every replica of every stage.
+
+    ``RedisState(url, run_id)`` connects (and pings) at once; :class:`StateUnavailableError` when
+    Redis does not answer within the retry budget. Thread-safe (redis-py connection pool).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run_id: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        retry_deadline_s: float = RETRY_DEADLINE_S,
+        group_ttl_s: int = DEFAULT_GROUP_TTL_S,
+    ) -> None:
+        if not run_id or any(c in run_id for c in "{}") or any(c.isspace() for c in run_id):
+            raise ConfigError(
+                f"bad run_id {run_id!r}",
+                field="run_id",
+                fix="use a non-empty id without braces or whitespace",
+            )
+        self.url = url
+        self.run_id = run_id
+        self.prefix = f"expstream:{{{run_id}}}:"
+        self.retry_deadline_s = float(retry_deadline_s)
+        self.group_ttl_s = int(group_ttl_s)
+        # redis-py's own retry is switched off: this class owns the policy (see _call).
+        self._r = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=False,
+            health_check_interval=0,
+        )
+        self._scripts = {
+            name: self._r.register_script(src)
+            for name, src in (
+                ("merge", _MERGE_MOMENTS),
+                ("park", _PARK_GROUP),
+                ("kl_init", _KL_INIT),
+                ("kl_adaptive", _KL_ADAPTIVE),
+                ("stage_time", _STAGE_TIME),
+                ("policy", _POLICY_VERSION),
+                ("incr", _INCR_COUNTER),
+            )
+        }
+        self._call("ping", self._r.ping)
+
+    # --- plumbing ------------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        """The full Redis key for ``parts`` joined by ':' under this run's prefix."""
+        return self.prefix + ":".join(parts)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The underlying redis-py client (bytes replies, no retries of its own)."""
+        return self._r
+
+    def close(self) -> None:
+        self._r.close()
+
+    def __enter__(self) -> RedisState:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _call(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T:
+        """Run ``fn`` retrying connection errors/timeouts with bounded exponential backoff."""
+        deadline = time.monotonic() + self.retry_deadline_s
+        delay = RETRY_BASE_DELAY_S
+        attempt = 0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError) as exc:
+                attempt += 1
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StateUnavailableError(
+                        f"Redis at {self.url} unavailable for {what} after {attempt} attempts "
+                        f"({self.retry_deadline_s:.1f}s): {exc!r}"
+                    ) from exc
+                sleep = min(delay, left)
+                log.warning("redis %s failed (%r); retry %d in %.2fs", what, exc, attempt, sleep)
+                time.sleep(sleep)
+                delay = min(delay * 2, RETRY_MAX_DELAY_S)
+
+    def _script(self, name: str, keys: list[str], args: list) -> object:
+        return self._call(name, self._scripts[name], keys=keys, args=args)
+
+    # --- reward moments ------------------------------------------------------------------------
+    def merge_reward_moments(self, batch_id: str, values: np.ndarray, name: str = "reward") -> Moments:
+        """Merge ``values`` into the running moments ``name``, once per ``batch_id``.
+
+        Chan's parallel update of (count, mean, M2) with the batch's (k, mean, M2) computed here in
+        float64. Returns the moments right after this batch's merge; a repeated ``batch_id`` returns
+        that same stored snapshot (so a redelivered batch is normalised identically) and changes
+        nothing. Non-finite values raise PoisonRecordError.
+        """
+        k, mean_b, m2_b = _batch_moments(values)
+        res = self._script(
+            "merge",
+            [self.key("moments", name), self.key("moments", name, "applied")],
+            [batch_id, str(k), repr(mean_b), repr(m2_b)],
+        )
+        return Moments._parse(res[1])
+
+    def get_moments(self, name: str = "reward") -> Moments:
+        """The current running moments ``name`` (count 0 when nothing was merged)."""
+        c, m, m2 = self._call("get_moments", self._r.hmget, self.key("moments", name), "count", "mean", "m2")
+        if c is None:
+            return Moments.from_triple(0, 0.0, 0.0)
+        return Moments.from_triple(int(c), float(m), float(m2))
+
+    # --- group buffers -------------------------------------------------------------------------
+    def park_group(
+        self, group_id: str, n: int, batch_id: str, members: Mapping[int, bytes]
+    ) -> list[bytes] | None:
+        """Atomically park ``members`` (sample_index -> payload) of group ``group_id`` and maybe take it.
+
+        Each member is stored once (HSETNX: a redelivered sample keeps its first payload). When the
+        group then holds all ``n`` members, the first caller to see that becomes the group's
+        *completer* and gets all ``n`` payloads ordered by sample_index; a later call with the same
+        ``batch_id`` (a redelivery of the completing record) gets them again; anyone else gets None.
+        Buffers are kept (expire after ``group_ttl_s``) so that redeliveries stay answerable.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise PoisonRecordError(f"group {group_id!r}: group size n must be a positive int, got {n!r}")
+        args: list = [str(n), batch_id, str(self.group_ttl_s)]
+        for idx, payload in members.items():
+            i = int(idx)
+            if not 0 <= i < n:
+                raise PoisonRecordError(f"group {group_id!r}: sample_index {idx} outside [0, {n})")
+            args += [str(i), bytes(payload)]
+        try:
+            res = self._script(
+                "park", [self.key("group", group_id), self.key("group", group_id, "meta")], args
+            )
+        except redis.ResponseError as exc:
+            if "GROUPSIZE" in str(exc):
+                raise PoisonRecordError(f"group {group_id!r}: {exc}") from exc
+            raise
+        if int(res[0]) == 0:
+            return None
+        return list(res[1:])
+
+    def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
+        """(members parked, group size n or None if unknown, completer batch_id or None)."""
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hlen(self.key("group", group_id))
+        pipe.hmget(self.key("group", group_id, "meta"), "n", "completer")
+        have, (n, completer) = self._call("group_status", pipe.execute)
+        return (
+            int(have),
+            (int(n) if n is not None else None),
+            (completer.decode() if completer is not None else None),
+        )
+
+    # --- KL coefficient ------------------------------------------------------------------------
+    def kl_coef(self, default: float) -> float:
+        """The shared KL coefficient, initialised to ``default`` by the first caller (SET NX)."""
+        return float(self._script("kl_init", [self.key("kl_coef")], [repr(float(default))]))
+
+    def set_kl_coef(self, value: float) -> None:
+        self._call("set_kl_coef", self._r.set, self.key("kl_coef"), repr(float(value)))
+
+    def update_kl_adaptive(
+        self,
+        step_id: str,
+        current_kl: float,
+        target: float,
+        n_steps: int,
+        horizon: int,
+        *,
+        default: float | None = None,
+    ) -> float:
+        """Adaptive KL controller step (Ziegler et al.), applied once per ``step_id``.
+
+        ``e = clip(current_kl / target - 1, -0.2, 0.2)``; ``value *= 1 + e * n_steps / horizon``.
+        Returns the coefficient after this step (the stored one on a repeated ``step_id``).
+        ``default`` initialises a missing coefficient; without it, call :meth:`kl_coef` first.
+        """
+        if not target > 0:
+            raise ConfigError(
+                f"target KL must be > 0, got {target!r}", field="kl_target", fix="set a positive target"
+            )
+        if not horizon > 0:
+            raise ConfigError(
+                f"KL horizon must be > 0, got {horizon!r}",
+                field="kl_horizon",
+                fix="set a positive horizon (e.g. 10000)",
+            )
+        args = [
+            step_id,
+            repr(float(current_kl)),
+            repr(float(target)),
+            repr(float(n_steps)),
+            repr(float(horizon)),
+            "" if default is None else repr(float(default)),
+        ]
+        try:
+            return float(
+                self._script("kl_adaptive", [self.key("kl_coef"), self.key("kl_coef", "applied")], args)
+            )
+        except redis.ResponseError as exc:
+            if "NOKL" in str(exc):
+                raise ConfigError(
+                    "the KL coefficient is not initialised",
+                    field="kl_coef",
+                    fix="call kl_coef(init_kl_coef) or pass default=",
+                ) from exc
+            raise
+
+    # --- stage statistics, heartbeats ----------------------------------------------------------
+    def record_stage_time(self, stage: str, seconds: float, samples: int, batch_id: str) -> bool:
+        """Add one batch's time and sample count to ``stage``'s totals, once per (stage, batch_id).
+
+        Returns True when counted now, False for a repeat.
+        """
+        res = self._script(
+            "stage_time",
+            [self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages")],
+            [batch_id, repr(float(seconds)), str(int(samples)), stage],
+        )
+        return bool(int(res))
+
+    def stage_stats(self) -> dict[str, dict[str, float]]:
+        """``{stage: {"batches": int, "samples": int, "seconds": float}}`` for every stage seen."""
+        stages = sorted(s.decode() for s in self._call("stage_stats", self._r.smembers, self.key("stages")))
+        if not stages:
+            return {}
+        pipe = self._r.pipeline(transaction=False)
+        for s in stages:
+            pipe.hmget(self.key("stage", s), "batches", "samples", "seconds")
+        rows = self._call("stage_stats", pipe.execute)
+        return {
+            s: {"batches": int(b or 0), "samples": int(n or 0), "seconds": float(sec or 0.0)}
+            for s, (b, n, sec) in zip(stages, rows, strict=True)
+        }
+
+    def heartbeat(self, stage: str, replica_id: str | int) -> None:
+        """Record that ``stage``/``replica_id`` is alive now (unix time of this host)."""
+        self._call(
+            "heartbeat", self._r.hset, self.key("heartbeats"), f"{stage}/{replica_id}", repr(time.time())
+        )
+
+    def heartbeats(self) -> dict[tuple[str, str], float]:
+        """``{(stage, replica_id): unix time of its last heartbeat}``."""
+        raw = self._call("heartbeats", self._r.hgetall, self.key("heartbeats"))
+        out: dict[tuple[str, str], float] = {}
+        for k, v in raw.items():
+            stage, _, replica = k.decode().rpartition("/")
+            out[(stage, replica)] = float(v)
+        return out
+
+    # --- policy version ------------------------------------------------------------------------
+    def policy_version(self) -> int:
+        """The latest published policy version (0 before any)."""
+        v = self._call("policy_version", self._r.get, self.key("policy_version"))
+        return int(v) if v is not None else 0
+
+    def set_policy_version(self, version: int) -> int:
+        """Publish ``version``; never goes backwards (a late, older publish is ignored). Returns the current one."""
+        return int(self._script("policy", [self.key("policy_version")], [str(int(version))]))
+
+    # --- generic idempotence and counters ------------------------------------------------------
+    def mark_once(self, namespace: str, id: str) -> bool:
+        """True the first time ``id`` is marked in ``namespace``, False afterwards."""
+        return bool(self._call("mark_once", self._r.sadd, self.key("once", namespace), id))
+
+    def incr_counter(self, name: str, by: float = 1, once_id: str | None = None) -> float:
+        """Add ``by`` to counter ``name`` (once per ``once_id`` when given); returns the new value."""
+        res = self._script(
+            "incr",
+            [self.key("counters"), self.key("counters", "applied", name)],
+            [name, repr(float(by)) if isinstance(by, float) else str(int(by)), once_id or ""],
+        )
+        return float(res)
+
+    def counters(self) -> dict[str, float]:
+        raw = self._call("counters", self._r.hgetall, self.key("counters"))
+        return {k.decode(): float(v) for k, v in raw.items()}

@@ -1,0 +1,91 @@
+"""Shared fixtures: one real Tansu broker and one real redis-server per test session.
+
+Both run on free loopback ports in a session temp dir and are stopped at session end; they also
+die with the test process (PR_SET_PDEATHSIG), so an interrupted session leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # the project is installed editable later; until then import from the checkout
+    sys.path.insert(0, str(_ROOT))
+
+from expstream.bus import KafkaConfig  # noqa: E402
+from expstream.infra import LocalBroker, LocalRedis, create_topics  # noqa: E402
+from expstream.state import RedisState  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def local_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    """The session-wide Tansu broker process (memory storage). Pausing it affects other tests:
+    tests that pause or stop a broker start their own LocalBroker."""
+    b = LocalBroker(tmp_path_factory.mktemp("broker"))
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture(scope="session")
+def broker(local_broker: LocalBroker) -> str:
+    """Bootstrap address ("127.0.0.1:PORT") of the session-wide broker."""
+    return local_broker.bootstrap
+
+
+@pytest.fixture(scope="session")
+def local_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    """The session-wide redis-server process (appendonly on)."""
+    r = LocalRedis(tmp_path_factory.mktemp("redis"), appendonly=True)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(local_redis: LocalRedis) -> str:
+    """URL ("redis://127.0.0.1:PORT/0") of the session-wide redis-server."""
+    return local_redis.url
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A fresh run id per test, so Redis keys of different tests never meet."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def redis_state(redis_url: str, run_id: str) -> Iterator[RedisState]:
+    state = RedisState(redis_url, run_id)
+    try:
+        yield state
+    finally:
+        state.close()
+
+
+@pytest.fixture
+def kafka_cfg() -> KafkaConfig:
+    """The default client settings (short group timeouts, 64 MiB records)."""
+    return KafkaConfig()
+
+
+@pytest.fixture
+def fresh_topic(broker: str) -> Callable[..., str]:
+    """Factory: ``fresh_topic(partitions=1, *, with_dlq=False, prefix="t")`` creates a uniquely
+    named topic on the session broker and returns its name."""
+
+    def make(partitions: int = 1, *, with_dlq: bool = False, prefix: str = "t") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        create_topics(broker, {name: partitions}, with_dlq=with_dlq)
+        return name
+
+    return make
