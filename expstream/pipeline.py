@@ -121,6 +121,13 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         from expstream.infra import create_topics
         from expstream.state import RedisState
 
+        services = {"bootstrap_servers": bootstrap, "redis_url": redis_url}
+        if not args.bootstrap_servers:
+            services["broker_pid"] = broker.pid
+        if not args.redis_url:
+            services["redis_pid"] = redis.pid
+        dump_json(services, run_dir / "services.json")
+
         create_topics(bootstrap, topo.all_topics(), with_dlq=True)
         state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"

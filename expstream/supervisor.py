@@ -10,6 +10,7 @@ then SIGKILLs stragglers, so no orphan survives the run.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -84,6 +85,7 @@ class Supervisor:
         finally:
             out.close()
         child.started_at = time.monotonic()
+        self._write_pids()
         log.info("started %s pid %d (log %s)", child.label, child.proc.pid, child.log_path)
 
     def start(self) -> None:
@@ -139,6 +141,13 @@ class Supervisor:
         for child in self.children:
             if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
                 log.warning("stage %s exited with code %s on stop", child.label, child.proc.returncode)
+
+    def _write_pids(self) -> None:
+        """``pids.json`` beside the logs: what is running now, for operators and kill tests."""
+        path = self.log_dir.parent / "pids.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.pids(), sort_keys=True))
+        tmp.replace(path)
 
     def pids(self) -> dict[str, int]:
         return {c.label: c.proc.pid for c in self.children if c.proc is not None and c.proc.poll() is None}

@@ -156,8 +156,17 @@ class AlgoConfig:
     overlong_buffer_penalty_factor: float = 1.0
     dynamic_sampling: bool = False
     high_entropy_token_ratio: float = 0.0
+    packing_samples: bool = False
+    advantage_cross_batch_norm: str = "none"
+    rollout_batch_size: int = 16
+    dynamic_sampling_over_provision: float = 0.0
 
     def __post_init__(self) -> None:
+        _check(self.advantage_cross_batch_norm in ("none", "window", "running"), "algo.advantage_cross_batch_norm",
+               f"got {self.advantage_cross_batch_norm!r}; use none, window or running")
+        _check(self.rollout_batch_size >= 1, "algo.rollout_batch_size", "must be >= 1")
+        _check(self.dynamic_sampling_over_provision >= 0, "algo.dynamic_sampling_over_provision",
+               "must be >= 0 (0.25 feeds 25% more prompts)")
         _check(self.advantage_estimator in ESTIMATORS, "algo.advantage_estimator",
                f"got {self.advantage_estimator!r}; use one of {', '.join(ESTIMATORS)}")
         _check(self.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator",

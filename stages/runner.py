@@ -51,6 +51,19 @@ RETRY_GIVE_UP_S = 300.0
 MAX_HEADER_CHARS = 2000
 
 ProcessFn = Callable[[Any, StageContext], list]
+# Fault injection for crash tests: EXPSTREAM_FAULT="<stage>:<point>:<k>" makes the k-th record this
+# process handles SIGKILL the process at <point> (before_produce | after_produce | after_commit).
+FAULT_ENV = "EXPSTREAM_FAULT"
+
+
+def _fault_plan(stage: str) -> tuple[str, int] | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    for item in filter(None, spec.split(",")):
+        name, _, rest = item.partition(":")
+        point, _, k = rest.partition(":")
+        if name == stage and point in ("before_produce", "after_produce", "after_commit"):
+            return point, int(k or 1)
+    return None
 
 
 class _RevocationTracker(ConsumerRebalanceListener):
@@ -96,6 +109,7 @@ class StageRunner:
         self.dlq_topic = f"{self.stage.input}.dlq"
         self.handled = 0
         self.dead_lettered = 0
+        self.fault = _fault_plan(self.stage.name)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -158,11 +172,13 @@ class StageRunner:
         while True:
             try:
                 outputs, batch_id, samples = self._process_bytes(record.value, where)
+                self._maybe_fault("before_produce")
                 send_all_and_confirm(
                     self.producer,
                     [(self.stage.output, encode(out), _key(out), None) for out in outputs],
                     self.ctx.topology.kafka.produce_timeout_s,
                 )
+                self._maybe_fault("after_produce")
                 break
             except (SchemaError, _Poison) as exc:
                 self._dead_letter(record, where, exc)
@@ -180,6 +196,7 @@ class StageRunner:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
         self._commit(tp, record.offset, where)
+        self._maybe_fault("after_commit")
         self.handled += 1
         elapsed = time.monotonic() - started
         if batch_id is not None:
@@ -187,6 +204,11 @@ class StageRunner:
                           batch_id, samples, len(outputs), elapsed)
             if self.ctx.state is not None:
                 self.ctx.state.record_stage_time(self.stage.name, elapsed, samples, batch_id)
+
+    def _maybe_fault(self, point: str) -> None:
+        if self.fault is not None and self.fault[0] == point and self.handled + 1 >= self.fault[1]:
+            self.log.warning("stage %s: fault injection %s: SIGKILL at %s", self.stage.name, FAULT_ENV, point)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _process_bytes(self, value: bytes, where: str) -> tuple[list, str, int]:
         batch = decode(value)
