@@ -157,6 +157,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                     last_new = time.monotonic()
                 sup.poll()
                 dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
+                flush_last_window(topo, state, collector, len(rows), dropped, bootstrap)
                 done = collector.complete_groups + dropped + len(collector.dead_groups - set(collector.group_counts))
                 progress.update(done, len(collector.samples))
                 if done >= len(rows):
@@ -201,6 +202,39 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     if error:
         print(f"expstream: run failed: {error}", file=sys.stderr)
     return status
+
+
+def flush_last_window(topo: Topology, state, collector: ExperienceCollector, prompts: int, dropped: int,
+                      bootstrap: str) -> None:  # noqa: ANN001 - RedisState
+    """Close the last cross-batch normalisation window once every other sample has come out.
+
+    In a continuous deployment a window closes when it holds ``algo.rollout_batch_size`` samples;
+    a finite run's last window never fills, so the run closes it when its samples are the only
+    ones missing, normalises it with the advantage stage's own function, and publishes it.
+    """
+    from expstream import windows
+    from stages import advantage
+
+    algo = topo.algo
+    if algo.advantage_cross_batch_norm != "window" or algo.advantage_estimator not in advantage.CROSS_BATCH_ESTIMATORS:
+        return
+    pending = windows.pending_samples(state, advantage.WINDOW_NAME)
+    n = topo.generate.n_samples_per_prompt
+    expected = (prompts - dropped - len(collector.dead_groups - set(collector.group_counts))) * n
+    if pending == 0 or len(collector.samples) + pending < expected:
+        return
+    from expstream.bus import make_producer, send_all_and_confirm
+    from schemas import encode
+    from stages.context import make_context
+
+    outputs = advantage.flush_windows(make_context(topo, "advantage", state=state))
+    producer = make_producer(bootstrap, topo.kafka)
+    try:
+        send_all_and_confirm(producer, [(topo.output_topic, encode(b), b.batch_id.encode(), None) for b in outputs],
+                             topo.kafka.produce_timeout_s)
+    finally:
+        producer.close(timeout=10)
+    log.info("closed the last normalisation window: %d micro-batches, %d samples", len(outputs), pending)
 
 
 def print_summary(summary: dict, out_dir: Path) -> None:

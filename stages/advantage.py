@@ -8,6 +8,7 @@
   emits the whole group once, as batch ``g/<group_id>``. A redelivery of that completing record
   emits the same group again with the same ids; readers dedupe by sample id.
 * Dynamic sampling drops groups whose processed rewards are all equal and counts them in Redis.
+* Optionally, the seed's cross-batch normalisation over a window or running moments (Redis).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expstream import numerics
-from schemas import SampleBatch, decode, encode
+from expstream import numerics, windows
+from schemas import Ragged, SampleBatch, decode, encode
 from stages.common import action_field, padded, scalar, to_ragged
 from stages.context import StageContext
+
+CROSS_BATCH_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")
+WINDOW_NAME = "advantages"
 
 
 def setup(ctx: StageContext) -> None:
@@ -47,6 +51,57 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
                          kl=None, token_rewards=None)
 
 
+def _normalized(batch: SampleBatch, mean: float, var: float) -> SampleBatch:
+    """§7.2 on the valid actions only: (A − μ)·rsqrt(max(var, 1e-8)); padding stays 0."""
+    adv = torch.from_numpy(np.array(batch.advantages.values))
+    mask = torch.from_numpy(np.array(batch.action_mask.values, dtype=bool))
+    out = numerics.apply_normalization(adv, mask, mean, var).numpy().astype(np.float32)
+    return batch.replace(advantages=Ragged(out, np.array(batch.advantages.lengths), "float32"))
+
+
+def _valid_advantages(batch: SampleBatch) -> np.ndarray:
+    return np.asarray(batch.advantages.values, np.float64)[np.asarray(batch.action_mask.values, bool)]
+
+
+def normalize_window(payloads: list[bytes]) -> list[SampleBatch]:
+    """One closed window: pooled masked mean and biased variance over all its micro-batches."""
+    batches = sorted((decode(p) for p in payloads), key=lambda b: b.batch_id)
+    vals = np.concatenate([_valid_advantages(b) for b in batches]) if batches else np.zeros(0)
+    mean = float(vals.mean()) if vals.size else 0.0
+    var = float(((vals - mean) ** 2).mean()) if vals.size else 0.0
+    return [_normalized(b, mean, var) for b in batches]
+
+
+def cross_batch(outputs: list[SampleBatch], ctx: StageContext) -> list[SampleBatch]:
+    """The seed's cross-batch advantage normalisation (§7.2), streamed; see docs/numerics.md.
+
+    ``running``: moments of every valid advantage so far, merged in Redis once per batch id, the
+    snapshot after this batch normalises it. ``window``: micro-batches gather in a Redis window
+    of ``algo.rollout_batch_size`` samples, normalised together when it closes (the seed's shape).
+    Applies to gae, reinforce and reinforce_baseline, as in the seed.
+    """
+    algo = ctx.topology.algo
+    if algo.advantage_cross_batch_norm == "none" or algo.advantage_estimator not in CROSS_BATCH_ESTIMATORS:
+        return outputs
+    state = ctx.require_state()
+    result: list[SampleBatch] = []
+    for b in outputs:
+        if algo.advantage_cross_batch_norm == "running":
+            m = state.merge_reward_moments(b.batch_id, _valid_advantages(b), name="advantages")
+            result.append(_normalized(b, m.mean, m.m2 / m.count if m.count else 0.0))
+        else:
+            taken = windows.park_window(state, WINDOW_NAME, b.batch_id, encode(b), len(b), algo.rollout_batch_size)
+            if taken is not None:
+                result.extend(normalize_window(taken[1]))
+    return result
+
+
+def flush_windows(ctx: StageContext) -> list[SampleBatch]:
+    """Close the open normalisation window (end of a finite run) and return its batches."""
+    taken = windows.flush_window(ctx.require_state(), WINDOW_NAME)
+    return normalize_window(taken[1]) if taken is not None else []
+
+
 def _groups(batch: SampleBatch) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
     for i, g in enumerate(batch.group_id):
@@ -55,6 +110,10 @@ def _groups(batch: SampleBatch) -> dict[str, list[int]]:
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    return cross_batch(_advantages(batch, ctx), ctx)
+
+
+def _advantages(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     if not ctx.topology.is_group_estimator:
         return [compute(batch, ctx)]
     out = []

@@ -1,0 +1,134 @@
+"""Streaming forms of the seed's whole-batch steps, with Redis: cross-batch normalisation,
+KL controller, use_kl_loss, dynamic sampling, running reward norm, and same-input-same-output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from expstream.control import PipelineControl
+from expstream.topology import load_topology
+from schemas import Ragged, SampleBatch, encode
+from stages import advantage, postprocess
+from stages.context import make_context
+
+pytestmark = pytest.mark.integration
+EOS, PAD = 9, 0
+
+
+def f32(rows):
+    return Ragged.from_rows([np.asarray(r, np.float32) for r in rows], "float32")
+
+
+def scored(batch_id, rewards, lengths, group="g", start=0, n=None):
+    """A postprocessed micro-batch with zero KL: token rewards are R at the last action."""
+    b = len(rewards)
+    tok = [[0.0] * (k - 1) + [r] for r, k in zip(rewards, lengths, strict=True)]
+    return SampleBatch(
+        batch_id=batch_id, policy_version=0, n_samples_per_prompt=n or b, eos_token_id=EOS, pad_token_id=PAD,
+        prompt_id=[group] * b, group_id=[group] * b, sample_index=list(range(start, start + b)),
+        prompt=["p"] * b, label=[""] * b, reference=[""] * b, response=["r"] * b,
+        prompt_ids=Ragged.from_rows([np.array([5], np.int32)] * b, "int32"),
+        response_ids=Ragged.from_rows([np.full(k, 7, np.int32) for k in lengths], "int32"),
+        layout="padded",
+        action_ids=Ragged.from_rows([np.full(k, 7, np.int32) for k in lengths], "int32"),
+        action_mask=Ragged.from_rows([np.ones(k, bool) for k in lengths], "bool"),
+        action_log_probs=f32([[-1.0] * k for k in lengths]),
+        rewards=np.array(rewards, np.float32), processed_rewards=np.array(rewards, np.float32),
+        kl=f32([[0.0] * k for k in lengths]), kl_coef=0.0, token_rewards=f32(tok),
+        info={"reward": np.array(rewards, np.float32), "kl": np.zeros(b, np.float32)})
+
+
+def test_running_cross_batch_normalisation_uses_pooled_moments(redis_state):
+    topo = load_topology(overrides=["algo.advantage_estimator=reinforce", "algo.advantage_cross_batch_norm=running"])
+    ctx = make_context(topo, "advantage", state=redis_state)
+    [a] = advantage.process(scored("a", [1.0, 3.0], [1, 1]), ctx)
+    # first batch alone: valid advantages [1, 3] -> mean 2, biased var 1 -> [-1, 1]
+    np.testing.assert_allclose(a.advantages.values, [-1.0, 1.0], rtol=1e-6)
+    [b] = advantage.process(scored("b", [5.0], [2]), ctx)
+    # reinforce, gamma 1: advantages [5, 5]; pooled over [1, 3, 5, 5]: mean 3.5, biased var
+    # ((2.5^2 + 0.5^2 + 1.5^2 * 2) / 4) = 2.75 -> (5 - 3.5) / sqrt(2.75) = 0.904534
+    np.testing.assert_allclose(b.advantages.values, [0.904534, 0.904534], rtol=1e-5)
+    # redelivery of "a" gives the same bytes (the snapshot stored under its batch id)
+    [again] = advantage.process(scored("a", [1.0, 3.0], [1, 1]), ctx)
+    assert encode(again) == encode(a)
+
+
+def test_window_cross_batch_normalisation_and_flush(redis_state):
+    topo = load_topology(overrides=["algo.advantage_estimator=reinforce", "algo.advantage_cross_batch_norm=window",
+                                    "algo.rollout_batch_size=3"])
+    ctx = make_context(topo, "advantage", state=redis_state)
+    assert advantage.process(scored("w1", [0.0, 2.0], [1, 1]), ctx) == []  # 2 of 3 samples: window open
+    out = advantage.process(scored("w2", [4.0], [1]), ctx)  # closes the window
+    # window values [0, 2, 4]: mean 2, biased var 8/3 -> [-1.224745, 0, 1.224745]
+    np.testing.assert_allclose(np.concatenate([b.advantages.values for b in out]), [-1.224745, 0, 1.224745],
+                               rtol=1e-5)
+    assert advantage.process(scored("w1", [0.0, 2.0], [1, 1]), ctx) == []  # redelivered non-closer: nothing
+    assert [b.batch_id for b in advantage.process(scored("w2", [4.0], [1]), ctx)] == ["w1", "w2"]
+    assert advantage.process(scored("w3", [1.0, 2.0], [1, 1]), ctx) == []
+    [last] = advantage.flush_windows(ctx)
+    np.testing.assert_allclose(last.advantages.values, [-1.0, 1.0], rtol=1e-5)  # [1, 2]: mean 1.5, var .25
+    assert advantage.flush_windows(ctx) == []
+
+
+def test_group_estimators_skip_cross_batch_normalisation(redis_state):
+    topo = load_topology(overrides=["algo.advantage_estimator=rloo", "algo.advantage_cross_batch_norm=running"])
+    ctx = make_context(topo, "advantage", state=redis_state)
+    [g] = advantage.process(scored("r", [1.0, 3.0], [1, 1], n=2), ctx)
+    # rloo: r_i - mean(others): [1 - 3, 3 - 1], not renormalised
+    np.testing.assert_allclose(g.advantages.values, [-2.0, 2.0])
+
+
+def test_dynamic_sampling_drops_constant_groups_and_counts_them(redis_state):
+    topo = load_topology(overrides=["algo.advantage_estimator=group_norm", "algo.dynamic_sampling=true"])
+    ctx = make_context(topo, "advantage", state=redis_state)
+    assert advantage.process(scored("c", [0.5, 0.5], [1, 2], group="const", n=2), ctx) == []
+    [kept] = advantage.process(scored("v", [0.0, 1.0], [1, 1], group="varied", n=2), ctx)
+    assert kept.group_id == ["varied", "varied"]
+    assert redis_state.counters()["dynamic_sampling_dropped_groups"] == 1
+    advantage.process(scored("c", [0.5, 0.5], [1, 2], group="const", n=2), ctx)  # redelivery: counted once
+    assert redis_state.counters()["dynamic_sampling_dropped_groups"] == 1
+
+
+def _pair(extra=()):
+    topo = load_topology(overrides=["algo.kl_estimator=k1", "algo.init_kl_coef=0.5", *extra])
+    b = scored("k", [1.0, 2.0], [2, 1]).replace(
+        base_action_log_probs=f32([[-1.5, -1.0], [-0.25]]), action_log_probs=f32([[-1.0, -2.0], [-0.5]]),
+        kl=None, kl_coef=None, token_rewards=None, processed_rewards=None, info={})
+    return topo, b
+
+
+def test_adaptive_kl_controller_shared_through_redis(redis_url, run_id, redis_state):
+    topo, batch = _pair(["algo.kl_target=0.1", "algo.kl_horizon=100", "algo.rollout_batch_size=10"])
+    control = PipelineControl(redis_url, run_id, topo)
+    assert control.kl_coef() == 0.5
+    # kl 0.2 vs target 0.1: e = clip(1.0, -0.2, 0.2) = 0.2; beta = 0.5 * (1 + 0.2 * 10 / 100) = 0.51
+    assert control.report_kl("step-1", 0.2) == pytest.approx(0.51)
+    assert control.report_kl("step-1", 0.2) == pytest.approx(0.51)  # retried report applied once
+    [out] = postprocess.process(batch, make_context(topo, "postprocess", state=redis_state))
+    assert out.kl_coef == pytest.approx(0.51)
+    # row 0 k1 kl [0.5, -1.0]: token rewards [-0.51 * 0.5, 0.51 + 1.0]
+    np.testing.assert_allclose(out.token_rewards.row(0), [-0.255, 1.51], rtol=1e-6)
+    fixed = PipelineControl(redis_url, run_id + "f", load_topology())
+    assert fixed.report_kl("s", 5.0) == fixed.kl_coef() == 0.01  # fixed controller: reports change nothing
+    control.close()
+    fixed.close()
+
+
+def test_use_kl_loss_keeps_base_log_probs_and_no_kl_in_reward():
+    topo, batch = _pair(["algo.use_kl_loss=true"])
+    [out] = postprocess.process(batch, make_context(topo, "postprocess"))
+    assert out.base_action_log_probs is not None
+    np.testing.assert_allclose(out.kl.values, 0.0)
+    np.testing.assert_allclose(out.token_rewards.values, [0.0, 1.0, 2.0])
+
+
+def test_running_reward_norm_is_applied_once_per_batch_id(redis_state):
+    topo, batch = _pair(["algo.reward_running_norm=true", "algo.init_kl_coef=0", "algo.reward_running_norm_minus_mean=true"])
+    ctx = make_context(topo, "postprocess", state=redis_state)
+    [first] = postprocess.process(batch, ctx)
+    # rewards [1, 2]: mean 1.5, unbiased std sqrt(0.5) -> (r - 1.5) / 0.707107 = [-0.707107, 0.707107]
+    np.testing.assert_allclose(first.processed_rewards, [-0.707107, 0.707107], rtol=1e-5)
+    [second] = postprocess.process(batch, ctx)
+    assert encode(second) == encode(first)
+    assert redis_state.get_moments("reward").count == 2
