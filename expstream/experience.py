@@ -102,6 +102,19 @@ class Experience:
     packed_seq_lens: list[int] | None = None  # per sample: tokens in `sequences`
     num_actions: list[int] | None = None  # per sample: actions in the action-level row
 
+    def high_entropy_mask(self, ratio: float) -> torch.Tensor:
+        """§11: the (B, A) bool mask of the top ``ratio`` share of valid tokens by rollout entropy.
+
+        The policy loss uses it in place of ``action_mask`` when ``high_entropy_token_ratio > 0``;
+        needs ``action_entropy`` (the actor stage computes it when the ratio is set).
+        """
+        from expstream.numerics import high_entropy_mask
+
+        if self.action_entropy is None:
+            raise ValueError("Experience.action_entropy: None; set algo.high_entropy_token_ratio > 0 so the "
+                             "actor stage computes per-token entropy")
+        return high_entropy_mask(self.action_entropy, self.action_mask, ratio)
+
     def __post_init__(self) -> None:
         for name in _REQUIRED:
             value = getattr(self, name)
@@ -280,6 +293,10 @@ class Experience:
         info: dict[str, torch.Tensor] = {}
         for key, value in (getattr(batch, "info", None) or {}).items():
             info[key] = _tensor(np.asarray(value))[idx]
+        # per-source scores when several reward sources combine (the seed's info["reward_metrics"]),
+        # flattened so that every info entry stays a (B,) tensor
+        for key, value in (getattr(batch, "reward_metrics", None) or {}).items():
+            info[f"reward_metrics.{key}"] = _tensor(np.asarray(value))[idx]
 
         group_ids = [str(batch.group_id[r]) for r in idx]
         sample_index = [int(batch.sample_index[r]) for r in idx]

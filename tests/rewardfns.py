@@ -12,3 +12,8 @@ def wrong_count(queries, prompts, labels):
 def first_char_code(queries, prompts, labels):
     """Deterministic but varied: rewards differ across samples of a group (used end to end)."""
     return [float(sum(q.encode()) % 7) for q in queries]
+
+
+def constant_for_arithmetic(queries, prompts, labels):
+    """Every sample of an arithmetic prompt scores 1.0 (a constant group); others vary."""
+    return [1.0 if p.startswith("What is") else float(sum(q.encode()) % 5) for q, p in zip(queries, prompts)]

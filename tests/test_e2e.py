@@ -37,9 +37,10 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-def check_common(summary: dict, exps: list) -> dict[str, list[float]]:
-    n_prompts = sum(1 for line in PROMPTS.read_text().splitlines() if line.strip())
+def check_common(summary: dict, exps: list, dropped: int = 0) -> dict[str, list[float]]:
+    n_prompts = sum(1 for line in PROMPTS.read_text().splitlines() if line.strip()) - dropped
     assert summary["status"] == "ok" and summary["groups_complete"] == n_prompts
+    assert summary["groups_dropped_dynamic_sampling"] == dropped
     ids = Counter(s for e in exps for s in e.sample_ids)
     assert len(ids) == n_prompts * N and set(ids.values()) == {1}, "every sample exactly once"
     per_group: dict[str, list[float]] = {}
@@ -74,3 +75,38 @@ def test_gae_end_to_end_with_critic(tmp_path, cache):
     check_common(summary, exps)
     assert "critic" in summary["stages"]
     assert all(e.values is not None and e.values.shape == e.action_mask.shape for e in exps)
+
+
+@pytest.mark.parametrize("estimator, extra", [
+    ("reinforce", ["algo.advantage_cross_batch_norm=window", "algo.rollout_batch_size=10"]),
+    ("reinforce_baseline", ["algo.advantage_cross_batch_norm=running", "algo.gamma=0.9"]),
+    ("rloo", ["models.reward_fn=tests.rewardfns:first_char_code", "models.reward_combine=sum"]),
+    ("grpo", ["algo.high_entropy_token_ratio=0.25", "algo.kl_estimator=k1"]),
+    ("cpgd", ["algo.use_kl_loss=true"]),
+])
+def test_every_estimator_end_to_end(tmp_path, cache, estimator, extra):
+    summary, exps = run_expstream(tmp_path, cache, f"algo.advantage_estimator={estimator}", *extra)
+    per_group = check_common(summary, exps)
+    if estimator == "rloo":  # leave-one-out shaped rewards of a group sum to zero (gamma 1, KL tiny)
+        assert all("reward_metrics.model" in e.info and "reward_metrics.fn" in e.info for e in exps)
+    if estimator == "grpo":
+        for e in exps:
+            mask = e.high_entropy_mask(0.25)
+            assert (mask <= e.action_mask).all() and (mask.sum(-1) >= 1).all()
+    if estimator == "cpgd":
+        assert all(e.base_action_log_probs is not None for e in exps)
+        assert all(torch.equal(e.info["kl"], torch.zeros_like(e.info["kl"])) for e in exps)
+    if estimator == "reinforce":
+        # the window normalises pooled valid advantages: over all experiences mean 0, biased var 1
+        vals = torch.cat([e.advantages[e.action_mask] for e in exps])
+        assert abs(float(vals.mean())) < 1e-4 and abs(float(vals.var(unbiased=False)) - 1) < 1e-3
+    assert len(per_group) == 6
+
+
+def test_dr_grpo_with_dynamic_sampling_drops_constant_groups(tmp_path, cache):
+    summary, exps = run_expstream(tmp_path, cache, "algo.advantage_estimator=dr_grpo", "algo.dynamic_sampling=true",
+                                  "models.reward=null", "models.reward_fn=tests.rewardfns:constant_for_arithmetic")
+    per_group = check_common(summary, exps, dropped=2)  # the two "What is ..." prompts score 1.0 throughout
+    assert set(per_group) == {"capital-1", "poem-1", "code-1", "logic-1"}
+    for advs in per_group.values():
+        assert abs(sum(advs)) < 1e-5  # minus the group mean, no std division
