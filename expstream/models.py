@@ -707,6 +707,21 @@ def forward_packed_action_log_probs(
 ) -> Tensor:
     """Packed log-probs (N,) float32, N = sum(num_actions): the last ``num_actions[i]`` tokens of each
     segment, concatenated. Equal to :func:`forward_action_log_probs` on the padded layout."""
+    logp, _ = forward_packed_action_log_probs_and_entropy(model, sequences, position_ids, seq_lens, num_actions)
+    return logp
+
+
+@torch.inference_mode()
+def forward_packed_action_log_probs_and_entropy(
+    model: Any,
+    sequences: Tensor,
+    position_ids: Tensor,
+    seq_lens: list[int],
+    num_actions: list[int],
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`forward_packed_action_log_probs` plus, when ``with_entropy``, the entropy (N,) float32 of
+    ``softmax(logits)`` at the same state tokens (as :func:`forward_action_log_probs`), in one pass."""
     _check_packed(sequences, position_ids, seq_lens, num_actions)
     device = _model_device(model)
     sequences = sequences.to(device)
@@ -717,8 +732,7 @@ def forward_packed_action_log_probs(
         **_packed_attention_kwargs(model, seq_lens, sequences.shape[1]),
     )
     idx = _action_index(seq_lens, num_actions, device)
-    logp, _ = _log_probs_and_entropy(out.logits[0, idx], sequences[0, idx + 1], False)
-    return logp
+    return _log_probs_and_entropy(out.logits[0, idx], sequences[0, idx + 1], with_entropy)
 
 
 @torch.inference_mode()

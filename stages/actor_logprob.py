@@ -1,9 +1,13 @@
-"""actor-logprob: per-token log-probs (and entropy when asked) of the response under the actor (§1.3)."""
+"""actor-logprob: per-token log-probs (and entropy when asked) of the response under the actor (§1.3).
+
+Runs in the batch's layout (padded, or packed with ``algo.packing_samples``); the output is ragged
+(B; a_b) either way.
+"""
 
 from __future__ import annotations
 
 from schemas import SampleBatch
-from stages.common import model_dir, padded, to_ragged
+from stages.common import forward_log_probs, model_dir
 from stages.context import StageContext
 
 MODEL_ROLE = "actor"
@@ -16,13 +20,9 @@ def setup(ctx: StageContext) -> None:
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
-    from expstream.models import forward_action_log_probs
-
-    lay = padded(batch)
     want_entropy = ctx.topology.algo.high_entropy_token_ratio > 0
-    logp, entropy = forward_action_log_probs(ctx.models["lm"], lay.sequences, lay.attention_mask,
-                                             lay.num_actions, with_entropy=want_entropy)
-    changes = {"action_log_probs": to_ragged(logp, batch)}
+    logp, entropy = forward_log_probs(ctx.models["lm"], batch, with_entropy=want_entropy)
+    changes = {"action_log_probs": logp}
     if entropy is not None:
-        changes["action_entropy"] = to_ragged(entropy, batch)
+        changes["action_entropy"] = entropy
     return [batch.replace(**changes)]

@@ -1,9 +1,10 @@
-"""critic: per-token values V_t of the state before action t (token-classification head, §1.3)."""
+"""critic: per-token values V_t of the state before action t (token-classification head, §1.3), in
+the batch's layout (padded or packed)."""
 
 from __future__ import annotations
 
 from schemas import SampleBatch
-from stages.common import model_dir, padded, to_ragged
+from stages.common import forward_values, model_dir
 from stages.context import StageContext
 
 
@@ -14,8 +15,4 @@ def setup(ctx: StageContext) -> None:
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
-    from expstream.models import forward_values
-
-    lay = padded(batch)
-    values = forward_values(ctx.models["critic"], lay.sequences, lay.attention_mask, lay.num_actions)
-    return [batch.replace(values=to_ragged(values, batch))]
+    return [batch.replace(values=forward_values(ctx.models["critic"], batch))]

@@ -1,9 +1,10 @@
-"""reference: per-token log-probs of the response under the reference (initial) model."""
+"""reference: per-token log-probs of the response under the reference (initial) model, in the
+batch's layout (padded or packed)."""
 
 from __future__ import annotations
 
 from schemas import SampleBatch
-from stages.common import model_dir, padded, to_ragged
+from stages.common import forward_log_probs, model_dir
 from stages.context import StageContext
 
 
@@ -14,8 +15,5 @@ def setup(ctx: StageContext) -> None:
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
-    from expstream.models import forward_action_log_probs
-
-    lay = padded(batch)
-    logp, _ = forward_action_log_probs(ctx.models["lm"], lay.sequences, lay.attention_mask, lay.num_actions)
-    return [batch.replace(base_action_log_probs=to_ragged(logp, batch))]
+    logp, _ = forward_log_probs(ctx.models["lm"], batch)
+    return [batch.replace(base_action_log_probs=logp)]

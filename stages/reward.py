@@ -15,7 +15,7 @@ import numpy as np
 
 from expstream.errors import ConfigError, PoisonRecordError
 from schemas import SampleBatch
-from stages.common import model_dir, padded, scalar
+from stages.common import forward_reward, model_dir
 from stages.context import StageContext
 
 
@@ -47,10 +47,7 @@ def setup(ctx: StageContext) -> None:
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     sources: dict[str, np.ndarray] = {}
     if "rm" in ctx.models:
-        from expstream.models import forward_reward
-
-        lay = padded(batch)
-        sources["model"] = scalar(forward_reward(ctx.models["rm"], lay.sequences, lay.attention_mask))
+        sources["model"] = forward_reward(ctx.models["rm"], batch)  # padded or packed, as the batch says
     if "reward_fn" in ctx.models:
         tok = ctx.models["tokenizer"]
         queries = [tok.decode(list(p) + list(a), skip_special_tokens=False)

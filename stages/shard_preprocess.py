@@ -1,8 +1,13 @@
-"""shard-preprocess: rollouts -> model-ready micro-batches in the padded layout (§1.1-1.2).
+"""shard-preprocess: rollouts -> model-ready micro-batches (§1.1-1.2).
 
 The EOS repair and action mask depend on the micro-batch's widths, so they are computed here,
 once, and travel as ragged ``action_ids``/``action_mask``; every later stage rebuilds the same
 padded tensors from them whatever batch it ends up in.
+
+``layout`` says how the model stages run: ``"padded"`` (B, P+A) rows, or ``"packed"`` with
+``algo.packing_samples`` (one (1, T) row, no padding, §1.4). The repair is the same in both, so
+the log-probs, values, rewards and everything after them agree between the layouts; only the
+model forwards differ.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
         raise PoisonRecordError(f"SampleBatch.layout: {batch.layout!r} already; shard-preprocess takes raw "
                                 "rollouts (layout \"\") from generate")
     mrb = ctx.topology.algo.micro_rollout_batch_size
+    layout_name = "packed" if ctx.topology.algo.packing_samples else "padded"
     out = []
     for j, start in enumerate(range(0, len(batch), mrb)):
         idx = list(range(start, min(start + mrb, len(batch))))
@@ -35,6 +41,6 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
         p = layout.prompt_width
         action_rows = [layout.sequences[b, p: p + int(n)].numpy().astype(np.int32) for b, n in enumerate(lengths)]
         mask_rows = [layout.action_mask[b, : int(n)].numpy() for b, n in enumerate(lengths)]
-        out.append(mb.replace(layout="padded", action_ids=Ragged.from_rows(action_rows, "int32"),
+        out.append(mb.replace(layout=layout_name, action_ids=Ragged.from_rows(action_rows, "int32"),
                               action_mask=Ragged.from_rows(mask_rows, "bool")))
     return out
