@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
@@ -34,7 +35,7 @@ from expstream.cli import (
 from expstream.errors import ConfigError
 from expstream.feeder import ExperienceCollector, feed_prompts, read_prompts
 from expstream.supervisor import Supervisor, SupervisorError
-from expstream.topology import Topology
+from expstream.topology import BUILTIN_TINY, Topology
 
 log = logging.getLogger("expstream.run")
 # Why 5 s: often enough to see progress in a CI log, rare enough not to flood it.
@@ -43,12 +44,15 @@ MONITOR_POLL_MS = 300
 
 
 def preflight(topo: Topology) -> None:
-    """Fail fast, before anything starts, on what a stage would only discover later."""
-    from stages.common import model_dir
-    from stages.reward import load_reward_fn
+    """Fail fast, before anything starts, on what a stage would only discover later.
 
+    Raises ConfigError naming the topology field and the fix. The cheap checks come first and need
+    neither torch nor the stages package (importing them takes seconds): the reward function's
+    import, and every model directory given as a path. Only then are the built-in tiny models
+    built (once, into models.cache_dir) for the roles that use ``builtin:tiny``.
+    """
     if topo.models.reward_fn:
-        load_reward_fn(topo.models.reward_fn)
+        _check_reward_fn(topo.models.reward_fn)
     roles = ["tokenizer", "actor"]
     if topo.stages["reference"].enabled:
         roles.append("reference")
@@ -56,8 +60,42 @@ def preflight(topo: Topology) -> None:
         roles.append("critic")
     if topo.models.reward:
         roles.append("reward")
+    builtin = [r for r in roles if getattr(topo.models, r) == BUILTIN_TINY]
     for role in roles:
-        model_dir(topo, role)
+        value = getattr(topo.models, role)
+        if role in builtin:
+            continue
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"directory {value!r} does not exist", field=f"models.{role}",
+                              fix="point it at a directory saved with save_pretrained, or use builtin:tiny")
+        if role != "tokenizer" and not (path / "config.json").is_file():
+            raise ConfigError(f"directory {value!r} has no config.json, so it is not a saved model",
+                              field=f"models.{role}", fix="point it at the directory save_pretrained wrote")
+    if not builtin:
+        return
+    from stages.common import model_dir
+
+    for role in builtin:
+        try:
+            model_dir(topo, role)
+        except OSError as exc:  # building the tiny models: cache_dir not writable, disk full
+            raise ConfigError(f"cannot build the built-in tiny model for models.{role} ({exc})",
+                              field="models.cache_dir", fix="set models.cache_dir to a writable directory") from exc
+
+
+def _check_reward_fn(path: str) -> None:
+    """``models.reward_fn`` imports and names a function (what stages.reward.load_reward_fn will do)."""
+    module_name, _, func_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raises while importing
+        raise ConfigError(f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})",
+                          field="models.reward_fn",
+                          fix="make it importable (on PYTHONPATH or installed) or fix the name") from exc
+    if not callable(getattr(module, func_name, None)):
+        raise ConfigError(f"module {module_name} has no function {func_name!r}", field="models.reward_fn",
+                          fix="write it as 'package.module:function' naming a function of that module")
 
 
 def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, redis_url: str, run_id: str) -> list[str]:
@@ -93,12 +131,22 @@ class Progress:
 
 
 def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
+    # Configuration first: a bad prompt file, model directory or reward function stops the run here
+    # (exit 2 from cli.main) before any directory, broker, redis-server or stage is started.
+    try:
+        rows = read_prompts(args.prompts)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the prompt file {args.prompts!r} ({exc.strerror or exc})", field="--prompts",
+                          fix="give an existing JSON-lines file, e.g. --prompts examples/prompts.jsonl") from exc
+    preflight(topo)
+    if topo.run.spawn == "fork":
+        from expstream.forkserver import warm_up
+
+        warm_up()  # imports torch/transformers once, while the broker and redis start
     run_id = args.run_id or new_run_id()
     out_dir = Path(args.output or f"runs/{run_id}")
     run_dir = out_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    rows = read_prompts(args.prompts)
-    preflight(topo)
     stop = install_interrupt_handler()
     started = time.monotonic()
     status, error = EXIT_OK, None
@@ -132,7 +180,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
-        sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts,
+        sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
                          env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
         for st in topo.enabled_stages():
             for replica in range(st.replicas):

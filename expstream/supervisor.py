@@ -5,6 +5,15 @@ per consecutive failure of that replica; each restart is logged with the exit co
 that exits with code 2 (a configuration error) is not restarted: the same error would recur.
 ``stop()`` sends SIGTERM to every child (each finishes its micro-batch and commits), waits,
 then SIGKILLs stragglers, so no orphan survives the run.
+
+``pids.json`` (beside the log directory) maps every live replica's label to its pid; it is rewritten
+on every start, every death noticed by :meth:`Supervisor.poll` and at stop, so a kill test never
+reads a pid that is known to be dead.
+
+Fault injection (``EXPSTREAM_FAULT``, see stages/runner.py) is one-shot per replica: the first
+process of a replica gets the variable as given, a restarted one gets it without the entries that
+name its own stage. Otherwise a fault planned at the k-th record would fire again in every
+replacement (a crash loop of k-1 records per life).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ HEALTHY_AFTER_S = 30.0
 STOP_GRACE_S = 20.0
 EXIT_CONFIG_ERROR = 2
 _PR_SET_PDEATHSIG = 1
+# The fault-injection variable read by stages/runner.py: "<stage>:<point>:<k>[,...]".
+FAULT_ENV = "EXPSTREAM_FAULT"
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -63,7 +74,11 @@ class SupervisorError(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, max_restarts: int = 5, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, max_restarts: int = 5, env: dict[str, str] | None = None,
+                 spawn: str = "exec") -> None:
+        if spawn not in ("exec", "fork"):
+            raise ValueError(f"spawn: {spawn!r}; use exec (a fresh interpreter per stage) or fork (fork server)")
+        self.spawn = spawn
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.max_restarts = max_restarts
@@ -76,14 +91,37 @@ class Supervisor:
         self.children.append(child)
         return child
 
+    def _child_env(self, child: Child) -> dict[str, str]:
+        """The environment of ``child``'s next process: fault injection only in its first one."""
+        spec = self.env.get(FAULT_ENV)
+        if not spec or child.restarts == 0:
+            return self.env
+        kept = [item for item in spec.split(",") if item.strip() and item.partition(":")[0].strip() != child.name]
+        env = dict(self.env)
+        if kept:
+            env[FAULT_ENV] = ",".join(kept)
+        else:
+            env.pop(FAULT_ENV, None)
+        return env
+
     def _spawn(self, child: Child) -> None:
+        if self.spawn == "fork":
+            from expstream.forkserver import ForkedProcess
+
+            child.proc = ForkedProcess(child.argv, child.log_path, self._child_env(child))
+            self._started(child)
+            return
         out = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
-            child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+            child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT,
+                                          env=self._child_env(child),
                                           stdin=subprocess.DEVNULL, start_new_session=True,
                                           preexec_fn=_die_with_parent)
         finally:
             out.close()
+        self._started(child)
+
+    def _started(self, child: Child) -> None:
         child.started_at = time.monotonic()
         self._write_pids()
         log.info("started %s pid %d (log %s)", child.label, child.proc.pid, child.log_path)
@@ -107,6 +145,7 @@ class Supervisor:
                 continue
             child.exit_codes.append(code)
             child.proc = None
+            self._write_pids()
             if code == EXIT_CONFIG_ERROR:
                 raise SupervisorError(f"stage {child.label} exited with a configuration error (code 2); "
                                       f"see {child.log_path}")
@@ -141,6 +180,7 @@ class Supervisor:
         for child in self.children:
             if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
                 log.warning("stage %s exited with code %s on stop", child.label, child.proc.returncode)
+        self._write_pids()
 
     def _write_pids(self) -> None:
         """``pids.json`` beside the logs: what is running now, for operators and kill tests."""

@@ -66,8 +66,11 @@ class RunConfig:
     timeout_s: float = 900.0
     torch_threads: int = 1
     max_restarts: int = 5
+    spawn: str = "fork"
 
     def __post_init__(self) -> None:
+        _check(self.spawn in ("fork", "exec"), "run.spawn",
+               f"got {self.spawn!r}; use fork (stages forked from a preloaded server) or exec")
         _check(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
         _check(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
 
