@@ -53,19 +53,22 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
     return rows
 
 
-def prompt_batches(rows: list[PromptRow], batch_size: int) -> Iterator[PromptBatch]:
-    for k, start in enumerate(range(0, len(rows), batch_size)):
+def prompt_batches(rows: list[PromptRow], batch_size: int, first_index: int = 0) -> Iterator[PromptBatch]:
+    """Records of ``batch_size`` prompts, ids ``p{first_index:06d}`` onwards (stable across runs)."""
+    for k, start in enumerate(range(0, len(rows), batch_size), start=first_index):
         chunk = rows[start: start + batch_size]
         yield PromptBatch(batch_id=f"p{k:06d}", prompt_id=[r.prompt_id for r in chunk],
                           prompt=[r.prompt for r in chunk], label=[r.label for r in chunk],
                           reference=[r.reference for r in chunk])
 
 
-def feed_prompts(bootstrap: str, cfg: KafkaConfig, topic: str, rows: list[PromptRow], batch_size: int) -> int:
+def feed_prompts(bootstrap: str, cfg: KafkaConfig, topic: str, rows: list[PromptRow], batch_size: int,
+                 first_index: int = 0) -> int:
     """Publish the prompts and confirm every send; returns the number of records."""
     producer = make_producer(bootstrap, cfg)
     try:
-        items = [(topic, encode(b), b.batch_id.encode(), None) for b in prompt_batches(rows, batch_size)]
+        items = [(topic, encode(b), b.batch_id.encode(), None)
+                 for b in prompt_batches(rows, batch_size, first_index)]
         send_all_and_confirm(producer, items, cfg.produce_timeout_s)
         return len(items)
     finally:

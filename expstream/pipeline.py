@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import sys
 import time
 from contextlib import ExitStack
@@ -191,9 +192,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         collector = ExperienceCollector(bootstrap, topo.kafka, topo.output_topic,
                                         topo.generate.n_samples_per_prompt, dlq_topics=dlqs)
         stack.callback(collector.close)
-        n_records = feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows, topo.run.prompt_batch_size)
-        log.info("run %s: fed %d prompts in %d records to %s", run_id, len(rows), n_records, topo.topics.input)
-        progress = Progress(len(rows), enabled=not args.no_progress)
+        plan = FeedPlan(topo, len(rows))
+        fed, records = 0, 0
+        progress = Progress(plan.target, enabled=not args.no_progress)
         last_new = time.monotonic()
         dropped = 0
         try:
@@ -201,15 +202,22 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                 if stop["stop"]:
                     status = EXIT_INTERRUPTED
                     break
+                lost = dropped + len(collector.dead_groups - set(collector.group_counts))
+                if plan.wanted(lost) > fed:  # first feed, or a top-up for groups dynamic sampling dropped
+                    want = plan.wanted(lost)
+                    records += feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows[fed:want],
+                                            topo.run.prompt_batch_size, first_index=records)
+                    log.info("run %s: fed prompts %d..%d to %s", run_id, fed, want - 1, topo.topics.input)
+                    fed = want
                 if collector.poll(MONITOR_POLL_MS):
                     last_new = time.monotonic()
                 sup.poll()
                 dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
-                flush_last_window(topo, state, collector, len(rows), dropped, bootstrap)
-                done = collector.complete_groups + dropped + len(collector.dead_groups - set(collector.group_counts))
-                progress.update(done, len(collector.samples))
-                if done >= len(rows):
-                    progress.update(done, len(collector.samples), force=True)
+                flush_last_window(topo, state, collector, fed, dropped, bootstrap)
+                done = collector.complete_groups + lost
+                progress.update(min(collector.complete_groups, plan.target), len(collector.samples))
+                if collector.complete_groups >= plan.target or (fed == len(rows) and done >= fed):
+                    progress.update(min(collector.complete_groups, plan.target), len(collector.samples), force=True)
                     break
                 if time.monotonic() - last_new > topo.run.timeout_s:
                     error = f"no experience arrived for {topo.run.timeout_s:.0f}s (run.timeout_s); see {run_dir}/logs"
@@ -227,6 +235,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             "status": "ok" if status == EXIT_OK else ("interrupted" if status == EXIT_INTERRUPTED else "failed"),
             "error": error,
             "prompts": len(rows),
+            "prompts_fed": fed,
+            "target_groups": plan.target,
             "groups_complete": collector.complete_groups,
             "groups_dropped_dynamic_sampling": dropped,
             "groups_dead_lettered": sorted(collector.dead_groups - set(collector.group_counts)),
@@ -250,6 +260,25 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     if error:
         print(f"expstream: run failed: {error}", file=sys.stderr)
     return status
+
+
+class FeedPlan:
+    """How many prompts to have fed, given how many groups were lost (dropped or dead-lettered).
+
+    The run wants ``run.target_groups`` complete groups (default: one per prompt). With dynamic
+    sampling it feeds ``ceil(target · (1 + dynamic_sampling_over_provision))`` prompts up front
+    and one more prompt for every group lost, while the file has prompts left, so the
+    experience rate holds when constant-reward groups are dropped.
+    """
+
+    def __init__(self, topo: Topology, available: int) -> None:
+        self.available = available
+        self.target = min(topo.run.target_groups or available, available)
+        extra = topo.algo.dynamic_sampling_over_provision if topo.algo.dynamic_sampling else 0.0
+        self.upfront = math.ceil(self.target * (1 + extra))
+
+    def wanted(self, lost: int) -> int:
+        return min(self.available, self.upfront + lost)
 
 
 def flush_last_window(topo: Topology, state, collector: ExperienceCollector, prompts: int, dropped: int,

@@ -67,6 +67,7 @@ class RunConfig:
     torch_threads: int = 1
     max_restarts: int = 5
     spawn: str = "fork"
+    target_groups: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.spawn in ("fork", "exec"), "run.spawn",

@@ -105,8 +105,11 @@ def test_every_estimator_end_to_end(tmp_path, cache, estimator, extra):
 
 def test_dr_grpo_with_dynamic_sampling_drops_constant_groups(tmp_path, cache):
     summary, exps = run_expstream(tmp_path, cache, "algo.advantage_estimator=dr_grpo", "algo.dynamic_sampling=true",
-                                  "models.reward=null", "models.reward_fn=tests.rewardfns:constant_for_arithmetic")
+                                  "models.reward=null", "models.reward_fn=tests.rewardfns:constant_for_arithmetic",
+                                  "run.target_groups=4", "run.prompt_batch_size=1")
     per_group = check_common(summary, exps, dropped=2)  # the two "What is ..." prompts score 1.0 throughout
+    # 4 groups wanted: the first 4 prompts are fed, the 2 dropped groups are topped up from the file
+    assert summary["target_groups"] == 4 and summary["prompts_fed"] == 6
     assert set(per_group) == {"capital-1", "poem-1", "code-1", "logic-1"}
     for advs in per_group.values():
         assert abs(sum(advs)) < 1e-5  # minus the group mean, no std division
