@@ -198,3 +198,20 @@ def test_poison_prompt_is_refused_with_the_field(topo_models):
     with pytest.raises(Exception, match="empty prompt"):
         generate.process(PromptBatch(batch_id="p", prompt_id=["a"], prompt=["  "], label=[""], reference=[""]), ctx)
     assert decode(encode(PromptBatch(batch_id="p", prompt_id=[], prompt=[], label=[], reference=[]))).batch_id == "p"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("estimator", ["gae", "group_norm"])
+def test_every_stage_twice_on_the_same_record_gives_identical_bytes(topo_models, redis_state, estimator):
+    topo = load_topology(overrides=[*topo_models, f"algo.advantage_estimator={estimator}", "generate.max_new_tokens=5",
+                                    "algo.reward_running_norm=true", "algo.high_entropy_token_ratio=0.3",
+                                    "generate.n_samples_per_prompt=2", "algo.micro_rollout_batch_size=4"])
+    chain = LocalChain(topo, state=redis_state, through_codec=True).setup()
+    data = [PromptBatch(batch_id="p000000", prompt_id=["a", "b"], prompt=["Hi", "Sum"], label=["", ""],
+                        reference=["", ""])]
+    for st in topo.enabled_stages():
+        first = [encode(b) for b in chain.run_stage(st.name, data)]
+        second = [encode(b) for b in chain.run_stage(st.name, data)]
+        assert first == second, f"stage {st.name} is not deterministic"
+        assert first, f"stage {st.name} emitted nothing"
+        data = [decode(b) for b in first]
