@@ -128,8 +128,10 @@ class GenerateConfig:
     apply_chat_template: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("transformers", "vllm"), "generate.backend",
-               f"got {self.backend!r}; use transformers or vllm")
+        _check(self.backend != "vllm", "generate.backend",
+               "vllm is not wired in yet (it needs a GPU, and none was available to test it); use transformers, "
+               "which runs on CPU or GPU (models.device)")
+        _check(self.backend == "transformers", "generate.backend", f"got {self.backend!r}; use transformers")
         _check(self.n_samples_per_prompt >= 1, "generate.n_samples_per_prompt", "must be >= 1")
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _check(0 <= self.min_new_tokens <= self.max_new_tokens, "generate.min_new_tokens",

@@ -17,13 +17,8 @@ def setup(ctx: StageContext) -> None:
 
     topo = ctx.topology
     tok = load_tokenizer(model_dir(topo, "tokenizer"))
-    if topo.generate.backend == "vllm":
-        from expstream.vllm_backend import VLLMGenerator  # GPU only; imported lazily
-
-        ctx.models["generator"] = VLLMGenerator(str(model_dir(topo, "actor")), tok)
-    else:
-        model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
-        ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
+    model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
+    ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
     ctx.models["tokenizer"] = tok
 
 
