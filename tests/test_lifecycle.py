@@ -1,0 +1,120 @@
+"""`expstream run` leaves nothing behind, Ctrl-C stops it cleanly, the supervisor restarts the dead."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from expstream.supervisor import Supervisor, SupervisorError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def port_open(hostport: str) -> bool:
+    host, _, port = hostport.rpartition(":")
+    with socket.socket() as s:
+        s.settimeout(0.3)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    pids = json.loads((run_dir / "pids.json").read_text()) if (run_dir / "pids.json").exists() else {}
+    services = json.loads((run_dir / "services.json").read_text())
+    found = [f"{label} pid {pid}" for label, pid in pids.items() if alive(pid)]
+    found += [f"{k} {services[k]}" for k in ("broker_pid", "redis_pid") if k in services and alive(services[k])]
+    found += [f"port {services['bootstrap_servers']}"] if port_open(services["bootstrap_servers"]) else []
+    found += [f"port {services['redis_url']}"] if port_open(services["redis_url"].split("//")[1].split("/")[0]) else []
+    return found
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def start_run(tmp_path: Path, cache: Path, prompts: int = 6) -> tuple[subprocess.Popen, Path]:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(prompts)))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "expstream", "run", "--prompts", str(path), "--output", str(out),
+                             "--no-progress", "--set", f"models.cache_dir={cache}", "--set",
+                             "generate.max_new_tokens=6", "--set", "generate.n_samples_per_prompt=2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, out / "run"
+
+
+@pytest.mark.e2e
+def test_a_finished_run_leaves_no_process_and_no_open_port(tmp_path, cache):
+    proc, run_dir = start_run(tmp_path, cache)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert leftovers(run_dir) == []
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_every_stage_cleanly(tmp_path, cache):
+    proc, run_dir = start_run(tmp_path, cache, prompts=200)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "pids.json").exists() or len(json.loads((run_dir / "pids.json").read_text())) < 7:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(3)  # stages are up and working
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopping every stage cleanly" in err
+    summary = json.loads((run_dir.parent / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert leftovers(run_dir) == []
+
+
+def test_supervisor_restarts_a_dying_child_with_backoff_and_logs_it(tmp_path, caplog):
+    sup = Supervisor(tmp_path / "logs", max_restarts=2, spawn="exec")
+    sup.add("flaky", 0, [sys.executable, "-c", "import sys; print('up'); sys.exit(3)"])
+    caplog.set_level("INFO", logger="expstream.supervisor")
+    sup.start()
+    starts = [time.monotonic()]
+    with pytest.raises(SupervisorError, match="died 3 times"):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            before = sup.children[0].proc
+            sup.poll()
+            if sup.children[0].proc is not None and sup.children[0].proc is not before:
+                starts.append(time.monotonic())
+            time.sleep(0.02)
+    child = sup.children[0]
+    assert child.exit_codes == [3, 3, 3]
+    # backoff doubles: 0.5 s, then 1 s between restarts
+    assert starts[1] - starts[0] >= 0.45 and starts[2] - starts[1] >= 0.95
+    assert sum("exited with code 3; restart" in r.getMessage() for r in caplog.records) == 2
+    assert (tmp_path / "logs" / "flaky-0.log").read_text().count("up") == 3
+
+
+def test_supervisor_does_not_restart_a_configuration_error(tmp_path):
+    sup = Supervisor(tmp_path / "logs", spawn="exec")
+    sup.add("bad", 0, [sys.executable, "-c", "import sys; sys.exit(2)"])
+    sup.start()
+    sup.children[0].proc.wait(timeout=10)
+    with pytest.raises(SupervisorError, match="configuration error"):
+        sup.poll()
