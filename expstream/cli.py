@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | topics | models.
+"""``expstream`` command line: run | stage | topics | models | dlq.
 
 Exit codes: 0 done, 1 the run failed (a stage could not be kept alive, or a timeout), 2 a
 configuration error (the message names the field and the fix), 130 interrupted by Ctrl-C after
@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="build the built-in tiny offline models")
     models.add_argument("action", choices=["build"])
     _add_topology_args(models)
+
+    from expstream.dlq import add_dlq_parser
+
+    add_dlq_parser(sub, _add_topology_args)
     return parser
 
 
@@ -82,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_stage(topo, args)
         if args.command == "topics":
             return topics_command(topo, args)
+        if args.command == "dlq":
+            from expstream.dlq import dlq_command
+
+            return dlq_command(topo, args)
         if args.command == "models":
             from stages.common import model_dir
 

@@ -16,4 +16,4 @@ def first_char_code(queries, prompts, labels):
 
 def constant_for_arithmetic(queries, prompts, labels):
     """Every sample of an arithmetic prompt scores 1.0 (a constant group); others vary."""
-    return [1.0 if p.startswith("What is") else float(sum(q.encode()) % 5) for q, p in zip(queries, prompts)]
+    return [1.0 if p.startswith("What is") else float(sum(q.encode()) % 5) for q, p in zip(queries, prompts, strict=True)]

@@ -1,0 +1,325 @@
+"""Dead letters: what the stage runner writes to ``<topic>.dlq``, and ``expstream dlq inspect|redrive``.
+
+A dead letter is the record a stage could not process, sent to the dead-letter twin of the stage's
+input topic. Its value is the original bytes (or, when a micro-batch was split to isolate bad
+samples, the bad sample re-encoded as a 1-row batch); its headers say what went wrong and where
+the record came from:
+
+==================  =================================================================================
+``stage``           the stage that refused it
+``replica``         the replica id of that stage process
+``error_class``     the exception class (``DecodeError``, ``ValidationError``, ``PoisonRecordError``...)
+``error_message``   the message (for an unexpected exception: plus a short traceback); <= 2000 chars
+``original_topic``  where the record was read from: redrive publishes it back there
+``original_partition``, ``original_offset``
+``schema``, ``schema_version``, ``batch_id``   from the record's envelope, when readable
+``size``            bytes of the original record value
+``split_from``      only on a 1-row letter cut out of a failed micro-batch: that batch's id
+``sample_ids``      the sample ids (prompt ids for a PromptBatch) in the letter, comma separated
+``value_omitted``   only when the original was too large even for the dead-letter topic: the value
+                    is empty and the original stays at original_topic[partition]@offset
+``redrive_attempt`` how many times ``expstream dlq redrive`` has re-published it (absent: 0)
+==================  =================================================================================
+
+``redrive`` re-publishes each letter's value to its ``original_topic`` with the original record's
+own headers and ``redrive_attempt`` incremented; a letter already at ``--max-attempts`` is skipped
+and reported. It reads the DLQ as consumer group ``expstream.dlq-redrive.<dlq topic>`` and commits
+after every confirmed re-publish, so running it twice does not send the same letter twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from expstream.bus import KafkaConfig, end_offsets, make_admin, make_consumer, make_producer, send_and_confirm
+from expstream.errors import ConfigError, ExpstreamError
+
+DLQ_SUFFIX = ".dlq"
+# Header names written by stages/runner.py on every dead letter.
+H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE = "stage", "replica", "error_class", "error_message"
+H_TOPIC, H_PARTITION, H_OFFSET = "original_topic", "original_partition", "original_offset"
+H_SCHEMA, H_VERSION, H_BATCH_ID, H_SIZE = "schema", "schema_version", "batch_id", "size"
+H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED = "split_from", "sample_ids", "value_omitted"
+H_ATTEMPT = "redrive_attempt"
+#: Headers that describe one dead-lettering: replaced (never duplicated) when a redriven record
+#: fails again, and stripped when redrive re-publishes a letter to its original topic.
+RUNNER_HEADERS: tuple[str, ...] = (
+    H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE, H_TOPIC, H_PARTITION, H_OFFSET, H_SCHEMA,
+    H_VERSION, H_BATCH_ID, H_SIZE, H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED,
+)  # fmt: skip
+#: Consumer group used by redrive, per dead-letter topic.
+REDRIVE_GROUP = "expstream.dlq-redrive.{topic}"
+# How long one inspect/redrive waits for the broker (topic metadata, reaching the end snapshot).
+READ_TIMEOUT_S = 30.0
+POLL_MS = 200
+
+
+@dataclass
+class DeadLetter:
+    """One record of a dead-letter topic, with its headers decoded."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, str]
+    raw_headers: list[tuple[str, bytes]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_record(cls, rec: Any) -> DeadLetter:
+        raw = list(rec.headers or [])
+        headers = {k: (v or b"").decode("utf-8", errors="replace") for k, v in raw}
+        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, headers, raw)
+
+    @property
+    def attempt(self) -> int:
+        try:
+            return int(self.headers.get(H_ATTEMPT, "0") or 0)
+        except ValueError:
+            return 0
+
+    @property
+    def original_topic(self) -> str | None:
+        return self.headers.get(H_TOPIC) or None
+
+    @property
+    def origin(self) -> str:
+        return (f"{self.headers.get(H_TOPIC, '?')}[{self.headers.get(H_PARTITION, '?')}]"
+                f"@{self.headers.get(H_OFFSET, '?')}")
+
+    @property
+    def error_first_line(self) -> str:
+        msg = self.headers.get(H_ERROR_MESSAGE, "")
+        return msg.splitlines()[0] if msg else ""
+
+    def summary(self) -> dict[str, Any]:
+        """The fields ``inspect`` prints."""
+        return {
+            "dlq": f"{self.topic}[{self.partition}]@{self.offset}",
+            "stage": self.headers.get(H_STAGE),
+            "error_class": self.headers.get(H_ERROR_CLASS),
+            "error": self.error_first_line,
+            "original": self.origin,
+            "batch_id": self.headers.get(H_BATCH_ID),
+            "size": len(self.value or b""),
+            "original_size": int(self.headers[H_SIZE]) if self.headers.get(H_SIZE, "").isdigit() else None,
+            "schema": self.headers.get(H_SCHEMA),
+            "schema_version": self.headers.get(H_VERSION),
+            "split_from": self.headers.get(H_SPLIT_FROM),
+            "sample_ids": self.headers.get(H_SAMPLE_IDS),
+            "value_omitted": self.headers.get(H_VALUE_OMITTED),
+            "redrive_attempt": self.attempt,
+        }
+
+    def redrive_headers(self) -> list[tuple[str, bytes]]:
+        """The original record's own headers plus ``redrive_attempt`` = attempt + 1."""
+        kept = [(k, v) for k, v in self.raw_headers if k not in RUNNER_HEADERS and k != H_ATTEMPT]
+        return [*kept, (H_ATTEMPT, str(self.attempt + 1).encode())]
+
+
+def format_letter(s: dict[str, Any]) -> str:
+    extra = ""
+    if s["split_from"]:
+        extra += f" split_from={s['split_from']}"
+    if s["sample_ids"]:
+        extra += f" samples={s['sample_ids']}"
+    if s["value_omitted"]:
+        extra += " value_omitted"
+    return (f"{s['dlq']}  stage={s['stage']}  {s['error_class']}  from {s['original']}  batch={s['batch_id']}  "
+            f"size={s['size']}B  attempt={s['redrive_attempt']}{extra}\n    {s['error']}")
+
+
+def _partitions(consumer: Any, topic: str, timeout_s: float) -> list[TopicPartition]:
+    if topic not in consumer.topics():
+        raise ConfigError(f"topic {topic!r} does not exist on the broker", field="--topic",
+                          fix="name an existing dead-letter topic (`expstream topics list` shows them), "
+                              "e.g. batches.dlq")
+    deadline = time.monotonic() + timeout_s
+    parts = consumer.partitions_for_topic(topic)
+    while not parts and time.monotonic() < deadline:
+        time.sleep(0.05)
+        parts = consumer.partitions_for_topic(topic)
+    return [TopicPartition(topic, p) for p in sorted(parts or [])]
+
+
+def read_letters(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, limit: int | None = None,
+                 timeout_s: float = READ_TIMEOUT_S) -> list[DeadLetter]:
+    """Every letter of ``topic`` present now (at most ``limit``), read without a consumer group."""
+    from expstream.bus import read_topic
+
+    cfg = cfg or KafkaConfig()
+    probe = make_consumer(bootstrap, None, cfg)
+    try:
+        if not _partitions(probe, topic, timeout_s):
+            return []
+    finally:
+        probe.close()
+    return [DeadLetter.from_record(r) for r in read_topic(bootstrap, cfg, topic, timeout_s=timeout_s,
+                                                          max_records=limit)]
+
+
+def inspect(bootstrap: str, cfg: KafkaConfig | None, topics: list[str], *, limit: int | None = None,
+            as_json: bool = False, out: TextIO | None = None) -> int:
+    """Print the letters of ``topics``; returns how many were printed."""
+    out = out or sys.stdout
+    n = 0
+    for topic in topics:
+        letters = read_letters(bootstrap, cfg, topic, limit=None if limit is None else max(limit - n, 0))
+        if not as_json:
+            print(f"{topic}: {len(letters)} dead letter(s)", file=out)
+        for letter in letters:
+            s = letter.summary()
+            print(json.dumps(s, sort_keys=True) if as_json else format_letter(s), file=out)
+        n += len(letters)
+        if limit is not None and n >= limit:
+            break
+    return n
+
+
+@dataclass
+class RedriveReport:
+    topic: str
+    redriven: list[str] = field(default_factory=list)  # "dlq[p]@o -> topic (attempt k)"
+    skipped_max_attempts: list[str] = field(default_factory=list)
+    skipped_other: list[str] = field(default_factory=list)  # no original topic, value omitted
+    dry_run: bool = False
+
+    def lines(self) -> list[str]:
+        verb = "would redrive" if self.dry_run else "redrove"
+        out = [f"{self.topic}: {verb} {len(self.redriven)}, skipped {len(self.skipped_max_attempts)} at max "
+               f"attempts, {len(self.skipped_other)} not redrivable"]
+        out += [f"  {verb}: {x}" for x in self.redriven]
+        out += [f"  skipped (max attempts): {x}" for x in self.skipped_max_attempts]
+        out += [f"  skipped: {x}" for x in self.skipped_other]
+        return out
+
+
+def redrive(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, max_attempts: int = 3, dry_run: bool = False,
+            timeout_s: float = READ_TIMEOUT_S) -> RedriveReport:
+    """Re-publish the letters of ``topic`` not yet redriven by an earlier call (see the module doc)."""
+    if not topic.endswith(DLQ_SUFFIX):
+        raise ConfigError(f"{topic!r} is not a dead-letter topic", field="--topic",
+                          fix=f"name a topic ending in {DLQ_SUFFIX}, e.g. batches.dlq")
+    if max_attempts < 1:
+        raise ConfigError(f"must be >= 1, got {max_attempts}", field="--max-attempts", fix="use e.g. 3")
+    cfg = cfg or KafkaConfig()
+    report = RedriveReport(topic, dry_run=dry_run)
+    consumer = make_consumer(bootstrap, REDRIVE_GROUP.format(topic=topic), cfg, max_poll_records=100)
+    producer = None if dry_run else make_producer(bootstrap, cfg)
+    try:
+        tps = _partitions(consumer, topic, timeout_s)
+        if not tps:
+            return report
+        ends = end_offsets(bootstrap, cfg, tps, timeout_s=timeout_s)
+        consumer.assign(tps)  # no group join: the group only stores redrive's progress
+        for tp in tps:
+            committed = consumer.committed(tp)
+            if committed is None:
+                consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, committed)
+        deadline = time.monotonic() + timeout_s
+        remaining = {tp for tp in tps if consumer.position(tp) < ends[tp]}
+        while remaining:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"did not reach the end of {topic} within {timeout_s:.0f}s",
+                                  field="--bootstrap-servers", fix="check that the broker is reachable")
+            for tp, recs in consumer.poll(timeout_ms=POLL_MS).items():
+                for rec in recs:
+                    if rec.offset >= ends[tp]:
+                        continue
+                    _redrive_one(DeadLetter.from_record(rec), producer, cfg, max_attempts, report)
+                    if not dry_run:  # progress is stored only once the re-publish is confirmed
+                        consumer.commit({tp: OffsetAndMetadata(rec.offset + 1, "", -1)})
+            remaining = {tp for tp in remaining if consumer.position(tp) < ends[tp]}
+        return report
+    finally:
+        if producer is not None:
+            producer.close(timeout=10)
+        consumer.close(autocommit=False)
+
+
+def _redrive_one(letter: DeadLetter, producer: Any, cfg: KafkaConfig, max_attempts: int,
+                 report: RedriveReport) -> None:
+    where = f"{letter.topic}[{letter.partition}]@{letter.offset} (from {letter.origin}, " \
+            f"batch {letter.headers.get(H_BATCH_ID)}, {letter.headers.get(H_ERROR_CLASS)})"
+    if letter.attempt >= max_attempts:
+        report.skipped_max_attempts.append(f"{where}: already redriven {letter.attempt} time(s)")
+        return
+    target = letter.original_topic
+    if not target:
+        report.skipped_other.append(f"{where}: no original_topic header")
+        return
+    if letter.headers.get(H_VALUE_OMITTED) or letter.value is None:
+        report.skipped_other.append(f"{where}: value omitted ({letter.headers.get(H_VALUE_OMITTED)}); "
+                                    "re-publish it from its original position by hand")
+        return
+    if producer is not None:
+        send_and_confirm(producer, target, letter.value, letter.key, letter.redrive_headers(),
+                         timeout_s=cfg.produce_timeout_s)
+    report.redriven.append(f"{where} -> {target} (attempt {letter.attempt + 1})")
+
+
+def _dlq_topics_of(bootstrap: str, cfg: KafkaConfig, topo: Any) -> list[str]:
+    admin = make_admin(bootstrap, cfg)
+    try:
+        existing = set(admin.list_topics())
+    finally:
+        admin.close()
+    return [f"{t}{DLQ_SUFFIX}" for t in topo.all_topics() if f"{t}{DLQ_SUFFIX}" in existing]
+
+
+def dlq_command(topo: Any, args: argparse.Namespace) -> int:
+    """``expstream dlq inspect|redrive`` (wired in expstream/cli.py)."""
+    if not args.bootstrap_servers:
+        raise ConfigError("needed to read dead letters", field="--bootstrap-servers", fix="e.g. --bootstrap-servers kafka:9092")
+    cfg = topo.kafka
+    try:
+        return _dlq_action(args, cfg, topo)
+    except (ExpstreamError, KafkaError) as exc:  # ConfigError goes to cli.main (exit 2); the rest: exit 1
+        if isinstance(exc, ConfigError):
+            raise
+        print(f"expstream dlq {args.dlq_action}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _dlq_action(args: argparse.Namespace, cfg: KafkaConfig, topo: Any) -> int:
+    if args.dlq_action == "inspect":
+        if bool(args.topic) == bool(args.all):
+            raise ConfigError("give exactly one of --topic T.dlq or --all", field="--topic",
+                              fix="--topic batches.dlq, or --all (every .dlq twin of the topology's topics)")
+        topics = [args.topic] if args.topic else _dlq_topics_of(args.bootstrap_servers, cfg, topo)
+        inspect(args.bootstrap_servers, cfg, topics, limit=args.limit, as_json=args.json)
+        return 0
+    report = redrive(args.bootstrap_servers, cfg, args.topic, max_attempts=args.max_attempts, dry_run=args.dry_run)
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+def add_dlq_parser(sub: Any, add_topology_args: Any) -> None:
+    """The ``dlq`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
+    dlq = sub.add_parser("dlq", help="inspect or re-drive dead letters (<topic>.dlq)")
+    actions = dlq.add_subparsers(dest="dlq_action", required=True)
+    ins = actions.add_parser("inspect", help="print each dead letter's headers")
+    add_topology_args(ins)
+    ins.add_argument("--topic", help="a dead-letter topic, e.g. batches.dlq")
+    ins.add_argument("--all", action="store_true", help="every .dlq twin of the topology's topics")
+    ins.add_argument("--limit", type=int, default=None, help="print at most N letters")
+    ins.add_argument("--json", action="store_true", help="one JSON object per letter")
+    red = actions.add_parser("redrive", help="re-publish dead letters to their original topics")
+    add_topology_args(red)
+    red.add_argument("--topic", required=True, help="the dead-letter topic, e.g. batches.dlq")
+    red.add_argument("--max-attempts", type=int, default=3,
+                     help="skip letters already redriven this many times (default 3)")
+    red.add_argument("--dry-run", action="store_true", help="report what would be sent; send and commit nothing")
