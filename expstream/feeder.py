@@ -94,6 +94,8 @@ class ExperienceCollector:
     duplicates: int = 0
     dead_letters: list[dict] = field(default_factory=list)
     dead_groups: set[str] = field(default_factory=set)
+    dead_samples: set[str] = field(default_factory=set)
+    group_mode: bool = False  # group estimators emit whole groups only
 
     def __post_init__(self) -> None:
         self.consumer = make_consumer(self.bootstrap, None, self.cfg)
@@ -141,12 +143,32 @@ class ExperienceCollector:
                  "error": (headers.get("error_message") or "").splitlines()[:1]}
         try:
             msg = decode(rec.value)
-            groups = msg.prompt_id if isinstance(msg, PromptBatch) else msg.group_id
-            self.dead_groups.update(groups)
-            entry["groups"] = sorted(set(groups))
         except SchemaError:
             entry["groups"] = []
+        else:
+            if isinstance(msg, PromptBatch):  # the whole prompt group is lost, every sample of it
+                ids = [f"{g}#{i}" for g in msg.prompt_id for i in range(self.n_per_group)]
+            else:
+                ids = msg.sample_ids()
+            self.dead_samples.update(ids)
+            groups = {sid.rpartition("#")[0] for sid in ids}
+            self.dead_groups.update(groups)
+            entry["groups"] = sorted(groups)
         self.dead_letters.append(entry)
+
+    def lost_groups(self) -> set[str]:
+        """Groups that cannot come out complete because samples of them were dead-lettered.
+
+        With a group estimator one dead sample loses the group (its buffer never fills); with a
+        per-sample estimator the group is accounted for once every sample came out or died.
+        """
+        dead: dict[str, int] = {}
+        for sid in self.dead_samples - self.samples:
+            g = sid.rpartition("#")[0]
+            dead[g] = dead.get(g, 0) + 1
+        return {g for g, k in dead.items()
+                if self.group_counts.get(g, 0) < self.n_per_group
+                and (self.group_mode or self.group_counts.get(g, 0) + k >= self.n_per_group)}
 
     def close(self) -> None:
         self.consumer.close()

@@ -190,7 +190,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         stack.callback(sup.stop)
         dlqs = [f"{t}.dlq" for t in topo.all_topics()]
         collector = ExperienceCollector(bootstrap, topo.kafka, topo.output_topic,
-                                        topo.generate.n_samples_per_prompt, dlq_topics=dlqs)
+                                        topo.generate.n_samples_per_prompt, dlq_topics=dlqs,
+                                        group_mode=topo.is_group_estimator)
         stack.callback(collector.close)
         plan = FeedPlan(topo, len(rows))
         fed, records = 0, 0
@@ -202,7 +203,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                 if stop["stop"]:
                     status = EXIT_INTERRUPTED
                     break
-                lost = dropped + len(collector.dead_groups - set(collector.group_counts))
+                lost = dropped + len(collector.lost_groups())
                 if plan.wanted(lost) > fed:  # first feed, or a top-up for groups dynamic sampling dropped
                     want = plan.wanted(lost)
                     records += feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows[fed:want],
@@ -239,7 +240,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             "target_groups": plan.target,
             "groups_complete": collector.complete_groups,
             "groups_dropped_dynamic_sampling": dropped,
-            "groups_dead_lettered": sorted(collector.dead_groups - set(collector.group_counts)),
+            "groups_dead_lettered": sorted(collector.lost_groups()),
             "samples": len(collector.samples),
             "experience_records": len(collector.records),
             "duplicate_samples_dropped": collector.duplicates,
@@ -297,7 +298,7 @@ def flush_last_window(topo: Topology, state, collector: ExperienceCollector, pro
         return
     pending = windows.pending_samples(state, advantage.WINDOW_NAME)
     n = topo.generate.n_samples_per_prompt
-    expected = (prompts - dropped - len(collector.dead_groups - set(collector.group_counts))) * n
+    expected = (prompts - dropped) * n - len(collector.dead_samples - collector.samples)
     if pending == 0 or len(collector.samples) + pending < expected:
         return
     from expstream.bus import make_producer, send_all_and_confirm

@@ -17,3 +17,8 @@ def first_char_code(queries, prompts, labels):
 def constant_for_arithmetic(queries, prompts, labels):
     """Every sample of an arithmetic prompt scores 1.0 (a constant group); others vary."""
     return [1.0 if p.startswith("What is") else float(sum(q.encode()) % 5) for q, p in zip(queries, prompts, strict=True)]
+
+
+def nan_for_poison(queries, prompts, labels):
+    """NaN (a poisoned sample) for prompts that mention poison, 1.0 otherwise."""
+    return [float("nan") if "poison" in p else 1.0 for p in prompts]

@@ -113,3 +113,26 @@ def test_dr_grpo_with_dynamic_sampling_drops_constant_groups(tmp_path, cache):
     assert set(per_group) == {"capital-1", "poem-1", "code-1", "logic-1"}
     for advs in per_group.values():
         assert abs(sum(advs)) < 1e-5  # minus the group mean, no std division
+
+
+@pytest.mark.parametrize("estimator", ["reinforce", "group_norm"])
+def test_dead_lettered_samples_do_not_stall_the_run(tmp_path, cache, estimator):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": f"ok{i}", "prompt": f"Question {i}?"} for i in range(3)]
+    rows += [{"id": "empty", "prompt": " "}, {"id": "bad", "prompt": "a poison question"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out), "--no-progress",
+         "--set", f"models.cache_dir={cache}", "--set", "generate.max_new_tokens=4", "--set", "models.reward=null",
+         "--set", "models.reward_fn=tests.rewardfns:nan_for_poison", "--set", f"algo.advantage_estimator={estimator}",
+         "--set", "run.timeout_s=120", "--set", "run.prompt_batch_size=5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["groups_complete"] == 3 and summary["groups_dead_lettered"] == ["bad", "empty"]
+    stages = {d["stage"] for d in summary["dead_letters"]}
+    assert stages == {"generate", "reward"}
+    exps = read_experiences(out / "experiences.msgpack")
+    ids = Counter(s for e in exps for s in e.sample_ids)
+    assert set(ids) == {f"ok{i}#{k}" for i in range(3) for k in range(N)} and set(ids.values()) == {1}
