@@ -555,13 +555,19 @@ class LocalRedis(_ServerProcess):
         """Start redis-server; returns its URL once it answers PING."""
         return self._start(timeout_s)
 
-    def restart(self, timeout_s: float = REDIS_START_TIMEOUT_S) -> str:
-        """Stop and start again on the same port and dir (data kept when appendonly)."""
+    def restart(self, timeout_s: float = REDIS_START_TIMEOUT_S, *, down_s: float = 0.0) -> str:
+        """Stop and start again on the same port and dir (data kept when appendonly).
+
+        ``down_s`` keeps the server down that long before starting it again (an outage, not just a
+        restart): clients see refused connections meanwhile and must retry with backoff.
+        """
         port = self.port
         self.stop()
         if port is not None:
             self._requested_port = self._requested_port or port
             _wait_port_released(self.host, port, STOP_GRACE_S)
+        if down_s > 0:
+            time.sleep(down_s)
         return self.start(timeout_s)
 
 

@@ -330,6 +330,18 @@ class RedisState:
                 time.sleep(sleep)
                 delay = min(delay * 2, RETRY_MAX_DELAY_S)
 
+    def _pipeline(self, what: str, fill: Callable[[redis.client.Pipeline], None], *, transaction: bool) -> list:
+        """Run a pipeline of reads with :meth:`_call`'s retries, building it afresh for every attempt:
+        redis-py clears a pipeline's command stack when ``execute()`` fails after sending (a socket
+        timeout, a connection dropped mid-reply), so re-executing the same object returns ``[]``."""
+
+        def attempt() -> list:
+            pipe = self._r.pipeline(transaction=transaction)
+            fill(pipe)
+            return pipe.execute()
+
+        return self._call(what, attempt)
+
     def _script(self, name: str, keys: list[str], args: list) -> object:
         return self._call(name, self._scripts[name], keys=keys, args=args)
 
@@ -391,10 +403,11 @@ class RedisState:
 
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         """(members parked, group size n or None if unknown, completer batch_id or None)."""
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hlen(self.key("group", group_id))
-        pipe.hmget(self.key("group", group_id, "meta"), "n", "completer")
-        have, (n, completer) = self._call("group_status", pipe.execute)
+        def read(pipe: redis.client.Pipeline) -> None:
+            pipe.hlen(self.key("group", group_id))
+            pipe.hmget(self.key("group", group_id, "meta"), "n", "completer")
+
+        have, (n, completer) = self._pipeline("group_status", read, transaction=True)
         return (
             int(have),
             (int(n) if n is not None else None),
@@ -474,10 +487,11 @@ class RedisState:
         stages = sorted(s.decode() for s in self._call("stage_stats", self._r.smembers, self.key("stages")))
         if not stages:
             return {}
-        pipe = self._r.pipeline(transaction=False)
-        for s in stages:
-            pipe.hmget(self.key("stage", s), "batches", "samples", "seconds")
-        rows = self._call("stage_stats", pipe.execute)
+        def read(pipe: redis.client.Pipeline) -> None:
+            for s in stages:
+                pipe.hmget(self.key("stage", s), "batches", "samples", "seconds")
+
+        rows = self._pipeline("stage_stats", read, transaction=False)
         return {
             s: {"batches": int(b or 0), "samples": int(n or 0), "seconds": float(sec or 0.0)}
             for s, (b, n, sec) in zip(stages, rows, strict=True)
