@@ -55,6 +55,7 @@ retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -62,7 +63,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, TopicPartition
@@ -97,6 +98,9 @@ RETRY_GIVE_UP_S = 300.0
 COMMIT_GIVE_UP_S = 60.0
 # Header values are truncated so one enormous error message cannot make the DLQ record oversized.
 MAX_HEADER_CHARS = 2000
+# Why 5 s: an acknowledgement normally takes milliseconds; after 5 s the operator should hear that the
+# broker is slow or away, long before kafka.produce_timeout_s (30 s) turns it into a retry.
+SLOW_SEND_WARN_S = 5.0
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
 # Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
@@ -595,8 +599,12 @@ class StageRunner:
         started, backoff, attempt = time.monotonic(), RETRY_BACKOFF_START_S, 0
         while True:
             try:
-                send_all_and_confirm(self.producer, [(o.topic, o.value, o.key, o.headers) for o in items],
-                                     self.ctx.topology.kafka.produce_timeout_s)
+                with _warn_if_slow(self.log, "stage %s %s: still waiting for the broker to acknowledge %d records "
+                                   "after %.0fs (broker unreachable or paused?); retrying after "
+                                   "kafka.produce_timeout_s=%.0fs", self.stage.name, what, len(items),
+                                   SLOW_SEND_WARN_S, self.ctx.topology.kafka.produce_timeout_s):
+                    send_all_and_confirm(self.producer, [(o.topic, o.value, o.key, o.headers) for o in items],
+                                         self.ctx.topology.kafka.produce_timeout_s)
                 if attempt:
                     self.log.info("stage %s %s: sent after %d retries (%.1fs); broker reachable again",
                                   self.stage.name, what, attempt, time.monotonic() - started)
@@ -651,7 +659,10 @@ class StageRunner:
                                  "re-processes it, idempotently)", self.stage.name, where, batch_id)
                 return False
             try:
-                self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
+                with _warn_if_slow(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
+                                   "%.0fs (broker unreachable or paused?)", self.stage.name, where, batch_id,
+                                   SLOW_SEND_WARN_S):
+                    self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
                 if attempt:
                     self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage.name, where,
                                   batch_id, attempt)
@@ -675,6 +686,18 @@ class StageRunner:
                                  "%.1fs", self.stage.name, where, batch_id, type(exc).__name__, exc, attempt, backoff)
                 self._sleep_polling(backoff)
                 backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
+
+
+@contextlib.contextmanager
+def _warn_if_slow(log: logging.Logger, message: str, *args: Any) -> Iterator[None]:
+    """Log ``message`` once if the block is still running after SLOW_SEND_WARN_S."""
+    timer = threading.Timer(SLOW_SEND_WARN_S, log.warning, args=(message, *args))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class _Poison(Exception):
