@@ -1,0 +1,651 @@
+"""Streaming pipeline vs. the same stage functions called one after another in one process.
+
+Runs the same prompts, models and knobs through
+
+* the streaming pipeline: ``expstream run`` as a subprocess (embedded broker and redis-server,
+  one process per stage, each with ``run.torch_threads`` = 1 thread), at two prompt counts N and
+  2N, ``--repeats`` times each; and
+* the seed's synchronous shape: ``stages.local.LocalChain`` in this process (models loaded
+  outside the timed region), with torch using 2 threads (all cores to one process: the fair
+  baseline) and 1 thread,
+
+and prints samples/s for both and their ratio, plus the per-hop overhead (codec + broker) in ms
+per micro-batch against the slowest stage's compute per micro-batch.
+
+Streaming rates:
+
+* end-to-end: samples / wall of the whole ``expstream run`` command (Python start-up, broker and
+  redis start, stage process start-up, model loads, consumer-group joins, shutdown) — what a user
+  waits for; also ``samples_per_s`` from summary.json (its wall excludes CLI start-up and shutdown);
+* steady-state, two-point: summary.json carries no per-experience arrival times, so the fixed
+  start-up cost is cancelled by running N and 2N prompts: (samples_2N - samples_N) /
+  (wall_2N - wall_N) with the median walls;
+* steady-state, from logs (a cross-check inside each run): the advantage stage logs a
+  timestamped line per micro-batch; samples after the first line / (last - first timestamp).
+
+Baseline and streaming runs are interleaved (baseline 2t/1t, streaming N, 2N, repeat) so that the
+machine's noise hits both sides alike. CPU seconds are accounted too: the `expstream run` process
+tree is sampled from /proc (per stage process, broker, redis), the baseline with process_time().
+
+Per-hop overhead: the records each topic carried in the baseline run are sent, round robin over
+the hops, through a LocalBroker with the stages' own client settings: encode, confirmed produce,
+fetch by a consumer-group member, decode, synchronous commit (what stages/runner.py does per record).
+
+Usage: ``.venv/bin/python bench/pipeline.py [--prompts 48] [--model-size tiny|small] [--set k=v]``.
+Nothing is asserted: the script reports; it exits non-zero only when a run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    ROOT,
+    SMALL_CACHE,
+    TINY_CACHE,
+    fmt,
+    machine,
+    median,
+    progress,
+    ratio,
+    rounded,
+    save,
+    table,
+    write_prompts,
+)
+
+from expstream.feeder import prompt_batches, read_prompts
+from expstream.topology import Topology, load_topology
+from schemas import decode, encode
+from stages.local import LocalChain
+
+HOP_TOPIC = "bench.hop"
+#: An `expstream run` that takes longer than this is killed (the bench should take ~3 minutes).
+RUN_TIMEOUT_S = 420
+ADVANTAGE_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*stage advantage \S+ batch=\S+: (\d+) samples -> \d+ records"
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=48, help="N generated prompts (streaming also runs 2N)")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (generate.n_samples_per_prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--estimator", default="group_norm", help="algo.advantage_estimator")
+    p.add_argument("--model-size", choices=["tiny", "small"], default="tiny",
+                   help="tiny: the built-in h64/l2 models; small: h256/l4 built into a separate cache")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                   help="topology override for both the pipeline and the baseline (repeatable)")
+    p.add_argument("--repeats", type=int, default=2, help="streaming runs per prompt count (median)")
+    p.add_argument("--baseline-repeats", type=int, default=3, help="in-process runs per thread count (median)")
+    p.add_argument("--hop-records", type=int, default=30, help="records timed per hop (median)")
+    p.add_argument("--keep-runs", action="store_true", help="keep the streaming runs' output directories")
+    return p.parse_args()
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration
+# ------------------------------------------------------------------------------------------------
+
+
+def model_overrides(size: str) -> tuple[list[str], dict[str, Any]]:
+    """``--set`` items pointing models.* at the chosen models (built now, outside every timing)."""
+    from expstream.models import build_tiny_models
+
+    t0 = time.perf_counter()
+    if size == "tiny":
+        build_tiny_models(TINY_CACHE)
+        sets = [f"models.cache_dir={TINY_CACHE}"]
+        info = {"size": "tiny", "hidden": 64, "layers": 2}
+    else:
+        paths = build_tiny_models(SMALL_CACHE, hidden=256, layers=4)
+        sets = [f"models.cache_dir={SMALL_CACHE}", f"models.tokenizer={paths['tokenizer']}",
+                f"models.actor={paths['actor']}", f"models.reference={paths['actor']}",
+                f"models.critic={paths['critic']}", f"models.reward={paths['reward']}"]
+        info = {"size": "small", "hidden": 256, "layers": 4}
+    info["build_or_check_s"] = round(time.perf_counter() - t0, 2)
+    return sets, info
+
+
+def topology_sets(args: argparse.Namespace, models: list[str]) -> list[str]:
+    return [f"generate.n_samples_per_prompt={args.n}", f"generate.max_new_tokens={args.max_new_tokens}",
+            f"algo.advantage_estimator={args.estimator}", *models, *args.overrides]
+
+
+# ------------------------------------------------------------------------------------------------
+# baseline: LocalChain in this process
+# ------------------------------------------------------------------------------------------------
+
+
+class CapturingChain(LocalChain):
+    """LocalChain that keeps each stage's inputs and outputs of the last run (for the hop records)."""
+
+    def run_stage(self, name: str, inputs):  # noqa: ANN001, ANN201 - same signature as LocalChain
+        inputs = list(inputs)
+        out = super().run_stage(name, inputs)
+        self.captured[name] = (inputs, out)
+        return out
+
+
+class Baseline:
+    """LocalChain in this process: models loaded once (timed separately), then timed runs."""
+
+    def __init__(self, topo: Topology, prompts: Path) -> None:
+        self.topo = topo
+        self.rows = read_prompts(prompts)
+        self.pbs = topo.run.prompt_batch_size
+        self.threads_before = torch.get_num_threads()
+        t0 = time.perf_counter()
+        self.chain = CapturingChain(topo)
+        self.chain.captured = {}
+        self.chain.setup()
+        self.load_s = time.perf_counter() - t0
+        progress(f"baseline: models loaded in {self.load_s:.2f}s; warm-up")
+        torch.set_num_threads(2)
+        self.chain.run(list(prompt_batches(self.rows[: 2 * self.pbs], self.pbs)))  # first-call costs
+        torch.set_num_threads(self.threads_before)
+        self.runs: dict[int, list[dict[str, Any]]] = {2: [], 1: []}
+
+    def run(self, threads: int) -> None:
+        chain = self.chain
+        torch.set_num_threads(threads)
+        chain.seconds.clear()
+        chain.batches.clear()
+        chain.captured = {}
+        started, cpu0 = time.perf_counter(), time.process_time()
+        out = chain.run(prompt_batches(self.rows, self.pbs))
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu0
+        torch.set_num_threads(self.threads_before)
+        samples = sum(len(b) for b in out)
+        stages = {
+            name: {"seconds": chain.seconds[name], "batches": chain.batches[name],
+                   "samples": sum(len(b) for b in chain.captured[name][1])}
+            for name in chain.seconds
+        }
+        self.runs[threads].append({"wall_s": wall, "cpu_s": cpu, "samples": samples, "stages": stages})
+        progress(f"baseline {threads} thread(s) run {len(self.runs[threads])}: {samples} samples in {wall:.2f}s")
+
+    def result(self) -> dict[str, Any]:
+        mrb = self.topo.algo.micro_rollout_batch_size
+        result: dict[str, Any] = {"load_s": self.load_s, "runs": self.runs, "chain": self.chain}
+        for threads, rs in self.runs.items():
+            samples = rs[0]["samples"]
+            wall = median([r["wall_s"] for r in rs])
+            per_stage = {}
+            for name in rs[0]["stages"]:
+                secs = median([r["stages"][name]["seconds"] for r in rs])
+                b = rs[0]["stages"][name]["batches"]
+                s = rs[0]["stages"][name]["samples"]
+                per_stage[name] = {"seconds": secs, "batches": b, "samples": s,
+                                   "ms_per_record": 1000 * secs / b if b else float("nan"),
+                                   # per micro-batch of micro_rollout_batch_size samples: generate's records
+                                   # hold prompt_batch_size*n samples, LocalChain's advantage gets one batch
+                                   "ms_per_microbatch": 1000 * secs * mrb / s if s else float("nan")}
+            result[threads] = {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+                               "cpu_ms_per_sample": 1000 * median([r["cpu_s"] for r in rs]) / samples,
+                               "stages": per_stage}
+        return result
+
+
+# ------------------------------------------------------------------------------------------------
+# per-hop overhead: encode + produce (confirmed) + fetch + decode + commit through a LocalBroker
+# ------------------------------------------------------------------------------------------------
+
+
+def hop_records(topo: Topology, chain: CapturingChain) -> list[tuple[str, str, list]]:
+    """(topic, "producer -> consumer", records) for every topic a micro-batch crosses."""
+    stages = topo.enabled_stages()
+    hops = [(topo.topics.input, f"feeder -> {stages[0].name}", chain.captured[stages[0].name][0])]
+    for i, st in enumerate(stages):
+        consumer = stages[i + 1].name if i + 1 < len(stages) else "collector"
+        hops.append((st.output, f"{st.name} -> {consumer}", chain.captured[st.name][1]))
+    return hops
+
+
+def measure_hops(topo: Topology, hops: list[tuple[str, str, list]], per_hop: int) -> dict[str, Any]:
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    from expstream.bus import make_consumer, make_producer, send_all_and_confirm
+    from expstream.infra import LocalBroker, create_topics
+
+    cfg = topo.kafka
+    tmp = Path(tempfile.mkdtemp(prefix="bench-hops-"))
+    broker = LocalBroker(tmp / "broker")
+    bootstrap = broker.start()
+    producer = consumer = None
+    try:
+        create_topics(bootstrap, {HOP_TOPIC: 1}, with_dlq=False)
+        producer = make_producer(bootstrap, cfg)
+        # the stages' own client settings, as a consumer-group member that commits after every record
+        consumer = make_consumer(bootstrap, "bench.hop", cfg, topics=[HOP_TOPIC])
+        tp = TopicPartition(HOP_TOPIC, 0)
+        started = time.perf_counter()
+        while not consumer.assignment():
+            consumer.poll(timeout_ms=100)
+            if time.perf_counter() - started > 60:
+                raise RuntimeError("bench consumer got no partition within 60 s")
+        join_s = time.perf_counter() - started
+
+        def one(rec) -> dict[str, float]:  # noqa: ANN001
+            t0 = time.perf_counter()
+            data = encode(rec)
+            t1 = time.perf_counter()
+            send_all_and_confirm(producer, [(HOP_TOPIC, data, rec.batch_id.encode(), None)], cfg.produce_timeout_s)
+            t2 = time.perf_counter()
+            got = None
+            while got is None:
+                for recs in consumer.poll(timeout_ms=1000, max_records=1).values():
+                    got = recs[0]
+                if time.perf_counter() - t2 > 30:
+                    raise RuntimeError("record not fetched back within 30 s")
+            t3 = time.perf_counter()
+            back = decode(got.value)
+            t4 = time.perf_counter()
+            consumer.commit({tp: OffsetAndMetadata(got.offset + 1, "", -1)})
+            t5 = time.perf_counter()
+            if back.batch_id != rec.batch_id:
+                raise RuntimeError(f"fetched {back.batch_id}, sent {rec.batch_id}")
+            return {"encode": t1 - t0, "produce": t2 - t1, "fetch": t3 - t2, "decode": t4 - t3,
+                    "commit": t5 - t4, "total": t5 - t0, "bytes": len(data), "samples": len(rec)}
+
+        for rec in hops[0][2][:3]:  # warm the connections
+            one(rec)
+        hops = [h for h in hops if h[2]]
+        timings: dict[str, list[dict[str, float]]] = {topic: [] for topic, _, _ in hops}
+        for i in range(per_hop):  # round robin over the hops, so a burst of machine noise hits them all alike
+            for topic, _, records in hops:
+                timings[topic].append(one(records[i % len(records)]))
+        out = {}
+        for topic, edge, _ in hops:
+            samples = timings[topic]
+            out[topic] = {"edge": edge, **{k: median([s[k] for s in samples]) for k in samples[0]},
+                          "total_p90": sorted(s["total"] for s in samples)[int(0.9 * (len(samples) - 1))]}
+        progress("hops: " + ", ".join(f"{t} {1000 * h['total']:.2f} ms" for t, h in out.items()))
+        return {"join_s": join_s, "hops": out}
+    finally:
+        if consumer is not None:
+            consumer.close(autocommit=False)
+        if producer is not None:
+            producer.close(timeout=5)
+        broker.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming: `expstream run` as a subprocess
+# ------------------------------------------------------------------------------------------------
+
+
+def log_steady_rate(log_dir: Path) -> float:
+    """Samples/s of the advantage stage between its first and last logged micro-batch."""
+    events = []
+    for path in log_dir.glob("advantage-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            m = ADVANTAGE_LINE.match(line)
+            if m:
+                ts = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                events.append((ts, int(m.group(2))))
+    events.sort()
+    if len(events) < 2 or events[-1][0] <= events[0][0]:
+        return float("nan")
+    return sum(s for _, s in events[1:]) / (events[-1][0] - events[0][0])
+
+
+class TreeCPU:
+    """CPU seconds (user + system) of a process tree, sampled from /proc while it runs (Linux).
+
+    ``getrusage(RUSAGE_CHILDREN)`` misses the stage processes (they are children of a fork server
+    or supervisor that is not reaped by us in time), so the tree is walked every ``interval`` s
+    and each process's last-seen counters are summed; a process's last < ``interval`` s is lost.
+    """
+
+    def __init__(self, root: int, interval: float = 0.2) -> None:
+        self.root, self.interval = root, interval
+        self.cpu: dict[tuple[int, int], tuple[str, float]] = {}
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> TreeCPU:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.scan()
+            self._stop.wait(self.interval)
+
+    def scan(self) -> None:
+        procs: dict[int, tuple[int, str, float, int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    data = fh.read()
+            except OSError:
+                continue
+            comm = data[data.find("(") + 1: data.rfind(")")]
+            f = data[data.rfind(")") + 2:].split()
+            procs[int(entry)] = (int(f[1]), comm, (int(f[11]) + int(f[12])) / self.tick, int(f[19]))
+        kids: dict[int, list[int]] = {}
+        for pid, (ppid, *_rest) in procs.items():
+            kids.setdefault(ppid, []).append(pid)
+        todo = [self.root]
+        while todo:
+            pid = todo.pop()
+            if pid in procs:
+                _, comm, cpu, start = procs[pid]
+                self.cpu[(pid, start)] = (comm, cpu)
+            todo.extend(kids.get(pid, []))
+
+    def totals(self, stage_pids: dict[int, str]) -> dict[str, Any]:
+        """CPU s: total, cli (the `expstream run` process), broker, redis, per stage, other (fork server)."""
+        out: dict[str, Any] = {"total": 0.0, "cli": 0.0, "broker": 0.0, "redis": 0.0, "other": 0.0, "stages": {}}
+        for (pid, _), (comm, cpu) in self.cpu.items():
+            out["total"] += cpu
+            if pid == self.root:
+                out["cli"] += cpu
+            elif pid in stage_pids:
+                out["stages"][stage_pids[pid]] = out["stages"].get(stage_pids[pid], 0.0) + cpu
+            elif comm.startswith("tansu"):
+                out["broker"] += cpu
+            elif comm.startswith("redis"):
+                out["redis"] += cpu
+            else:
+                out["other"] += cpu
+        return out
+
+
+def stage_pids(log_dir: Path) -> dict[int, str]:
+    """pid -> stage name, from the stage logs (``<stage>-<replica>.log``, lines ``...[pid]: ...``)."""
+    out = {}
+    for path in log_dir.glob("*.log"):
+        stage = path.stem.rsplit("-", 1)[0]
+        for pid in set(re.findall(r"^\S+ \S+ \S+ [^\s\[]+\[(\d+)\]:", path.read_text(errors="replace"), re.M)):
+            out[int(pid)] = stage
+    return out
+
+
+def stream_run(prompts: Path, sets: list[str], out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
+           "--no-progress", "--set", "run.timeout_s=120"]
+    for s in sets:
+        cmd += ["--set", s]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with TreeCPU(proc.pid) as tree:
+        try:
+            stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            raise SystemExit(f"expstream run took over {RUN_TIMEOUT_S}s (output in {out})") from None
+    cmd_wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        sys.stderr.write(stdout[-3000:] + stderr[-6000:])
+        raise SystemExit(f"expstream run failed with exit code {proc.returncode} (output in {out})")
+    summary = json.loads((out / "summary.json").read_text())
+    if summary["status"] != "ok":
+        raise SystemExit(f"expstream run status {summary['status']}: {summary.get('error')}")
+    return {"prompts": summary["prompts"], "samples": summary["samples"], "wall_s": summary["wall_s"],
+            "cmd_wall_s": cmd_wall, "summary_samples_per_s": summary["samples_per_s"],
+            "log_steady_samples_per_s": log_steady_rate(out / "run" / "logs"), "stages": summary["stages"],
+            "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
+
+
+def cpu_medians(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: median([r["cpu_s"][k] for r in rs]) for k in rs[0]["cpu_s"] if k != "stages"}
+    out["stages"] = {name: median([r["cpu_s"]["stages"].get(name, float("nan")) for r in rs])
+                     for name in rs[0]["cpu_s"]["stages"]}
+    return out
+
+
+def streaming_result(runs: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    (_, rs1), (_, rs2) = sorted(runs.items())
+    s1, s2 = rs1[0]["samples"], rs2[0]["samples"]
+    w1, w2 = median([r["wall_s"] for r in rs1]), median([r["wall_s"] for r in rs2])
+    steady = (s2 - s1) / (w2 - w1) if w2 > w1 else float("nan")
+    cpu1, cpu2 = cpu_medians(rs1), cpu_medians(rs2)
+    marginal = 1000 * (cpu2["total"] - cpu1["total"]) / (s2 - s1)
+    return {
+        "runs": runs,
+        "samples": s1,
+        "e2e_samples_per_s": median([r["samples"] / r["cmd_wall_s"] for r in rs1]),
+        "cmd_wall_s": median([r["cmd_wall_s"] for r in rs1]),
+        "summary_samples_per_s": median([r["summary_samples_per_s"] for r in rs1]),
+        "summary_wall_s": w1,
+        "summary_wall_2n_s": w2,
+        "steady_two_point_samples_per_s": steady,
+        "fixed_cost_s": w1 - s1 / steady if steady == steady and steady > 0 else float("nan"),
+        "log_steady_samples_per_s": median([r["log_steady_samples_per_s"] for rs in runs.values() for r in rs]),
+        "cpu_s": cpu1,
+        "cpu_2n_s": cpu2,
+        "cpu_ms_per_sample_run": 1000 * cpu1["total"] / s1,
+        "cpu_ms_per_sample_marginal": marginal,
+        "cores_busy_steady": marginal / 1000 * steady if steady == steady else float("nan"),
+        "stages": {name: {"ms_per_batch": median([r["stages"][name]["ms_per_batch"] or float("nan") for r in rs1]),
+                          "batches": rs1[0]["stages"][name]["batches"],
+                          "batches_2n": rs2[0]["stages"].get(name, {}).get("batches", 0),
+                          "cpu_s": cpu1["stages"].get(name, float("nan")),
+                          "cpu_2n_s": cpu2["stages"].get(name, float("nan"))}
+                   for name in rs1[0]["stages"]},
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    args = parse_args()
+    info_start = machine()
+    progress(f"pipeline bench: {args.prompts} (and {2 * args.prompts}) prompts, n={args.n}, "
+             f"max_new_tokens={args.max_new_tokens}, estimator={args.estimator}, models={args.model_size}")
+    models, model_info = model_overrides(args.model_size)
+    sets = topology_sets(args, models)
+    topo = load_topology(None, sets)
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    prompt_files = {args.prompts: write_prompts(work / f"prompts-{args.prompts}.jsonl", args.prompts),
+                    2 * args.prompts: write_prompts(work / f"prompts-{2 * args.prompts}.jsonl", 2 * args.prompts)}
+    try:
+        baseline = Baseline(topo, prompt_files[args.prompts])
+        runs: dict[int, list[dict[str, Any]]] = {k: [] for k in prompt_files}
+        # interleaved, so that the machine's noise (other work on these 2 cores) hits both sides alike
+        for rep in range(max(args.repeats, args.baseline_repeats)):
+            if rep < args.baseline_repeats:
+                for threads in (2, 1) if rep % 2 == 0 else (1, 2):
+                    baseline.run(threads)
+            if rep < args.repeats:
+                for count, path in prompt_files.items():
+                    r = stream_run(path, sets, work / f"run-{count}-{rep}")
+                    runs[count].append(r)
+                    progress(f"streaming {count} prompts run {rep + 1}/{args.repeats}: {r['samples']} samples, "
+                             f"command {r['cmd_wall_s']:.1f}s, summary wall {r['wall_s']:.1f}s, "
+                             f"log steady {fmt(r['log_steady_samples_per_s'])}/s")
+        base = baseline.result()
+        stream = streaming_result(runs)
+        hops = measure_hops(topo, hop_records(topo, base["chain"]), args.hop_records)
+    finally:
+        if args.keep_runs:
+            print(f"streaming runs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    info_end = machine()
+
+    summary = report(args, topo, base, hops, stream, info_start, info_end, model_info)
+    save(f"pipeline-{args.model_size}" if args.model_size != "tiny" else "pipeline", summary)
+    return 0
+
+
+def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops: dict[str, Any],
+           stream: dict[str, Any], info_start: dict[str, Any], info_end: dict[str, Any],
+           model_info: dict[str, Any]) -> dict[str, Any]:
+    b2, b1 = base[2], base[1]
+    mrb = topo.algo.micro_rollout_batch_size
+    n_samples, n2_samples = stream["samples"], stream["runs"][2 * args.prompts][0]["samples"]
+    print()
+    print(f"pipeline bench  {info_end['date']}  {info_end['cpu_count']} cores  load avg (1/5/15 min) start "
+          f"{info_start['loadavg']} end {info_end['loadavg']}")
+    print(f"prompts N={args.prompts} (2N={2 * args.prompts} for the two-point rate), n={args.n}, "
+          f"max_new_tokens={args.max_new_tokens}, estimator={args.estimator}, models={args.model_size}, "
+          f"micro_rollout_batch_size={mrb}, prompt_batch_size={topo.run.prompt_batch_size}, "
+          f"stage torch_threads={topo.run.torch_threads}; medians of {args.repeats} streaming runs per "
+          f"prompt count and {args.baseline_repeats} in-process runs per thread count")
+    print()
+
+    def row(label: str, rate: float, wall: float | None) -> list:
+        return [label, rate, wall, ratio(rate, b2["samples_per_s"]), ratio(rate, b1["samples_per_s"])]
+
+    rows = [
+        row("streaming end-to-end (whole `expstream run` command)", stream["e2e_samples_per_s"], stream["cmd_wall_s"]),
+        row("streaming end-to-end (summary.json samples_per_s)", stream["summary_samples_per_s"],
+            stream["summary_wall_s"]),
+        row("streaming steady-state, two-point (2N - N)", stream["steady_two_point_samples_per_s"],
+            stream["summary_wall_2n_s"] - stream["summary_wall_s"]),
+        row("streaming steady-state, advantage log timestamps", stream["log_steady_samples_per_s"], None),
+        row("in-process LocalChain, 2 torch threads (baseline)", b2["samples_per_s"], b2["wall_s"]),
+        row("in-process LocalChain, 1 torch thread", b1["samples_per_s"], b1["wall_s"]),
+    ]
+    print(table(["throughput", "samples/s", "wall s", "x in-proc 2t", "x in-proc 1t"], rows,
+                title=f"Throughput ({n_samples} samples for N; baseline model load {base['load_s']:.2f}s, "
+                      "outside its timing)"))
+    print(f"  two-point: ({n2_samples} - {n_samples}) samples / ({stream['summary_wall_2n_s']:.2f} - "
+          f"{stream['summary_wall_s']:.2f}) s cancels the fixed cost; fixed cost (start-up, model loads, group "
+          f"joins, drain) ~ {fmt(stream['fixed_cost_s'], '.1f')} s of the {stream['summary_wall_s']:.1f} s summary "
+          f"wall; the command adds {stream['cmd_wall_s'] - stream['summary_wall_s']:.1f} s (CLI start-up, "
+          "preflight, shutdown).")
+    print()
+
+    c1, c2 = stream["cpu_s"], stream["cpu_2n_s"]
+    st1, st2 = sum(c1["stages"].values()), sum(c2["stages"].values())
+    ds = n2_samples - n_samples
+
+    def crow(label: str, a: float, b: float) -> list:
+        return [label, a, b, 1000 * (b - a) / ds if ds else float("nan")]
+
+    cpu_rows = [
+        crow("`expstream run` process (feeder, collector, supervisor)", c1["cli"], c2["cli"]),
+        crow("stage processes (sum)", st1, st2),
+        crow("fork server and other children", c1["other"], c2["other"]),
+        crow("broker (tansu)", c1["broker"], c2["broker"]),
+        crow("redis-server", c1["redis"], c2["redis"]),
+        crow("total", c1["total"], c2["total"]),
+        ["in-process LocalChain, 2 threads", b2["cpu_ms_per_sample"] * b2["samples"] / 1000, None,
+         b2["cpu_ms_per_sample"]],
+        ["in-process LocalChain, 1 thread", b1["cpu_ms_per_sample"] * b1["samples"] / 1000, None,
+         b1["cpu_ms_per_sample"]],
+    ]
+    print(table(["CPU (user+sys)", "CPU s, N run", "CPU s, 2N run", "marginal ms/sample"], cpu_rows,
+                title="Where the CPU goes (streaming: /proc samples of the `expstream run` process tree; "
+                      "in-process: this process)"))
+    print(f"  cores busy in the streaming steady state ~ marginal CPU/sample x two-point rate = "
+          f"{fmt(stream['cores_busy_steady'])} of {info_end['cpu_count']}")
+    print()
+
+    stage_rows = []
+    for name, s2 in b2["stages"].items():
+        s1 = b1["stages"][name]
+        st = stream["stages"].get(name, {})
+        db = st.get("batches_2n", 0) - st.get("batches", 0)
+        marginal = 1000 * (st.get("cpu_2n_s", float("nan")) - st.get("cpu_s", float("nan"))) / db if db else None
+        stage_rows.append([name, s2["batches"], s2["samples"], s2["ms_per_record"], s1["ms_per_record"],
+                           s1["ms_per_microbatch"], st.get("ms_per_batch"), marginal, st.get("cpu_s")])
+    print(table(["stage", "records", "samples", "in-proc ms/rec 2t", "in-proc ms/rec 1t",
+                 f"in-proc ms/ubatch({mrb}) 1t", "stream ms/rec", "stream CPU ms/rec", "stream CPU s (N)"],
+                stage_rows,
+                title="Per stage. in-process: process() only. stream ms/rec: the runner's time per record "
+                      "(decode + process + encode + confirmed produce, on 2 shared cores); stream CPU ms/rec: "
+                      "marginal CPU per record (2N - N); stream CPU s (N): the process's CPU in the N run "
+                      "(model load, group join, polling and work)"))
+    if topo.is_group_estimator:
+        print("  note: LocalChain without Redis concatenates the whole run for the advantage stage "
+              "(1 record), so its in-process ms/rec is for all samples")
+    print()
+
+    slow_name, slow = max(b1["stages"].items(), key=lambda kv: kv[1]["ms_per_microbatch"])
+    slow_ms = slow["ms_per_microbatch"]
+    hop_rows = []
+    for topic, h in hops["hops"].items():
+        hop_rows.append([topic, h["edge"], int(h["samples"]), h["bytes"] / 1024, 1000 * h["encode"],
+                         1000 * h["produce"], 1000 * h["fetch"], 1000 * h["decode"], 1000 * h["commit"],
+                         1000 * h["total"], 1000 * h["total_p90"], 100 * 1000 * h["total"] / slow_ms])
+    print(table(["topic", "edge", "B", "KiB", "encode", "produce", "fetch", "decode", "commit", "total ms",
+                 "p90 ms", "% slowest"], hop_rows,
+                title=f"Per-hop overhead, ms per record (median of {args.hop_records}; one consumer-group "
+                      f"join {hops['join_s']:.1f}s not counted) vs. the slowest stage's compute per micro-batch: "
+                      f"{slow_name} {slow_ms:.2f} ms (in-process, 1 thread, per {mrb} samples)"))
+    worst_topic, worst = max(hops["hops"].items(), key=lambda kv: kv[1]["total"])
+    worst_pct = 100 * 1000 * worst["total"] / slow_ms
+    print()
+    steady, how = stream["steady_two_point_samples_per_s"], "two-point"
+    if not steady == steady:  # NaN: start-up noise exceeded the extra work of 2N; use the in-run estimate
+        steady, how = stream["log_steady_samples_per_s"], "advantage log timestamps (two-point was n/a)"
+    beats = steady > b2["samples_per_s"] if steady == steady else None
+    verdict = {True: "yes", False: "no", None: "n/a"}[beats]
+    print(f"aim 1, the pipeline beats the in-process sequence (steady state, {how}, vs 2 threads): "
+          f"{verdict} ({fmt(ratio(steady, b2['samples_per_s']))}x; vs 1 thread "
+          f"{fmt(ratio(steady, b1['samples_per_s']))}x; end-to-end {fmt(ratio(stream['e2e_samples_per_s'], b2['samples_per_s']))}x)")
+    print(f"aim 2, every hop under 10% of the slowest stage per micro-batch: {'yes' if worst_pct < 10 else 'no'} "
+          f"(worst {worst_topic}: {1000 * worst['total']:.2f} ms = {worst_pct:.1f}% of {slow_ms:.2f} ms)")
+    print()
+
+    return {
+        "bench": "pipeline",
+        "machine": info_end,
+        "loadavg_start": info_start["loadavg"],
+        "config": {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+                   "estimator": args.estimator, "models": model_info, "overrides": args.overrides,
+                   "repeats": args.repeats, "baseline_repeats": args.baseline_repeats,
+                   "micro_rollout_batch_size": mrb, "prompt_batch_size": topo.run.prompt_batch_size},
+        "samples": n_samples,
+        "streaming": {k: rounded(stream[k]) for k in (
+            "e2e_samples_per_s", "cmd_wall_s", "summary_samples_per_s", "summary_wall_s", "summary_wall_2n_s",
+            "steady_two_point_samples_per_s", "fixed_cost_s", "log_steady_samples_per_s")},
+        "baseline": {"load_s": rounded(base["load_s"]), "threads2_samples_per_s": rounded(b2["samples_per_s"]),
+                     "threads1_samples_per_s": rounded(b1["samples_per_s"]),
+                     "threads2_wall_s": rounded(b2["wall_s"]), "threads1_wall_s": rounded(b1["wall_s"])},
+        "ratios": {"e2e_vs_baseline2": rounded(ratio(stream["e2e_samples_per_s"], b2["samples_per_s"])),
+                   "steady_vs_baseline2": rounded(ratio(stream["steady_two_point_samples_per_s"], b2["samples_per_s"])),
+                   "steady_vs_baseline1": rounded(ratio(stream["steady_two_point_samples_per_s"], b1["samples_per_s"])),
+                   "log_steady_vs_baseline2": rounded(ratio(stream["log_steady_samples_per_s"], b2["samples_per_s"])),
+                   "baseline1_vs_baseline2": rounded(ratio(b1["samples_per_s"], b2["samples_per_s"]))},
+        "cpu": {"streaming_n_run_s": {k: rounded(v) for k, v in c1.items() if k != "stages"},
+                "streaming_n_run_stages_s": {k: rounded(v) for k, v in c1["stages"].items()},
+                "streaming_ms_per_sample_run": rounded(stream["cpu_ms_per_sample_run"]),
+                "streaming_ms_per_sample_marginal": rounded(stream["cpu_ms_per_sample_marginal"]),
+                "streaming_cores_busy_steady": rounded(stream["cores_busy_steady"]),
+                "baseline2_ms_per_sample": rounded(b2["cpu_ms_per_sample"]),
+                "baseline1_ms_per_sample": rounded(b1["cpu_ms_per_sample"])},
+        "stages_ms_per_microbatch_1t": {k: rounded(v["ms_per_microbatch"]) for k, v in b1["stages"].items()},
+        "streaming_stage_ms_per_record": {k: rounded(v["ms_per_batch"]) for k, v in stream["stages"].items()},
+        "slowest_stage": {"name": slow_name, "ms_per_microbatch": rounded(slow_ms)},
+        "hop_ms": {t: rounded(1000 * h["total"]) for t, h in hops["hops"].items()},
+        "worst_hop_pct_of_slowest": rounded(worst_pct, 1),
+        "aims": {"pipeline_beats_baseline": beats, "pipeline_beats_baseline_by": how,
+                 "hop_overhead_under_10pct": worst_pct < 10},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
