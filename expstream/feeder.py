@@ -96,6 +96,9 @@ class ExperienceCollector:
     dead_groups: set[str] = field(default_factory=set)
     dead_samples: set[str] = field(default_factory=set)
     group_mode: bool = False  # group estimators emit whole groups only
+    first_at: float | None = None  # monotonic time of the first new experience
+    first_samples: int = 0
+    last_at: float | None = None
 
     def __post_init__(self) -> None:
         self.consumer = make_consumer(self.bootstrap, None, self.cfg)
@@ -134,7 +137,17 @@ class ExperienceCollector:
             fresh += 1
         if fresh:
             self.records.append(bytes(value))
+            now = time.monotonic()
+            if self.first_at is None:
+                self.first_at, self.first_samples = now, fresh
+            self.last_at = now
         return fresh
+
+    def steady_rate(self) -> float | None:
+        """Samples/s between the first and the last new experience (start-up excluded)."""
+        if self.first_at is None or self.last_at is None or self.last_at <= self.first_at:
+            return None
+        return (len(self.samples) - self.first_samples) / (self.last_at - self.first_at)
 
     def _dead_letter(self, rec) -> None:  # noqa: ANN001 - ConsumerRecord
         headers = {k: v.decode(errors="replace") for k, v in (rec.headers or [])}

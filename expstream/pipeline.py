@@ -248,6 +248,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             "stage_restarts": {c.label: c.restarts for c in sup.children if c.restarts},
             "wall_s": round(wall, 3),
             "samples_per_s": round(len(collector.samples) / wall, 4) if wall > 0 else 0.0,
+            "steady_samples_per_s": round(rate, 4) if (rate := collector.steady_rate()) is not None else None,
+            "first_experience_after_s": round(collector.first_at - started, 3) if collector.first_at else None,
             "stages": {
                 name: {**s, "ms_per_batch": round(1000 * s["seconds"] / s["batches"], 3) if s["batches"] else None}
                 for name, s in stage_stats.items()
@@ -320,6 +322,8 @@ def print_summary(summary: dict, out_dir: Path) -> None:
     print(f"  prompts {summary['prompts']}, groups complete {summary['groups_complete']}, "
           f"samples {summary['samples']}, dropped (dynamic sampling) {summary['groups_dropped_dynamic_sampling']}, "
           f"dead letters {len(summary['dead_letters'])}")
+    print(f"  first experience after {summary['first_experience_after_s']}s; steady state "
+          f"{summary['steady_samples_per_s']} samples/s")
     print(f"  wall {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
           f"duplicates dropped {summary['duplicate_samples_dropped']}, restarts {summary['stage_restarts'] or 0}")
     for name, s in summary["stages"].items():

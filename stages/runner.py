@@ -467,9 +467,13 @@ class StageRunner:
         self._deliver(record, where, outputs, letters, batch)
         self._maybe_fault("after_produce")
         seconds = time.monotonic() - started
-        if batch is not None and outputs and self.ctx.state is not None:
+        # statistics: every record the stage did its work on, including those parked in a group
+        # buffer (no output yet); samples are generated samples for a prompt record
+        if batch is not None and (outputs or not letters) and self.ctx.state is not None:
+            samples = len(batch) * (self.ctx.topology.generate.n_samples_per_prompt
+                                    if isinstance(batch, PromptBatch) else 1)
             try:
-                self.ctx.state.record_stage_time(self.stage.name, seconds, len(batch), batch.batch_id)
+                self.ctx.state.record_stage_time(self.stage.name, seconds, samples, batch.batch_id)
             except ExpstreamError as exc:  # statistics only
                 self.log.warning("stage %s %s: stage time not recorded: %s", self.stage.name, where, exc)
         return _Done(batch.batch_id if batch is not None else None, len(batch) if batch is not None else 0,

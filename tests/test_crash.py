@@ -376,7 +376,7 @@ def expected_stage_stats(run: PipelineRun, stages: list[str]) -> dict[str, tuple
     n_samples = len(run.prompt_ids) * N
     n_prompt_records = -(-len(run.prompt_ids) // 2)  # run.prompt_batch_size = 2
     want = {s: (n_samples // 4, n_samples) for s in stages}
-    want["generate"] = (n_prompt_records, len(run.prompt_ids))
+    want["generate"] = (n_prompt_records, n_samples)  # samples generated from the prompt records
     want["shard-preprocess"] = (n_prompt_records, n_samples)
     return want
 
