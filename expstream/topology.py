@@ -144,7 +144,7 @@ class GenerateConfig:
 @dataclass
 class AlgoConfig:
     advantage_estimator: str = "group_norm"
-    micro_rollout_batch_size: int = 4
+    micro_rollout_batch_size: int = 8
     gamma: float = 1.0
     lambd: float = 0.95
     init_kl_coef: float = 0.01

@@ -155,7 +155,9 @@ class PipelineRun:
             json.dumps({"id": pid, "prompt": f"What is {i} + {i + 1}?", "label": str(2 * i + 1)}) + "\n"
             for i, pid in enumerate(self.prompt_ids)))
         self.sets = [f"models.cache_dir={cache}", f"generate.n_samples_per_prompt={N}",
-                     "generate.max_new_tokens=8", f"run.timeout_s={timeout_s}", "run.max_restarts=50", *sets]
+                     "generate.max_new_tokens=8", f"run.timeout_s={timeout_s}", "run.max_restarts=50",
+                     # the counts below assume one micro-batch per group and one generate replica
+                     "algo.micro_rollout_batch_size=4", "stages.generate.replicas=1", *sets]
         self.env = {**os.environ, **(env or {})}
         self.broker = LocalBroker(self.dir / "broker")
         self.redis = LocalRedis(self.dir / "redis", appendonly=True)
