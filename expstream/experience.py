@@ -333,13 +333,11 @@ def padded_from_ragged(
     ``prompts``/``actions`` are (flat values, int64 lengths); ``action_mask_values`` is flat
     bool with the action lengths. P = longest prompt, A = max(1, longest action row).
 
-    Uses :func:`expstream.numerics.rebuild_padded` (the function the model stages use) when it
-    imports, else :func:`_padded_from_ragged_torch`, which implements the same rule.
+    Uses :func:`expstream.numerics.rebuild_padded`, the function the model stages use, so a
+    reader sees exactly the tensors the models saw.
     """
-    try:
-        from expstream.numerics import rebuild_padded
-    except ImportError:  # pragma: no cover - numerics is part of the package
-        return _padded_from_ragged_torch(prompts, actions, action_mask_values, pad_id, eos_id)
+    from expstream.numerics import rebuild_padded
+
     p_rows = _split(*prompts)
     a_rows = _split(*actions)
     m_rows = _split(action_mask_values, actions[1])
@@ -349,42 +347,6 @@ def padded_from_ragged(
 
 def _split(values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.split(values, [int(n) for n in lengths.tolist()]))
-
-
-def _padded_from_ragged_torch(
-    prompts: tuple[torch.Tensor, torch.Tensor],
-    actions: tuple[torch.Tensor, torch.Tensor],
-    action_mask_values: torch.Tensor,
-    pad_id: int,
-    eos_id: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Vectorised plain-torch version of the padded layout (same rule as ``rebuild_padded``).
-
-    * ``sequences[b] = [pad]*(P-p_b) + prompt_b + actions_b + [pad]*(A-a_b)``;
-    * ``attention_mask[b]`` = 1 on ``[first_b, P + a_b)``, first_b = the first token of the row that
-      is neither pad nor eos (in the prompt as a rule; the first such action when the prompt has
-      none -- with a valid first action token that is column P); a row without any is attended
-      from column P;
-    * ``action_mask`` = the given masks right-padded with False.
-    """
-    prompt_vals, prompt_lens = prompts
-    act_vals, act_lens = actions
-    b = int(prompt_lens.shape[0])
-    p = int(prompt_lens.max()) if b else 0
-    a = max(1, int(act_lens.max()) if b else 0)
-    zeros = torch.zeros(b, dtype=torch.long)
-    sequences = torch.full((b, p + a), pad_id, dtype=torch.long)
-    _scatter_rows(sequences, prompt_vals.long(), prompt_lens, start=p - prompt_lens)
-    _scatter_rows(sequences, act_vals.long(), act_lens, start=zeros + p)
-    action_mask = torch.zeros((b, a), dtype=torch.bool)
-    _scatter_rows(action_mask, action_mask_values.bool(), act_lens, start=zeros)
-    pos = torch.arange(p + a).unsqueeze(0)
-    end = p + act_lens  # one past the last action token
-    valid = (sequences != pad_id) & (sequences != eos_id) & (pos < end.unsqueeze(1))
-    first = torch.where(valid, pos, torch.full_like(valid, p + a, dtype=torch.long)).min(dim=1).values
-    first = torch.where(valid.any(dim=1), first, zeros + p)
-    attention_mask = ((pos >= first.unsqueeze(1)) & (pos < end.unsqueeze(1))).long()
-    return sequences, attention_mask, action_mask
 
 
 def _tensor(arr: np.ndarray, wire_dtype: str = "") -> torch.Tensor:

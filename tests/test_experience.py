@@ -6,9 +6,6 @@ written out, so a change of layout shows up as a diff of small literal tensors.
 
 from __future__ import annotations
 
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -16,10 +13,10 @@ import torch
 from expstream.experience import (
     BufferItem,
     Experience,
-    _padded_from_ragged_torch,
     iter_experience_batches,
     iter_records,
     make_experience_batch,
+    padded_from_ragged,
     read_experiences,
     remove_padding_in_sequences,
     split_experience_batch,
@@ -221,8 +218,8 @@ def test_missing_required_field_names_it():
                                                 advantages=None, returns=None))
 
 
-def test_torch_fallback_matches_numerics_layout():
-    """The plain-torch layout and numerics.rebuild_padded agree on the hand-written rows."""
+def test_padded_from_ragged_on_hand_written_rows():
+    """The padded layout read_experiences builds, on the hand-written rows."""
     rows = [ROW0, ROW1, ROW2, ROW3, dict(ROW0, prompt=[PAD, EOS], actions=[EOS, 5])]
 
     def flat(key, dtype):
@@ -231,35 +228,17 @@ def test_torch_fallback_matches_numerics_layout():
 
     prompts, actions = flat("prompt", torch.long), flat("actions", torch.long)
     masks = torch.ones(int(actions[1].sum()), dtype=torch.bool)
-    seq, att, am = _padded_from_ragged_torch(prompts, actions, masks, PAD, EOS)
-    from expstream.numerics import rebuild_padded
-
-    split = lambda v, n: list(torch.split(v, n.tolist()))  # noqa: E731
-    ref = rebuild_padded(split(*prompts), split(*actions), split(masks, actions[1]), PAD, EOS)
-    assert torch.equal(seq, ref.sequences)
-    assert torch.equal(att, ref.attention_mask)
-    assert torch.equal(am, ref.action_mask)
+    seq, att, am = padded_from_ragged(prompts, actions, masks, PAD, EOS)
     assert torch.equal(seq[:3, :6], EXP1["sequences"])
     assert torch.equal(att[:3, :6], EXP1["attention_mask"])
+    assert am.dtype == torch.bool and am.shape == (5, int(actions[1].max()))
     # prompt of pad/eos and a first action EOS: attention starts at the first real action
     assert seq[4].tolist() == [0, 0, 2, 2, 5, 0, 0]
     assert att[4].tolist() == [0, 0, 0, 0, 1, 0, 0]
 
 
-def test_read_from_kafka_uses_bus_read_topic(monkeypatch):
-    calls = []
-
-    def fake_read_topic(bootstrap, cfg, topic, *, timeout_s=30.0, max_records=None):
-        calls.append((bootstrap, cfg, topic, timeout_s))
-        for value in (encode(B1), encode(B1), encode(B2)):
-            yield types.SimpleNamespace(value=value)
-
-    fake = types.ModuleType("expstream.bus")
-    fake.read_topic = fake_read_topic
-    monkeypatch.setitem(sys.modules, "expstream.bus", fake)
-    exps = read_experiences(None, bootstrap="localhost:9092", topic="exp", timeout_s=5)
-    assert calls == [("localhost:9092", None, "exp", 5)]
-    assert [e.sample_ids for e in exps] == [["g0#0", "g0#1", "g1#0"], ["g1#1"]]
+def test_read_experiences_needs_a_source():
+    # reading from a real topic is tested against a real broker in test_experience_kafka.py
     with pytest.raises(ValueError, match="source"):
         read_experiences(None)
 
