@@ -15,6 +15,10 @@ from expstream.errors import ConfigError
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.errors import SchemaError
 
+# Why 1 s: a steady-state rate needs arrivals spread over some time; a short run's few records
+# arrive within milliseconds of each other and would give a meaningless rate.
+STEADY_MIN_SPAN_S = 1.0
+
 
 @dataclass
 class PromptRow:
@@ -145,7 +149,8 @@ class ExperienceCollector:
 
     def steady_rate(self) -> float | None:
         """Samples/s between the first and the last new experience (start-up excluded)."""
-        if self.first_at is None or self.last_at is None or self.last_at <= self.first_at:
+        # under a second of arrivals says more about batching than about a rate
+        if self.first_at is None or self.last_at is None or self.last_at - self.first_at < STEADY_MIN_SPAN_S:
             return None
         return (len(self.samples) - self.first_samples) / (self.last_at - self.first_at)
 

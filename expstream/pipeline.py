@@ -322,8 +322,9 @@ def print_summary(summary: dict, out_dir: Path) -> None:
     print(f"  prompts {summary['prompts']}, groups complete {summary['groups_complete']}, "
           f"samples {summary['samples']}, dropped (dynamic sampling) {summary['groups_dropped_dynamic_sampling']}, "
           f"dead letters {len(summary['dead_letters'])}")
+    steady = summary["steady_samples_per_s"]
     print(f"  first experience after {summary['first_experience_after_s']}s; steady state "
-          f"{summary['steady_samples_per_s']} samples/s")
+          + (f"{steady:.2f} samples/s" if steady is not None else "n/a (arrivals spanned under a second)"))
     print(f"  wall {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
           f"duplicates dropped {summary['duplicate_samples_dropped']}, restarts {summary['stage_restarts'] or 0}")
     for name, s in summary["stages"].items():
