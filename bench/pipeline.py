@@ -17,7 +17,7 @@ Streaming rates:
 * end-to-end: samples / wall of the whole ``expstream run`` command (Python start-up, broker and
   redis start, stage process start-up, model loads, consumer-group joins, shutdown) — what a user
   waits for; also ``samples_per_s`` from summary.json (its wall excludes CLI start-up and shutdown);
-* steady-state, two-point: summary.json carries no per-experience arrival times, so the fixed
+* steady-state, two-point: (summary.json's own steady_samples_per_s is not used here) the fixed
   start-up cost is cancelled by running N and 2N prompts: (samples_2N - samples_N) /
   (wall_2N - wall_N) with the median walls;
 * steady-state, from logs (a cross-check inside each run): the advantage stage logs a
