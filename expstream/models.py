@@ -583,6 +583,23 @@ def _log_probs_and_entropy(
     return logp, entropy
 
 
+def _padded_forward(model: Any, sequences: Tensor, attention_mask: Tensor, **kwargs: Any) -> tuple[Any, Tensor]:
+    """One forward of a padded batch on the model's device with §1.3 position ids.
+
+    Returns the model output and ``sequences`` moved to that device.
+    """
+    device = _model_device(model)
+    sequences = sequences.to(device)
+    attention_mask = attention_mask.to(device)
+    out = model(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_attention_mask(attention_mask),
+        **kwargs,
+    )
+    return out, sequences
+
+
 @torch.inference_mode()
 def forward_action_log_probs(
     model: Any, sequences: Tensor, attention_mask: Tensor, num_actions: int, with_entropy: bool = False
@@ -594,19 +611,10 @@ def forward_action_log_probs(
     ``softmax(logits)`` at the same positions; ``None`` unless ``with_entropy``.
     """
     _check_padded(sequences, attention_mask, num_actions)
-    device = _model_device(model)
-    sequences = sequences.to(device)
-    attention_mask = attention_mask.to(device)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"use_cache": False}
     if _accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = num_actions + 1
-    out = model(
-        input_ids=sequences,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_attention_mask(attention_mask),
-        use_cache=False,
-        **kwargs,
-    )
+    out, sequences = _padded_forward(model, sequences, attention_mask, **kwargs)
     logits = out.logits[:, -(num_actions + 1) : -1]
     return _log_probs_and_entropy(logits, sequences[:, -num_actions:], with_entropy)
 
@@ -615,14 +623,7 @@ def forward_action_log_probs(
 def forward_values(critic: Any, sequences: Tensor, attention_mask: Tensor, num_actions: int) -> Tensor:
     """Critic values (B, A) float32: outputs at positions ``[:-1]``, last A (V_t = V(state before t))."""
     _check_padded(sequences, attention_mask, num_actions)
-    device = _model_device(critic)
-    sequences = sequences.to(device)
-    attention_mask = attention_mask.to(device)
-    out = critic(
-        input_ids=sequences,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_attention_mask(attention_mask),
-    )
+    out, _ = _padded_forward(critic, sequences, attention_mask)
     values = out.logits[..., 0] if out.logits.dim() == 3 else out.logits
     return values[:, :-1][:, -num_actions:].float()
 
@@ -634,14 +635,7 @@ def forward_reward(rm: Any, sequences: Tensor, attention_mask: Tensor) -> Tensor
     Needs ``rm.config.pad_token_id`` for batches of more than one row (see ``load_reward_model``).
     """
     _check_padded(sequences, attention_mask, None)
-    device = _model_device(rm)
-    sequences = sequences.to(device)
-    attention_mask = attention_mask.to(device)
-    out = rm(
-        input_ids=sequences,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_attention_mask(attention_mask),
-    )
+    out, sequences = _padded_forward(rm, sequences, attention_mask)
     return out.logits.reshape(sequences.shape[0], -1)[:, 0].float()
 
 
