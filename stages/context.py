@@ -19,10 +19,6 @@ class StageContext:
     run_id: str = "local"
     replica_id: str = "0"
 
-    @property
-    def algo(self):  # noqa: ANN201 - AlgoConfig
-        return self.topology.algo
-
     def require_state(self) -> Any:
         if self.state is None:
             raise RuntimeError(
