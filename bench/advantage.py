@@ -7,7 +7,7 @@ interleaved repeat by repeat, times
 * the stages: ``stages.postprocess.process`` and ``stages.advantage.process`` on the
   ``SampleBatch`` records (ragged -> padded views, ``SampleBatch.replace`` + validation, ragged
   outputs, and for the group estimator the Redis group buffers: a ``RedisState`` on a
-  ``LocalRedis``; gae and reinforce run without Redis, as the brief of this bench asks);
+  ``LocalRedis``; gae and reinforce, and the "no Redis" rows, on a ``MemoryState``);
 * the bare numerics on pre-built padded tensors: ``compute_approx_kl`` + ``kl_penalized_rewards``
   (postprocess), ``shape_group_rewards`` + ``kl_penalized_rewards`` (group estimators only) +
   ``compute_advantages`` (advantage),
@@ -156,7 +156,7 @@ def timed(fn) -> tuple[float, Any]:  # noqa: ANN001
 
 
 def bench_variant(args: argparse.Namespace, estimator: str, redis_url: str | None) -> dict[str, Any]:
-    from expstream.state import RedisState
+    from expstream.state import MemoryState, RedisState
 
     topo = topology(args, estimator)
     rewarded = scored_inputs(args, topo, with_values=estimator == "gae")
@@ -164,7 +164,7 @@ def bench_variant(args: argparse.Namespace, estimator: str, redis_url: str | Non
     samples = sum(len(b) for b in rewarded)
 
     def contexts(tag: str):  # noqa: ANN202
-        state = RedisState(redis_url, f"bench-{estimator}-{tag}") if redis_url else None
+        state = RedisState(redis_url, f"bench-{estimator}-{tag}") if redis_url else MemoryState(tag)
         return make_context(topo, "postprocess", state=state), make_context(topo, "advantage", state=state), state
 
     # warm-up (and the advantage stage's input: what postprocess emits)
@@ -174,8 +174,7 @@ def bench_variant(args: argparse.Namespace, estimator: str, redis_url: str | Non
         advantage.process(b, adv_ctx)
     for t in tensors:
         bare_advantage(topo, t, bare_postprocess(topo, t), args.n)
-    if state is not None:
-        state.close()
+    state.close()
 
     times: dict[str, list[float]] = {"stage_post": [], "bare_post": [], "stage_adv": [], "bare_adv": []}
     stage_out: list[SampleBatch] = []
@@ -192,8 +191,7 @@ def bench_variant(args: argparse.Namespace, estimator: str, redis_url: str | Non
         dt, bouts = timed(lambda: [bare_advantage(topo, t, tr, args.n) for t, tr in zip(tensors, bare_tr, strict=True)])
         times["bare_adv"].append(dt)
         stage_out, bare_out = outs, bouts
-        if state is not None:
-            state.close()
+        state.close()
 
     # the same numbers on both sides?
     got = {sid: row for b in stage_out for sid, row in zip(b.sample_ids(), b.advantages.rows(), strict=True)}
@@ -225,7 +223,7 @@ def main() -> int:
         group = topology(args, est).is_group_estimator
         plan = [url, None] if group else [None]  # the group path through Redis, and wholly in-process
         for u in plan:
-            progress(f"{est} ({'Redis group buffers' if u else 'no Redis'})")
+            progress(f"{est} ({'Redis group buffers' if u else 'MemoryState'})")
             variants.append(bench_variant(args, est, u))
     redis.stop()
     shutil.rmtree(tmp, ignore_errors=True)

@@ -193,7 +193,7 @@ class Baseline:
                 per_stage[name] = {"seconds": secs, "batches": b, "samples": s,
                                    "ms_per_record": 1000 * secs / b if b else float("nan"),
                                    # per micro-batch of micro_rollout_batch_size samples: generate's records
-                                   # hold prompt_batch_size*n samples, LocalChain's advantage gets one batch
+                                   # hold prompt_batch_size*n samples
                                    "ms_per_microbatch": 1000 * secs * mrb / s if s else float("nan")}
             result[threads] = {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
                                "cpu_ms_per_sample": 1000 * median([r["cpu_s"] for r in rs]) / samples,
@@ -578,9 +578,6 @@ def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops:
                       "(decode + process + encode + confirmed produce, on 2 shared cores); stream CPU ms/rec: "
                       "marginal CPU per record (2N - N); stream CPU s (N): the process's CPU in the N run "
                       "(model load, group join, polling and work)"))
-    if topo.is_group_estimator:
-        print("  note: LocalChain without Redis concatenates the whole run for the advantage stage "
-              "(1 record), so its in-process ms/rec is for all samples")
     print()
 
     slow_name, slow = max(b1["stages"].items(), key=lambda kv: kv[1]["ms_per_microbatch"])

@@ -131,11 +131,15 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     if not args.bootstrap_servers:
         raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
     torch.set_num_threads(topo.run.torch_threads)
-    state = None
-    if args.redis_url:
-        from expstream.state import RedisState
+    from expstream.state import MemoryState, RedisState, State
 
+    state: State
+    if args.redis_url:
         state = RedisState(args.redis_url, args.run_id)
+    else:
+        state = MemoryState(args.run_id)
+        log.warning("stage %s replica %s: no --redis-url, so its state (groups, moments, KL) is private to "
+                    "this process: run one replica per stage or pass --redis-url", args.name, args.replica_id)
     module = STAGES[args.name]
     ctx = StageContext(topology=topo, stage=topo.stages[args.name], state=state,
                        log=logging.getLogger(f"expstream.stage.{args.name}"), run_id=args.run_id,

@@ -22,6 +22,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expstream.cli import (
     EXIT_CONFIG,
@@ -37,6 +38,9 @@ from expstream.errors import ConfigError
 from expstream.feeder import ExperienceCollector, feed_prompts, read_prompts
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.topology import BUILTIN_TINY, Topology
+
+if TYPE_CHECKING:
+    from expstream.state import State
 
 log = logging.getLogger("expstream.run")
 # Why 5 s: often enough to see progress in a CI log, rare enough not to flood it.
@@ -284,37 +288,35 @@ class FeedPlan:
         return min(self.available, self.upfront + lost)
 
 
-def flush_last_window(topo: Topology, state, collector: ExperienceCollector, prompts: int, dropped: int,
-                      bootstrap: str) -> None:  # noqa: ANN001 - RedisState
-    """Close the last cross-batch normalisation window once every other sample has come out.
+def flush_last_window(topo: Topology, state: State, collector: ExperienceCollector, prompts: int, dropped: int,
+                      bootstrap: str) -> None:
+    """Release what the last stage holds back once every other sample has come out.
 
-    In a continuous deployment a window closes when it holds ``algo.rollout_batch_size`` samples;
-    a finite run's last window never fills, so the run closes it when its samples are the only
-    ones missing, normalises it with the advantage stage's own function, and publishes it.
+    In a continuous deployment a stage may hold samples across micro-batches (the advantage
+    stage's cross-batch normalisation window closes when it holds ``algo.rollout_batch_size``
+    samples); a finite run's last window never fills. So once the held samples are the only ones
+    missing, the run calls the stage's ``end_of_input`` hook and publishes what it returns.
     """
-    from expstream import windows
-    from stages import advantage
+    from stages import end_of_input, held_samples
+    from stages.context import make_context
 
-    algo = topo.algo
-    if algo.advantage_cross_batch_norm != "window" or algo.advantage_estimator not in advantage.CROSS_BATCH_ESTIMATORS:
-        return
-    pending = windows.pending_samples(state, advantage.WINDOW_NAME)
+    ctx = make_context(topo, topo.enabled_stages()[-1].name, state=state)
+    pending = held_samples(ctx)
     n = topo.generate.n_samples_per_prompt
     expected = (prompts - dropped) * n - len(collector.dead_samples - collector.samples)
     if pending == 0 or len(collector.samples) + pending < expected:
         return
     from expstream.bus import make_producer, send_all_and_confirm
     from schemas import encode
-    from stages.context import make_context
 
-    outputs = advantage.flush_windows(make_context(topo, "advantage", state=state))
+    outputs = end_of_input(ctx)
     producer = make_producer(bootstrap, topo.kafka)
     try:
         send_all_and_confirm(producer, [(topo.output_topic, encode(b), b.batch_id.encode(), None) for b in outputs],
                              topo.kafka.produce_timeout_s)
     finally:
         producer.close(timeout=10)
-    log.info("closed the last normalisation window: %d micro-batches, %d samples", len(outputs), pending)
+    log.info("%s end of input: published %d held micro-batches, %d samples", ctx.stage.name, len(outputs), pending)
 
 
 def print_summary(summary: dict, out_dir: Path) -> None:

@@ -1,8 +1,21 @@
-"""The eight stages. Each module has ``setup(ctx)`` and ``process(batch, ctx) -> list[SampleBatch]``."""
+"""The eight stages, and the contract every stage module keeps.
+
+Required: ``setup(ctx) -> None`` (load models into ``ctx.models``) and
+``process(batch, ctx) -> list[SampleBatch]`` (one input micro-batch -> zero or more outputs).
+
+Optional hooks, for a stage that holds samples back across calls (in ``ctx.state``):
+
+* ``held_samples(ctx) -> int`` — how many samples it holds that only ``end_of_input`` can release;
+* ``end_of_input(ctx) -> list[SampleBatch]`` — the input is finite and ended: release them.
+
+``expstream run`` (a finite prompt file) and LocalChain call :func:`end_of_input` once all input
+has gone through; a stage without the hooks holds nothing back.
+"""
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from stages import (
     actor_logprob,
@@ -15,6 +28,10 @@ from stages import (
     shard_preprocess,
 )
 
+if TYPE_CHECKING:
+    from schemas import SampleBatch
+    from stages.context import StageContext
+
 STAGES: dict[str, ModuleType] = {
     "generate": generate,
     "shard-preprocess": shard_preprocess,
@@ -25,3 +42,15 @@ STAGES: dict[str, ModuleType] = {
     "postprocess": postprocess,
     "advantage": advantage,
 }
+
+
+def held_samples(ctx: StageContext) -> int:
+    """Samples ``ctx.stage`` holds back until the end of input (0 for a stage without the hook)."""
+    hook = getattr(STAGES[ctx.stage.name], "held_samples", None)
+    return int(hook(ctx)) if hook is not None else 0
+
+
+def end_of_input(ctx: StageContext) -> list[SampleBatch]:
+    """Release what ``ctx.stage`` holds back at the end of a finite input ([] without the hook)."""
+    hook = getattr(STAGES[ctx.stage.name], "end_of_input", None)
+    return list(hook(ctx)) if hook is not None else []

@@ -1,14 +1,15 @@
-"""advantage: advantages and returns; group estimators complete their prompt groups through Redis.
+"""advantage: advantages and returns; group estimators complete their prompt groups in the run state.
 
 * Per-sample estimators (``gae``, ``reinforce``, ``cpgd``) compute on the micro-batch and emit it
   under its own batch id.
 * Group estimators (``rloo``, ``reinforce_baseline``, ``group_norm``/``grpo``, ``dr_grpo``) and
-  dynamic sampling park each sample in its group's Redis buffer (atomic add-and-take); the call
+  dynamic sampling park each sample in its group's buffer in ctx.state (atomic add-and-take); the call
   that completes a group — on whichever replica and partition — gets all n members back and
   emits the whole group once, as batch ``g/<group_id>``. A redelivery of that completing record
-  emits the same group again with the same ids; readers dedupe by sample id.
-* Dynamic sampling drops groups whose processed rewards are all equal and counts them in Redis.
-* Optionally, the seed's cross-batch normalisation over a window or running moments (Redis).
+  emits the same group again with the same ids; readers dedupe by sample id. In-process
+  (LocalChain, replay) the same happens on a MemoryState, so split groups complete there too.
+* Dynamic sampling drops groups whose processed rewards are all equal and counts them in ctx.state.
+* Optionally, the seed's cross-batch normalisation over a window or running moments (ctx.state).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expstream import numerics, windows
+from expstream import numerics
 from schemas import Ragged, SampleBatch, decode, encode
 from stages.common import action_field, padded, scalar, to_ragged
 from stages.context import StageContext
@@ -75,30 +76,41 @@ def normalize_window(payloads: list[bytes]) -> list[SampleBatch]:
 def cross_batch(outputs: list[SampleBatch], ctx: StageContext) -> list[SampleBatch]:
     """The seed's cross-batch advantage normalisation (§7.2), streamed; see docs/numerics.md.
 
-    ``running``: moments of every valid advantage so far, merged in Redis once per batch id, the
-    snapshot after this batch normalises it. ``window``: micro-batches gather in a Redis window
+    ``running``: moments of every valid advantage so far, merged in ctx.state once per batch id, the
+    snapshot after this batch normalises it. ``window``: micro-batches gather in a window in ctx.state
     of ``algo.rollout_batch_size`` samples, normalised together when it closes (the seed's shape).
     Applies to gae, reinforce and reinforce_baseline, as in the seed.
     """
     algo = ctx.topology.algo
     if algo.advantage_cross_batch_norm == "none" or algo.advantage_estimator not in CROSS_BATCH_ESTIMATORS:
         return outputs
-    state = ctx.require_state()
     result: list[SampleBatch] = []
     for b in outputs:
         if algo.advantage_cross_batch_norm == "running":
-            m = state.merge_reward_moments(b.batch_id, _valid_advantages(b), name="advantages")
+            m = ctx.state.merge_reward_moments(b.batch_id, _valid_advantages(b), name="advantages")
             result.append(_normalized(b, m.mean, m.m2 / m.count if m.count else 0.0))
         else:
-            taken = windows.park_window(state, WINDOW_NAME, b.batch_id, encode(b), len(b), algo.rollout_batch_size)
+            taken = ctx.state.park_window(WINDOW_NAME, b.batch_id, encode(b), len(b), algo.rollout_batch_size)
             if taken is not None:
                 result.extend(normalize_window(taken[1]))
     return result
 
 
-def flush_windows(ctx: StageContext) -> list[SampleBatch]:
-    """Close the open normalisation window (end of a finite run) and return its batches."""
-    taken = windows.flush_window(ctx.require_state(), WINDOW_NAME)
+def _uses_window(ctx: StageContext) -> bool:
+    algo = ctx.topology.algo
+    return algo.advantage_cross_batch_norm == "window" and algo.advantage_estimator in CROSS_BATCH_ESTIMATORS
+
+
+def held_samples(ctx: StageContext) -> int:
+    """Stage hook: samples parked in the open normalisation window (0 without a window)."""
+    return ctx.state.pending_window_samples(WINDOW_NAME) if _uses_window(ctx) else 0
+
+
+def end_of_input(ctx: StageContext) -> list[SampleBatch]:
+    """Stage hook: close the open normalisation window (end of a finite run), return its batches."""
+    if not _uses_window(ctx):
+        return []
+    taken = ctx.state.flush_window(WINDOW_NAME)
     return normalize_window(taken[1]) if taken is not None else []
 
 
@@ -117,18 +129,10 @@ def _advantages(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     if not ctx.topology.is_group_estimator:
         return [compute(batch, ctx)]
     out = []
-    if ctx.state is None:  # in-process (replay, tests): only groups wholly inside this batch can complete
-        for group_id, rows in _groups(batch).items():
-            if len(rows) != batch.n_samples_per_prompt:
-                ctx.require_state()  # raises: a split group needs the Redis group buffers
-            emitted = complete_group(batch.select(rows, batch_id=f"g/{group_id}"), ctx)
-            out.extend([emitted] if emitted is not None else [])
-        return out
-    state = ctx.state
     for group_id, rows in _groups(batch).items():
         members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
                    for i in rows}
-        payloads = state.park_group(group_id, batch.n_samples_per_prompt, batch.batch_id, members)
+        payloads = ctx.state.park_group(group_id, batch.n_samples_per_prompt, batch.batch_id, members)
         if payloads is None:
             continue
         group = SampleBatch.concat([decode(p) for p in payloads], batch_id=f"g/{group_id}")
@@ -143,8 +147,7 @@ def complete_group(group: SampleBatch, ctx: StageContext) -> SampleBatch | None:
     algo = ctx.topology.algo
     r = torch.from_numpy(np.array(group.processed_rewards, dtype=np.float32)).reshape(1, -1)
     if algo.dynamic_sampling and bool(numerics.group_is_constant(r)[0]):
-        if ctx.state is not None:
-            ctx.state.incr_counter("dynamic_sampling_dropped_groups", 1, once_id=group.batch_id)
+        ctx.state.incr_counter("dynamic_sampling_dropped_groups", 1, once_id=group.batch_id)
         ctx.log.info("advantage batch=%s: dropped by dynamic sampling (all rewards equal %.4g)",
                      group.batch_id, float(r[0, 0]))
         return None

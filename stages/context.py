@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from expstream.state import MemoryState, State
 from expstream.topology import StageConfig, Topology
 
 
@@ -13,28 +14,25 @@ from expstream.topology import StageConfig, Topology
 class StageContext:
     topology: Topology
     stage: StageConfig
-    state: Any = None  # expstream.state.RedisState, or None for pure in-memory runs
+    # Never None: RedisState in stage processes, MemoryState in-process (LocalChain, tests, replay).
+    state: State = field(default_factory=MemoryState)
     models: dict[str, Any] = field(default_factory=dict)  # filled by the stage's setup()
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("expstream.stage"))
     run_id: str = "local"
     replica_id: str = "0"
 
-    def require_state(self) -> Any:
-        if self.state is None:
-            raise RuntimeError(
-                f"stage {self.stage.name}: needs Redis state (ctx.state) for this configuration; "
-                "pass a RedisState when calling process() outside the runner"
-            )
-        return self.state
 
-
-def make_context(topology: Topology, stage_name: str, state: Any = None, run_id: str = "local",
+def make_context(topology: Topology, stage_name: str, state: State | None = None, run_id: str = "local",
                  replica_id: str = "0") -> StageContext:
-    """A context for calling a stage in-process (tests, replay, the synchronous bench)."""
+    """A context for calling a stage in-process (tests, replay, the synchronous bench).
+
+    Without ``state`` the stage gets a fresh :class:`MemoryState` of its own; pass one state to
+    several contexts to let them share groups and windows (LocalChain does).
+    """
     return StageContext(
         topology=topology,
         stage=topology.stages[stage_name],
-        state=state,
+        state=state if state is not None else MemoryState(run_id),
         log=logging.getLogger(f"expstream.stage.{stage_name}"),
         run_id=run_id,
         replica_id=replica_id,

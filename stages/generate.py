@@ -63,7 +63,7 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         seed=batch_seed(ctx.topology.run.seed, batch.batch_id),
     )
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
-    version = ctx.state.policy_version() if ctx.state is not None else 0
+    version = ctx.state.policy_version()
     return [SampleBatch(
         batch_id=batch.batch_id,
         policy_version=int(version),

@@ -14,16 +14,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from expstream.state import MemoryState, State
 from expstream.topology import Topology
-from schemas import SampleBatch, decode, encode
-from stages import STAGES
+from schemas import decode, encode
+from stages import STAGES, end_of_input
 from stages.context import StageContext, make_context
 
 
 @dataclass
 class LocalChain:
     topology: Topology
-    state: Any = None
+    # One state shared by every stage of the chain: groups split across micro-batches complete here
+    # as they do across Redis, and a replay sees the same answers.
+    state: State = field(default_factory=MemoryState)
     through_codec: bool = False
     contexts: dict[str, StageContext] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -48,11 +51,13 @@ class LocalChain:
         return out
 
     def run(self, prompt_batches: Iterable[Any]) -> list[Any]:
-        """Every enabled stage over all inputs, stage by stage; returns the experiences."""
+        """Every enabled stage over all inputs, stage by stage; returns the experiences.
+
+        The input is finite: after a stage has seen all of it, its ``end_of_input`` hook releases
+        what it held back (the last normalisation window), and those batches go on downstream.
+        """
         data: list[Any] = list(prompt_batches)
         for st in self.topology.enabled_stages():
-            if st.name == "advantage" and self.state is None and self.topology.is_group_estimator and data:
-                # the seed's shape: advantages over the whole batch, so every group is complete
-                data = [SampleBatch.concat(data, batch_id="all")]
             data = self.run_stage(st.name, data)
+            data.extend(end_of_input(self.contexts[st.name]))
         return data

@@ -27,10 +27,7 @@ def setup(ctx: StageContext) -> None:
 
 
 def kl_coefficient(ctx: StageContext) -> float:
-    algo = ctx.topology.algo
-    if ctx.state is None:
-        return float(algo.init_kl_coef)
-    return float(ctx.state.kl_coef(algo.init_kl_coef))
+    return float(ctx.state.kl_coef(ctx.topology.algo.init_kl_coef))
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
@@ -56,7 +53,7 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
         r = r + numerics.overlong_penalty(response_length, gen.max_new_tokens, algo.overlong_buffer_len,
                                           algo.overlong_buffer_penalty_factor)
     if algo.reward_running_norm:
-        m = ctx.require_state().merge_reward_moments(batch.batch_id, r.numpy().astype(np.float64))
+        m = ctx.state.merge_reward_moments(batch.batch_id, r.numpy().astype(np.float64))
         r = numerics.normalize_rewards(r, m.mean, m.std, algo.reward_running_norm_minus_mean).to(torch.float32)
         if not bool(torch.isfinite(r).all()):
             # std is inf after one reward in total and 0 while every reward so far was equal: the

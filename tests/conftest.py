@@ -19,7 +19,7 @@ if str(_ROOT) not in sys.path:  # the project is installed editable later; until
 
 from expstream.bus import KafkaConfig  # noqa: E402
 from expstream.infra import LocalBroker, LocalRedis, create_topics  # noqa: E402
-from expstream.state import RedisState  # noqa: E402
+from expstream.state import MemoryState, RedisState, State  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +70,38 @@ def redis_state(redis_url: str, run_id: str) -> Iterator[RedisState]:
         yield state
     finally:
         state.close()
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
+def state_handles(request: pytest.FixtureRequest, run_id: str) -> Iterator[Callable[[], State]]:
+    """Handles on ONE run's state, for the contract suite run against both implementations.
+
+    ``memory``: every call returns the same MemoryState (what a process shares between threads);
+    ``redis``: every call opens a new RedisState client on the session's real redis-server (what
+    replicas in different processes share).
+    """
+    if request.param == "memory":
+        shared = MemoryState(run_id)
+        yield lambda: shared
+        return
+    url = request.getfixturevalue("redis_url")
+    opened: list[RedisState] = []
+
+    def open_handle() -> State:
+        opened.append(RedisState(url, run_id))
+        return opened[-1]
+
+    try:
+        yield open_handle
+    finally:
+        for s in opened:
+            s.close()
+
+
+@pytest.fixture
+def state(state_handles: Callable[[], State]) -> State:
+    """One handle on a fresh run state: a MemoryState, then (integration) a RedisState."""
+    return state_handles()
 
 
 @pytest.fixture

@@ -215,3 +215,26 @@ def test_every_stage_twice_on_the_same_record_gives_identical_bytes(topo_models,
         assert first == second, f"stage {st.name} is not deterministic"
         assert first, f"stage {st.name} emitted nothing"
         data = [decode(b) for b in first]
+
+
+def test_local_chain_completes_a_group_split_across_three_micro_batches_without_redis(topo_models):
+    """One prompt, n=3, micro-batches of 1: the group arrives at advantage in three records and
+    completes in the chain's MemoryState, with the advantages of the same group seen whole."""
+    common = [*topo_models, "algo.advantage_estimator=group_norm", "generate.n_samples_per_prompt=3",
+              "generate.max_new_tokens=5"]
+    prompts = [PromptBatch(batch_id="p000000", prompt_id=["a"], prompt=["Add two numbers"], label=[""],
+                           reference=[""])]
+    split = LocalChain(load_topology(overrides=[*common, "algo.micro_rollout_batch_size=1"]),
+                       through_codec=True).setup()
+    [rollouts] = split.run_stage("generate", prompts)
+    micro = split.run_stage("shard-preprocess", [rollouts])
+    assert [len(b) for b in micro] == [1, 1, 1]
+    whole = LocalChain(load_topology(overrides=[*common, "algo.micro_rollout_batch_size=3"]),
+                       through_codec=True).setup()
+    [got] = split.run(prompts)
+    [ref] = whole.run(prompts)
+    assert got.batch_id == ref.batch_id == "g/a" and got.sample_index == [0, 1, 2]
+    assert split.contexts["advantage"].state.group_status("a") == (3, 3, micro[-1].batch_id)
+    np.testing.assert_allclose(got.rewards, ref.rewards, atol=1e-5)
+    for a, b in zip(got.advantages.rows(), ref.advantages.rows(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)

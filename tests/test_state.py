@@ -1,4 +1,8 @@
-"""RedisState against a real redis-server: atomic, idempotent Lua updates."""
+"""The State contract, one suite run against MemoryState and RedisState (a real redis-server).
+
+Every contract test takes the ``state`` (or ``state_handles``) fixture, parametrised over both
+implementations; the Redis-only tests (TTLs, key scoping, processes, restarts) take ``redis_state``.
+The last tests feed the same random operations to both and demand identical answers."""
 
 from __future__ import annotations
 
@@ -12,9 +16,7 @@ import pytest
 
 from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
 from expstream.infra import LocalRedis
-from expstream.state import Moments, RedisState
-
-pytestmark = pytest.mark.integration
+from expstream.state import MemoryState, Moments, RedisState
 
 
 def _pooled(values):
@@ -25,7 +27,7 @@ def _pooled(values):
 # --- reward moments -----------------------------------------------------------------------------
 
 
-def test_moments_of_three_batches_equal_pooled_numpy(redis_state):
+def test_moments_of_three_batches_equal_pooled_numpy(state):
     rng = np.random.default_rng(0)
     batches = [
         rng.normal(3.0, 2.0, 17),
@@ -33,30 +35,30 @@ def test_moments_of_three_batches_equal_pooled_numpy(redis_state):
         rng.normal(10.0, 4.0, 64),
     ]
     for i, b in enumerate(batches):
-        m = redis_state.merge_reward_moments(f"b{i}", b)
+        m = state.merge_reward_moments(f"b{i}", b)
     n, mean, std = _pooled(batches)
     assert m.count == n
     assert m.mean == pytest.approx(mean, rel=1e-9, abs=1e-9)
     assert m.std == pytest.approx(std, rel=1e-9)
     assert m.var == pytest.approx(std**2, rel=1e-9)
-    assert redis_state.get_moments() == m
-    assert redis_state.get_moments("other").count == 0
+    assert state.get_moments() == m
+    assert state.get_moments("other").count == 0
 
 
-def test_moments_single_value_and_empty_batch(redis_state):
-    m = redis_state.merge_reward_moments("a", np.array([2.5]), name="r")
+def test_moments_single_value_and_empty_batch(state):
+    m = state.merge_reward_moments("a", np.array([2.5]), name="r")
     assert (m.count, m.mean, m.m2) == (1, 2.5, 0.0) and math.isinf(m.std)
-    assert redis_state.merge_reward_moments("b", np.array([]), name="r") == m
+    assert state.merge_reward_moments("b", np.array([]), name="r") == m
     with pytest.raises(PoisonRecordError):
-        redis_state.merge_reward_moments("c", np.array([1.0, np.nan]), name="r")
+        state.merge_reward_moments("c", np.array([1.0, np.nan]), name="r")
 
 
-def test_same_batch_id_applied_once_and_returns_identical_snapshot(redis_state):
-    first = redis_state.merge_reward_moments("b0", np.array([1.0, 2.0, 3.0]))
-    after_b1 = redis_state.merge_reward_moments("b1", np.array([10.0, 20.0]))
-    again = redis_state.merge_reward_moments("b0", np.array([1.0, 2.0, 3.0]))
+def test_same_batch_id_applied_once_and_returns_identical_snapshot(state):
+    first = state.merge_reward_moments("b0", np.array([1.0, 2.0, 3.0]))
+    after_b1 = state.merge_reward_moments("b1", np.array([10.0, 20.0]))
+    again = state.merge_reward_moments("b0", np.array([1.0, 2.0, 3.0]))
     assert again == first  # the snapshot taken right after b0's merge, not the current state
-    assert redis_state.get_moments() == after_b1
+    assert state.get_moments() == after_b1
     assert after_b1.count == 5
 
 
@@ -69,6 +71,7 @@ def _merge_worker(url, run_id, worker, n_batches):
     state.close()
 
 
+@pytest.mark.integration
 def test_concurrent_merges_from_processes_and_threads_give_pooled_result(redis_url, run_id):
     n_batches = 25
     ctx = mp.get_context("spawn")
@@ -93,44 +96,49 @@ def test_concurrent_merges_from_processes_and_threads_give_pooled_result(redis_u
 # --- group buffers -------------------------------------------------------------------------------
 
 
-def test_park_group_completes_exactly_once(redis_state):
+def test_park_group_completes_exactly_once(state):
     g = "prompt-7"
-    assert redis_state.park_group(g, 4, "m0", {0: b"s0", 2: b"s2"}) is None
-    assert redis_state.group_status(g) == (2, 4, None)
-    assert redis_state.park_group(g, 4, "m1", {1: b"s1"}) is None
-    done = redis_state.park_group(g, 4, "m2", {3: b"s3"})
+    assert state.group_status(g) == (0, None, None)
+    assert state.park_group(g, 4, "m0", {0: b"s0", 2: b"s2"}) is None
+    assert state.group_status(g) == (2, 4, None)
+    assert state.park_group(g, 4, "m1", {1: b"s1"}) is None
+    done = state.park_group(g, 4, "m2", {3: b"s3"})
     assert done == [b"s0", b"s1", b"s2", b"s3"]
-    assert redis_state.group_status(g) == (4, 4, "m2")
+    assert state.group_status(g) == (4, 4, "m2")
     # the completer's redelivery gets the group again; a non-completer's redelivery gets nothing
-    assert redis_state.park_group(g, 4, "m2", {3: b"s3"}) == done
-    assert redis_state.park_group(g, 4, "m1", {1: b"s1"}) is None
-    assert redis_state.park_group(g, 4, "m0", {0: b"changed", 2: b"s2"}) is None
-    assert redis_state.park_group(g, 4, "m2", {3: b"s3"}) == done  # first payloads kept (HSETNX)
-    ttl = redis_state.client.ttl(redis_state.key("group", g))
+    assert state.park_group(g, 4, "m2", {3: b"s3"}) == done
+    assert state.park_group(g, 4, "m1", {1: b"s1"}) is None
+    assert state.park_group(g, 4, "m0", {0: b"changed", 2: b"s2"}) is None
+    assert state.park_group(g, 4, "m2", {3: b"s3"}) == done  # first payloads kept (HSETNX)
+
+
+@pytest.mark.integration
+def test_redis_group_buffers_expire_after_the_ttl(redis_state):
+    redis_state.park_group("g", 2, "m0", {0: b"s0"})
+    ttl = redis_state.client.ttl(redis_state.key("group", "g"))
     assert 0 < ttl <= redis_state.group_ttl_s
 
 
-def test_park_group_rejects_inconsistent_records(redis_state):
+def test_park_group_rejects_inconsistent_records(state):
     with pytest.raises(PoisonRecordError, match="sample_index"):
-        redis_state.park_group("g", 2, "m0", {2: b"x"})
-    redis_state.park_group("g", 2, "m0", {0: b"x"})
+        state.park_group("g", 2, "m0", {2: b"x"})
+    state.park_group("g", 2, "m0", {0: b"x"})
     with pytest.raises(PoisonRecordError, match="n=2"):
-        redis_state.park_group("g", 3, "m1", {1: b"y"})
+        state.park_group("g", 3, "m1", {1: b"y"})
 
 
-def test_concurrent_parkers_exactly_one_gets_the_group(redis_url, run_id):
+def test_concurrent_parkers_exactly_one_gets_the_group(state_handles):
     n_groups, parkers = 20, 8
     results: dict[int, list] = {i: [] for i in range(parkers)}
     barrier = threading.Barrier(parkers)
 
     def park(i):
-        state = RedisState(redis_url, run_id)
+        state = state_handles()
         barrier.wait()
         for g in range(n_groups):
             # every parker holds 2 samples of an 16-sample group; together they complete it
             members = {2 * i: f"{g}:{2 * i}".encode(), 2 * i + 1: f"{g}:{2 * i + 1}".encode()}
             results[i].append(state.park_group(f"g{g}", 2 * parkers, f"m{i}", members))
-        state.close()
 
     threads = [threading.Thread(target=park, args=(i,)) for i in range(parkers)]
     for t in threads:
@@ -143,58 +151,106 @@ def test_concurrent_parkers_exactly_one_gets_the_group(redis_url, run_id):
         assert results[winners[0]][g] == [f"{g}:{k}".encode() for k in range(2 * parkers)]
 
 
+def test_concurrent_merges_from_threads_give_pooled_result(state_handles):
+    n_batches = 25
+
+    def merge(worker):
+        state = state_handles()
+        for j in range(n_batches):
+            vals = np.random.default_rng(1000 * worker + j).normal(worker, 1.0, 8 + j)
+            state.merge_reward_moments(f"w{worker}-b{j}", vals)
+            state.merge_reward_moments(f"w{worker}-b{j}", vals)  # a redelivery, interleaved
+
+    threads = [threading.Thread(target=merge, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    n, mean, std = _pooled([np.random.default_rng(1000 * w + j).normal(w, 1.0, 8 + j)
+                            for w in range(4) for j in range(n_batches)])
+    m = state_handles().get_moments()
+    assert m.count == n
+    assert m.mean == pytest.approx(mean, rel=1e-9)
+    assert m.std == pytest.approx(std, rel=1e-9)
+
+
+# --- normalisation windows -----------------------------------------------------------------------
+
+
+def test_window_closes_once_at_size_and_hands_out_its_members(state):
+    assert state.pending_window_samples("adv") == 0
+    assert state.park_window("adv", "a", b"A", 2, 5) is None
+    assert state.park_window("adv", "b", b"B", 2, 5) is None
+    assert state.pending_window_samples("adv") == 4
+    k, members = state.park_window("adv", "c", b"C", 3, 5)  # 7 >= 5: c closes window 0
+    assert (k, sorted(members)) == ("0", [b"A", b"B", b"C"])
+    assert state.pending_window_samples("adv") == 0
+    # the closer's redelivery gets the same members; another member's redelivery gets nothing
+    assert state.park_window("adv", "c", b"C", 3, 5) == (k, members)
+    assert state.park_window("adv", "a", b"A", 2, 5) is None
+    # the next micro-batch opens window 1; a flush closes it whatever its size, once
+    assert state.park_window("adv", "d", b"D", 1, 5) is None
+    assert state.park_window("other", "d", b"D", 1, 5) is None  # windows are per name
+    assert state.pending_window_samples("adv") == 1
+    assert state.flush_window("adv") == ("1", [b"D"])
+    assert state.flush_window("adv") is None
+    assert state.park_window("adv", "d", b"D", 1, 5) is None  # redelivery after the flush: nothing
+    assert state.pending_window_samples("other") == 1
+
+
 # --- KL coefficient ------------------------------------------------------------------------------
 
 
-def test_kl_adaptive_update_once_per_step(redis_state):
-    assert redis_state.kl_coef(0.1) == 0.1
-    assert redis_state.kl_coef(0.5) == 0.1  # initialised once
+def test_kl_adaptive_update_once_per_step(state):
+    assert state.kl_coef(0.1) == 0.1
+    assert state.kl_coef(0.5) == 0.1  # initialised once
     # step 1: current 0.15 vs target 0.1 -> e = clip(0.5) = 0.2; value = 0.1 * (1 + 0.2 * 64 / 1000)
-    v1 = redis_state.update_kl_adaptive("s1", 0.15, 0.1, 64, 1000)
+    v1 = state.update_kl_adaptive("s1", 0.15, 0.1, 64, 1000)
     assert v1 == pytest.approx(0.1 * 1.0128, rel=1e-12)
-    assert redis_state.update_kl_adaptive("s1", 5.0, 0.1, 64, 1000) == v1  # repeat: unchanged
+    assert state.update_kl_adaptive("s1", 5.0, 0.1, 64, 1000) == v1  # repeat: unchanged
     # step 2: current 0.095 -> e = -0.05; value = v1 * (1 - 0.05 * 100 / 1000)
-    v2 = redis_state.update_kl_adaptive("s2", 0.095, 0.1, 100, 1000)
+    v2 = state.update_kl_adaptive("s2", 0.095, 0.1, 100, 1000)
     assert v2 == pytest.approx(0.1 * 1.0128 * 0.995, rel=1e-12)
-    assert redis_state.kl_coef(0.1) == v2
-    redis_state.set_kl_coef(0.3)
-    assert redis_state.kl_coef(0.1) == 0.3
+    assert state.kl_coef(0.1) == v2
+    state.set_kl_coef(0.3)
+    assert state.kl_coef(0.1) == 0.3
 
 
-def test_kl_adaptive_needs_initialised_coefficient(redis_state):
+def test_kl_adaptive_needs_initialised_coefficient(state):
     with pytest.raises(ConfigError, match="kl_coef"):
-        redis_state.update_kl_adaptive("s1", 0.1, 0.1, 1, 10)
-    assert redis_state.update_kl_adaptive("s1", 0.1, 0.1, 1, 10, default=0.05) == 0.05
+        state.update_kl_adaptive("s1", 0.1, 0.1, 1, 10)
+    assert state.update_kl_adaptive("s1", 0.1, 0.1, 1, 10, default=0.05) == 0.05
 
 
 # --- stats, versions, counters -------------------------------------------------------------------
 
 
-def test_stage_stats_heartbeats_versions_counters(redis_state):
-    assert redis_state.record_stage_time("reward", 0.5, 16, "b0") is True
-    assert redis_state.record_stage_time("reward", 0.5, 16, "b0") is False
-    redis_state.record_stage_time("reward", 0.25, 8, "b1")
-    redis_state.record_stage_time("generate", 2.0, 16, "b0")
-    assert redis_state.stage_stats() == {
+def test_stage_stats_heartbeats_versions_counters(state):
+    assert state.record_stage_time("reward", 0.5, 16, "b0") is True
+    assert state.record_stage_time("reward", 0.5, 16, "b0") is False
+    state.record_stage_time("reward", 0.25, 8, "b1")
+    state.record_stage_time("generate", 2.0, 16, "b0")
+    assert state.stage_stats() == {
         "generate": {"batches": 1, "samples": 16, "seconds": 2.0},
         "reward": {"batches": 2, "samples": 24, "seconds": 0.75},
     }
     before = time.time()
-    redis_state.heartbeat("reward", 1)
-    ((key, ts),) = redis_state.heartbeats().items()
+    state.heartbeat("reward", 1)
+    ((key, ts),) = state.heartbeats().items()
     assert key == ("reward", "1") and ts >= before - 1
-    assert redis_state.policy_version() == 0
-    assert redis_state.set_policy_version(3) == 3
-    assert redis_state.set_policy_version(2) == 3  # never backwards
-    assert redis_state.policy_version() == 3
-    assert redis_state.mark_once("emitted", "g/1") is True
-    assert redis_state.mark_once("emitted", "g/1") is False
-    assert redis_state.incr_counter("stale", 2, once_id="b0") == 2
-    assert redis_state.incr_counter("stale", 2, once_id="b0") == 2
-    assert redis_state.incr_counter("stale", 1) == 3
-    assert redis_state.counters() == {"stale": 3.0}
+    assert state.policy_version() == 0
+    assert state.set_policy_version(3) == 3
+    assert state.set_policy_version(2) == 3  # never backwards
+    assert state.policy_version() == 3
+    assert state.mark_once("emitted", "g/1") is True
+    assert state.mark_once("emitted", "g/1") is False
+    assert state.incr_counter("stale", 2, once_id="b0") == 2
+    assert state.incr_counter("stale", 2, once_id="b0") == 2
+    assert state.incr_counter("stale", 1) == 3
+    assert state.counters() == {"stale": 3.0}
 
 
+@pytest.mark.integration
 def test_keys_are_scoped_by_run(redis_url, redis_state):
     other = RedisState(redis_url, redis_state.run_id + "x")
     redis_state.merge_reward_moments("b0", np.array([1.0, 2.0]))
@@ -207,6 +263,7 @@ def test_keys_are_scoped_by_run(redis_url, redis_state):
 # --- restarts ------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_redis_restart_keeps_state_and_client_reconnects(tmp_path):
     server = LocalRedis(tmp_path / "redis", appendonly=True)
     url = server.start()
@@ -237,3 +294,52 @@ def test_redis_restart_keeps_state_and_client_reconnects(tmp_path):
 def test_moments_dataclass():
     m = Moments.from_triple(3, 2.0, 8.0)
     assert m.var == 4.0 and m.std == 2.0
+
+
+# --- MemoryState and RedisState give identical answers ------------------------------------------
+
+
+def _script(seed):
+    """A random mix of every stateful call, with redeliveries (repeated ids)."""
+    rng = np.random.default_rng(seed)
+    ops = []
+    for _ in range(60):
+        kind = rng.integers(0, 5)
+        bid = f"b{rng.integers(0, 25)}"  # ids repeat: redeliveries
+        if kind == 0:
+            vals = np.random.default_rng(int(bid[1:])).normal(rng.choice([0.0, 1e6]), 3.0, 1 + int(bid[1:]) % 7)
+            ops.append(("merge_reward_moments", (bid, vals), {"name": "r"}))
+        elif kind == 1:
+            g = f"g{rng.integers(0, 4)}"
+            idx = int(rng.integers(0, 3))
+            ops.append(("park_group", (g, 3, f"{bid}-{g}-{idx}", {idx: f"{g}/{idx}".encode()}), {}))
+        elif kind == 2:
+            ops.append(("update_kl_adaptive", (f"s{rng.integers(0, 10)}", float(rng.uniform(0, 0.3)), 0.1,
+                                               int(rng.integers(1, 64)), 1000), {"default": 0.05}))
+        elif kind == 3:
+            n = int(rng.integers(1, 4))
+            ops.append(("park_window", ("w", bid, bid.encode(), n, 5), {}))
+        else:
+            ops.append(("incr_counter", ("dropped", 1), {"once_id": bid}))
+    return ops
+
+
+def _normal(answer):
+    if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[1], list):
+        return answer[0], sorted(answer[1])  # window members: order is not part of the contract
+    return answer
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_memory_and_redis_give_identical_answers(redis_state, seed):
+    memory = MemoryState(redis_state.run_id)
+    for name, args, kwargs in _script(seed):
+        got = [_normal(getattr(s, name)(*args, **kwargs)) for s in (memory, redis_state)]
+        assert got[0] == got[1], (name, args)  # exact: Moments and KL doubles bit for bit
+    assert memory.get_moments("r") == redis_state.get_moments("r")
+    assert memory.kl_coef(0.5) == redis_state.kl_coef(0.5)
+    assert memory.counters() == redis_state.counters()
+    assert _normal(memory.flush_window("w")) == _normal(redis_state.flush_window("w"))
+    for g in ("g0", "g1", "g2", "g3"):
+        assert memory.group_status(g) == redis_state.group_status(g)

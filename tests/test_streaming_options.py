@@ -1,5 +1,7 @@
-"""Streaming forms of the seed's whole-batch steps, with Redis: cross-batch normalisation,
-KL controller, use_kl_loss, dynamic sampling, running reward norm, and same-input-same-output."""
+"""Streaming forms of the seed's whole-batch steps: cross-batch normalisation, KL controller,
+use_kl_loss, dynamic sampling, running reward norm, and same-input-same-output.
+
+Tests taking ``state`` run twice: on a MemoryState and (integration) on a real Redis."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ import pytest
 from expstream.control import PipelineControl
 from expstream.topology import load_topology
 from schemas import Ragged, SampleBatch, encode
-from stages import advantage, postprocess
+from stages import advantage, end_of_input, held_samples, postprocess
 from stages.context import make_context
 
-pytestmark = pytest.mark.integration
 EOS, PAD = 9, 0
 
 
@@ -39,9 +40,9 @@ def scored(batch_id, rewards, lengths, group="g", start=0, n=None):
         info={"reward": np.array(rewards, np.float32), "kl": np.zeros(b, np.float32)})
 
 
-def test_running_cross_batch_normalisation_uses_pooled_moments(redis_state):
+def test_running_cross_batch_normalisation_uses_pooled_moments(state):
     topo = load_topology(overrides=["algo.advantage_estimator=reinforce", "algo.advantage_cross_batch_norm=running"])
-    ctx = make_context(topo, "advantage", state=redis_state)
+    ctx = make_context(topo, "advantage", state=state)
     [a] = advantage.process(scored("a", [1.0, 3.0], [1, 1]), ctx)
     # first batch alone: valid advantages [1, 3] -> mean 2, biased var 1 -> [-1, 1]
     np.testing.assert_allclose(a.advantages.values, [-1.0, 1.0], rtol=1e-6)
@@ -54,10 +55,10 @@ def test_running_cross_batch_normalisation_uses_pooled_moments(redis_state):
     assert encode(again) == encode(a)
 
 
-def test_window_cross_batch_normalisation_and_flush(redis_state):
+def test_window_cross_batch_normalisation_and_flush(state):
     topo = load_topology(overrides=["algo.advantage_estimator=reinforce", "algo.advantage_cross_batch_norm=window",
                                     "algo.rollout_batch_size=3"])
-    ctx = make_context(topo, "advantage", state=redis_state)
+    ctx = make_context(topo, "advantage", state=state)
     assert advantage.process(scored("w1", [0.0, 2.0], [1, 1]), ctx) == []  # 2 of 3 samples: window open
     out = advantage.process(scored("w2", [4.0], [1]), ctx)  # closes the window
     # window values [0, 2, 4]: mean 2, biased var 8/3 -> [-1.224745, 0, 1.224745]
@@ -66,28 +67,30 @@ def test_window_cross_batch_normalisation_and_flush(redis_state):
     assert advantage.process(scored("w1", [0.0, 2.0], [1, 1]), ctx) == []  # redelivered non-closer: nothing
     assert [b.batch_id for b in advantage.process(scored("w2", [4.0], [1]), ctx)] == ["w1", "w2"]
     assert advantage.process(scored("w3", [1.0, 2.0], [1, 1]), ctx) == []
-    [last] = advantage.flush_windows(ctx)
+    assert held_samples(ctx) == 2
+    [last] = end_of_input(ctx)  # the stage hook `expstream run` and LocalChain call at the end
     np.testing.assert_allclose(last.advantages.values, [-1.0, 1.0], rtol=1e-5)  # [1, 2]: mean 1.5, var .25
-    assert advantage.flush_windows(ctx) == []
+    assert held_samples(ctx) == 0
+    assert end_of_input(ctx) == []
 
 
-def test_group_estimators_skip_cross_batch_normalisation(redis_state):
+def test_group_estimators_skip_cross_batch_normalisation(state):
     topo = load_topology(overrides=["algo.advantage_estimator=rloo", "algo.advantage_cross_batch_norm=running"])
-    ctx = make_context(topo, "advantage", state=redis_state)
+    ctx = make_context(topo, "advantage", state=state)
     [g] = advantage.process(scored("r", [1.0, 3.0], [1, 1], n=2), ctx)
     # rloo: r_i - mean(others): [1 - 3, 3 - 1], not renormalised
     np.testing.assert_allclose(g.advantages.values, [-2.0, 2.0])
 
 
-def test_dynamic_sampling_drops_constant_groups_and_counts_them(redis_state):
+def test_dynamic_sampling_drops_constant_groups_and_counts_them(state):
     topo = load_topology(overrides=["algo.advantage_estimator=group_norm", "algo.dynamic_sampling=true"])
-    ctx = make_context(topo, "advantage", state=redis_state)
+    ctx = make_context(topo, "advantage", state=state)
     assert advantage.process(scored("c", [0.5, 0.5], [1, 2], group="const", n=2), ctx) == []
     [kept] = advantage.process(scored("v", [0.0, 1.0], [1, 1], group="varied", n=2), ctx)
     assert kept.group_id == ["varied", "varied"]
-    assert redis_state.counters()["dynamic_sampling_dropped_groups"] == 1
+    assert state.counters()["dynamic_sampling_dropped_groups"] == 1
     advantage.process(scored("c", [0.5, 0.5], [1, 2], group="const", n=2), ctx)  # redelivery: counted once
-    assert redis_state.counters()["dynamic_sampling_dropped_groups"] == 1
+    assert state.counters()["dynamic_sampling_dropped_groups"] == 1
 
 
 def _pair(extra=()):
@@ -98,6 +101,7 @@ def _pair(extra=()):
     return topo, b
 
 
+@pytest.mark.integration
 def test_adaptive_kl_controller_shared_through_redis(redis_url, run_id, redis_state):
     topo, batch = _pair(["algo.kl_target=0.1", "algo.kl_horizon=100", "algo.rollout_batch_size=10"])
     control = PipelineControl(redis_url, run_id, topo)
@@ -123,12 +127,12 @@ def test_use_kl_loss_keeps_base_log_probs_and_no_kl_in_reward():
     np.testing.assert_allclose(out.token_rewards.values, [0.0, 1.0, 2.0])
 
 
-def test_running_reward_norm_is_applied_once_per_batch_id(redis_state):
+def test_running_reward_norm_is_applied_once_per_batch_id(state):
     topo, batch = _pair(["algo.reward_running_norm=true", "algo.init_kl_coef=0", "algo.reward_running_norm_minus_mean=true"])
-    ctx = make_context(topo, "postprocess", state=redis_state)
+    ctx = make_context(topo, "postprocess", state=state)
     [first] = postprocess.process(batch, ctx)
     # rewards [1, 2]: mean 1.5, unbiased std sqrt(0.5) -> (r - 1.5) / 0.707107 = [-0.707107, 0.707107]
     np.testing.assert_allclose(first.processed_rewards, [-0.707107, 0.707107], rtol=1e-5)
     [second] = postprocess.process(batch, ctx)
     assert encode(second) == encode(first)
-    assert redis_state.get_moments("reward").count == 2
+    assert state.get_moments("reward").count == 2

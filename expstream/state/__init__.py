@@ -1,4 +1,30 @@
-"""Run state shared by stage replicas (see :mod:`expstream.state.base` for the contract)."""
+"""Run state shared by stage replicas: one :class:`State` contract, two implementations.
 
-from expstream.state.redis_state import *  # noqa: F401,F403
-from expstream.state.redis_state import __all__  # noqa: F401
+* :class:`RedisState` (``redis_state.py``) — across processes and hosts; atomic Lua scripts.
+* :class:`MemoryState` (``memory.py``) — one process, dicts; LocalChain, tests, bench, replay.
+
+``base.py`` holds the contract, :class:`Moments` and the arithmetic both use.
+"""
+
+from expstream.state.base import DEFAULT_GROUP_TTL_S, Moments, State, WindowTaken
+from expstream.state.memory import MemoryState
+from expstream.state.redis_state import (
+    RETRY_BASE_DELAY_S,
+    RETRY_DEADLINE_S,
+    RETRY_MAX_DELAY_S,
+    SOCKET_TIMEOUT_S,
+    RedisState,
+)
+
+__all__ = [
+    "State",
+    "Moments",
+    "WindowTaken",
+    "MemoryState",
+    "RedisState",
+    "DEFAULT_GROUP_TTL_S",
+    "RETRY_BASE_DELAY_S",
+    "RETRY_MAX_DELAY_S",
+    "RETRY_DEADLINE_S",
+    "SOCKET_TIMEOUT_S",
+]

@@ -1,4 +1,4 @@
-"""Redis state shared by stage replicas: reward moments, group buffers, KL coefficient, stage stats.
+"""RedisState: the :class:`~expstream.state.base.State` contract on Redis, shared by every replica.
 
 Every key of a run lives under ``expstream:{<run_id>}:``. The braces are a Redis Cluster hash tag:
 all keys of a run hash to one slot, so the multi-key Lua scripts below also run on a cluster.
@@ -33,16 +33,18 @@ Keys (``P`` = prefix):
 ``P once:<namespace>``          set     ids seen by mark_once
 ``P counters``                  hash    name -> float
 ``P counters:applied:<name>``   set     once_ids applied to that counter
+``P window:<name>:of``          hash    batch_id -> window number k it joined
+``P window:<name>:cur``         string  the open window's k
+``P window:<name>:<k>:members`` hash    batch_id -> payload bytes (TTL ``group_ttl_s``)
+``P window:<name>:<k>:meta``    hash    samples, closer (TTL ``group_ttl_s``)
 ==============================  ======  =================================================
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -51,6 +53,15 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
+from expstream.state.base import (
+    DEFAULT_GROUP_TTL_S,
+    Moments,
+    WindowTaken,
+    batch_moments,
+    check_group_members,
+    check_kl_update,
+    kl_not_initialised,
+)
 
 __all__ = [
     "RedisState",
@@ -79,35 +90,6 @@ RETRY_DEADLINE_S = 30.0
 # Why 5 s: a command on a healthy Redis takes well under a millisecond; 5 s only trips on a hung
 # server (or a 64 MiB group payload on a slow link).
 SOCKET_TIMEOUT_S = 5.0
-# Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
-# only garbage-collects groups of an abandoned run. 0 disables expiry.
-DEFAULT_GROUP_TTL_S = 86400
-
-
-@dataclass(frozen=True)
-class Moments:
-    """Running moments of a stream of scalars (Chan et al.'s count, mean, M2).
-
-    ``var``/``std`` are unbiased (``M2 / (count - 1)``) and ``inf`` when ``count <= 1``.
-    """
-
-    count: int
-    mean: float
-    m2: float
-    var: float
-    std: float
-
-    @classmethod
-    def from_triple(cls, count: int, mean: float, m2: float) -> Moments:
-        var = m2 / (count - 1) if count > 1 else math.inf
-        return cls(int(count), float(mean), float(m2), var, math.sqrt(var) if var >= 0 else math.nan)
-
-    @classmethod
-    def _parse(cls, snapshot: bytes | str) -> Moments:
-        if isinstance(snapshot, bytes):
-            snapshot = snapshot.decode()
-        c, m, m2 = snapshot.split()
-        return cls.from_triple(int(float(c)), float(m), float(m2))
 
 
 # --- Lua scripts ------------------------------------------------------------------------------
@@ -226,17 +208,49 @@ return redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
 """
 
 
-def _batch_moments(values: np.ndarray) -> tuple[int, float, float]:
-    v = np.asarray(values, dtype=np.float64).reshape(-1)
-    if v.size == 0:
-        return 0, 0.0, 0.0
-    if not np.all(np.isfinite(v)):
-        raise PoisonRecordError(
-            f"non-finite reward values in batch ({int((~np.isfinite(v)).sum())} of {v.size})"
-        )
-    mean = float(v.mean())
-    m2 = float(np.sum((v - mean) ** 2))
-    return int(v.size), mean, m2
+_PARK_WINDOW = """
+-- KEYS[1] window-of hash (batch_id -> k), KEYS[2] current window counter
+-- ARGV batch_id, payload, n_samples, size, ttl
+local k = redis.call('HGET', KEYS[1], ARGV[1])
+local prefix = string.sub(KEYS[2], 1, -4)  -- strip 'cur'
+if k then
+  local closer = redis.call('HGET', prefix .. k .. ':meta', 'closer')
+  if closer == ARGV[1] then
+    return {1, k, unpack(redis.call('HVALS', prefix .. k .. ':members'))}
+  end
+  return {0, k}
+end
+k = redis.call('GET', KEYS[2]) or '0'
+local members = prefix .. k .. ':members'
+local meta = prefix .. k .. ':meta'
+redis.call('HSET', members, ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], k)
+local have = redis.call('HINCRBY', meta, 'samples', tonumber(ARGV[3]))
+local ttl = tonumber(ARGV[5])
+if ttl > 0 then
+  redis.call('EXPIRE', members, ttl)
+  redis.call('EXPIRE', meta, ttl)
+  redis.call('EXPIRE', KEYS[1], ttl)
+end
+if have >= tonumber(ARGV[4]) then
+  redis.call('HSET', meta, 'closer', ARGV[1])
+  redis.call('SET', KEYS[2], tostring(tonumber(k) + 1))
+  return {1, k, unpack(redis.call('HVALS', members))}
+end
+return {0, k}
+"""
+
+_FLUSH_WINDOW = """
+-- KEYS[1] current window counter; ARGV closer id
+local prefix = string.sub(KEYS[1], 1, -4)
+local k = redis.call('GET', KEYS[1]) or '0'
+local meta = prefix .. k .. ':meta'
+local have = tonumber(redis.call('HGET', meta, 'samples') or '0')
+if have == 0 then return {0, k} end
+redis.call('HSET', meta, 'closer', ARGV[1])
+redis.call('SET', KEYS[1], tostring(tonumber(k) + 1))
+return {1, k, unpack(redis.call('HVALS', prefix .. k .. ':members'))}
+"""
 
 
 class RedisState:
@@ -286,6 +300,8 @@ class RedisState:
                 ("stage_time", _STAGE_TIME),
                 ("policy", _POLICY_VERSION),
                 ("incr", _INCR_COUNTER),
+                ("park_window", _PARK_WINDOW),
+                ("flush_window", _FLUSH_WINDOW),
             )
         }
         self._call("ping", self._r.ping)
@@ -354,13 +370,13 @@ class RedisState:
         that same stored snapshot (so a redelivered batch is normalised identically) and changes
         nothing. Non-finite values raise PoisonRecordError.
         """
-        k, mean_b, m2_b = _batch_moments(values)
+        k, mean_b, m2_b = batch_moments(values)
         res = self._script(
             "merge",
             [self.key("moments", name), self.key("moments", name, "applied")],
             [batch_id, str(k), repr(mean_b), repr(m2_b)],
         )
-        return Moments._parse(res[1])
+        return Moments.parse(res[1])
 
     def get_moments(self, name: str = "reward") -> Moments:
         """The current running moments ``name`` (count 0 when nothing was merged)."""
@@ -381,14 +397,9 @@ class RedisState:
         ``batch_id`` (a redelivery of the completing record) gets them again; anyone else gets None.
         Buffers are kept (expire after ``group_ttl_s``) so that redeliveries stay answerable.
         """
-        if not isinstance(n, int) or n < 1:
-            raise PoisonRecordError(f"group {group_id!r}: group size n must be a positive int, got {n!r}")
         args: list = [str(n), batch_id, str(self.group_ttl_s)]
-        for idx, payload in members.items():
-            i = int(idx)
-            if not 0 <= i < n:
-                raise PoisonRecordError(f"group {group_id!r}: sample_index {idx} outside [0, {n})")
-            args += [str(i), bytes(payload)]
+        for i, payload in check_group_members(group_id, n, members).items():
+            args += [str(i), payload]
         try:
             res = self._script(
                 "park", [self.key("group", group_id), self.key("group", group_id, "meta")], args
@@ -414,6 +425,35 @@ class RedisState:
             (completer.decode() if completer is not None else None),
         )
 
+    # --- normalisation windows ----------------------------------------------------------------
+    # The streaming form of the seed's cross-batch advantage normalisation (docs/numerics.md §7.2),
+    # which normalises over a whole rollout batch. A micro-batch joins the window that is open when
+    # it first arrives; the call that brings the window to ``size`` samples closes it and gets every
+    # member back, once. A redelivery of the closing micro-batch gets the same members again (same
+    # ids, so readers dedupe); a redelivery of any other member gets nothing. One Lua script, so two
+    # advantage replicas never split or double a window. Keys: ``P window:<name>:of`` (batch_id ->
+    # window k), ``P window:<name>:cur`` (open k), ``P window:<name>:<k>:members|meta``.
+    def _window_keys(self, name: str) -> tuple[str, str]:
+        return self.key("window", name, "of"), self.key("window", name, "cur")
+
+    def park_window(self, name: str, batch_id: str, payload: bytes, n_samples: int,
+                    size: int) -> WindowTaken | None:
+        """Add one micro-batch to window ``name``; ``(window_id, members)`` when this call closed it."""
+        res = self._script("park_window", list(self._window_keys(name)),
+                           [batch_id, payload, str(n_samples), str(size), str(self.group_ttl_s)])
+        return _window_taken(res)
+
+    def flush_window(self, name: str) -> WindowTaken | None:
+        """Close the open window whatever its size (end of a finite run); None when it is empty."""
+        return _window_taken(self._script("flush_window", [self._window_keys(name)[1]], ["flush"]))
+
+    def pending_window_samples(self, name: str) -> int:
+        """Samples parked in the open window ``name``."""
+        cur = self._call("pending_window_samples", self._r.get, self._window_keys(name)[1]) or b"0"
+        have = self._call("pending_window_samples", self._r.hget,
+                          self.key("window", name) + f":{cur.decode()}:meta", "samples")
+        return int(have or 0)
+
     # --- KL coefficient ------------------------------------------------------------------------
     def kl_coef(self, default: float) -> float:
         """The shared KL coefficient, initialised to ``default`` by the first caller (SET NX)."""
@@ -438,16 +478,7 @@ class RedisState:
         Returns the coefficient after this step (the stored one on a repeated ``step_id``).
         ``default`` initialises a missing coefficient; without it, call :meth:`kl_coef` first.
         """
-        if not target > 0:
-            raise ConfigError(
-                f"target KL must be > 0, got {target!r}", field="kl_target", fix="set a positive target"
-            )
-        if not horizon > 0:
-            raise ConfigError(
-                f"KL horizon must be > 0, got {horizon!r}",
-                field="kl_horizon",
-                fix="set a positive horizon (e.g. 10000)",
-            )
+        check_kl_update(target, horizon)
         args = [
             step_id,
             repr(float(current_kl)),
@@ -462,11 +493,7 @@ class RedisState:
             )
         except redis.ResponseError as exc:
             if "NOKL" in str(exc):
-                raise ConfigError(
-                    "the KL coefficient is not initialised",
-                    field="kl_coef",
-                    fix="call kl_coef(init_kl_coef) or pass default=",
-                ) from exc
+                raise kl_not_initialised() from exc
             raise
 
     # --- stage statistics, heartbeats ----------------------------------------------------------
@@ -539,3 +566,10 @@ class RedisState:
     def counters(self) -> dict[str, float]:
         raw = self._call("counters", self._r.hgetall, self.key("counters"))
         return {k.decode(): float(v) for k, v in raw.items()}
+
+
+def _window_taken(res: list) -> WindowTaken | None:
+    if int(res[0]) == 0:
+        return None
+    k = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+    return k, [bytes(p) for p in res[2:]]

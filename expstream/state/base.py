@@ -1,0 +1,199 @@
+"""The run-state contract every stage talks to, and what its two implementations share.
+
+Stages never see Redis: they get a :class:`State` in ``ctx.state``. Two implementations pass one
+contract suite (``tests/test_state.py``):
+
+* :class:`expstream.state.RedisState` — shared by every replica of every stage process; atomic
+  Lua scripts; what ``expstream stage`` and ``expstream run`` use.
+* :class:`expstream.state.MemoryState` — a dict in one process; what LocalChain, tests, the
+  synchronous bench and replay use. Same answers, same apply-once-per-id rules, same float
+  arithmetic (so a replay on MemoryState reproduces a Redis run bit for bit).
+
+The rules that make Kafka's at-least-once delivery exactly-once in effect hold for both:
+
+* every update carries an id (a ``batch_id``, a ``step_id``) and is applied once per id; a
+  repeated id gets the answer of the first application and changes nothing;
+* a prompt group is handed out once, to the call that completed it (and again to a redelivery of
+  that same call), never to anyone else;
+* a normalisation window is handed out once, to the call that filled it (or to ``flush_window``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from expstream.errors import ConfigError, PoisonRecordError
+
+__all__ = [
+    "State",
+    "Moments",
+    "WindowTaken",
+    "DEFAULT_GROUP_TTL_S",
+    "batch_moments",
+    "check_group_members",
+    "check_kl_update",
+    "kl_adaptive_step",
+    "merge_moments",
+]
+
+# Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
+# only garbage-collects groups of an abandoned run. 0 disables expiry.
+DEFAULT_GROUP_TTL_S = 86400
+
+#: ``(window_id, member payloads)`` handed to the call that closed a normalisation window.
+WindowTaken = tuple[str, list[bytes]]
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Running moments of a stream of scalars (Chan et al.'s count, mean, M2).
+
+    ``var``/``std`` are unbiased (``M2 / (count - 1)``) and ``inf`` when ``count <= 1``.
+    """
+
+    count: int
+    mean: float
+    m2: float
+    var: float
+    std: float
+
+    @classmethod
+    def from_triple(cls, count: int, mean: float, m2: float) -> Moments:
+        var = m2 / (count - 1) if count > 1 else math.inf
+        return cls(int(count), float(mean), float(m2), var, math.sqrt(var) if var >= 0 else math.nan)
+
+    @classmethod
+    def parse(cls, snapshot: bytes | str) -> Moments:
+        """From the stored snapshot ``"count mean m2"`` (the form both implementations keep)."""
+        if isinstance(snapshot, bytes):
+            snapshot = snapshot.decode()
+        c, m, m2 = snapshot.split()
+        return cls.from_triple(int(float(c)), float(m), float(m2))
+
+    def snapshot(self) -> str:
+        """``"count mean m2"`` with ``%.17g`` floats: exact doubles, the same text the Lua writes."""
+        return f"{self.count:d} {self.mean:.17g} {self.m2:.17g}"
+
+
+@runtime_checkable
+class State(Protocol):
+    """Run-scoped state shared by the replicas of a run (reward moments, groups, KL, stats).
+
+    ``run_id`` names the run; ``group_ttl_s`` is how long group and window buffers are kept
+    (only an abandoned run's buffers ever expire).
+    """
+
+    run_id: str
+    group_ttl_s: int
+
+    # reward (and advantage) moments
+    def merge_reward_moments(self, batch_id: str, values: np.ndarray, name: str = "reward") -> Moments: ...
+    def get_moments(self, name: str = "reward") -> Moments: ...
+
+    # prompt groups (group estimators, dynamic sampling)
+    def park_group(self, group_id: str, n: int, batch_id: str,
+                   members: Mapping[int, bytes]) -> list[bytes] | None: ...
+    def group_status(self, group_id: str) -> tuple[int, int | None, str | None]: ...
+
+    # cross-batch normalisation windows
+    def park_window(self, name: str, batch_id: str, payload: bytes, n_samples: int,
+                    size: int) -> WindowTaken | None: ...
+    def flush_window(self, name: str) -> WindowTaken | None: ...
+    def pending_window_samples(self, name: str) -> int: ...
+
+    # KL coefficient
+    def kl_coef(self, default: float) -> float: ...
+    def set_kl_coef(self, value: float) -> None: ...
+    def update_kl_adaptive(self, step_id: str, current_kl: float, target: float, n_steps: int,
+                           horizon: int, *, default: float | None = None) -> float: ...
+
+    # stage statistics, heartbeats, policy version, counters
+    def record_stage_time(self, stage: str, seconds: float, samples: int, batch_id: str) -> bool: ...
+    def stage_stats(self) -> dict[str, dict[str, float]]: ...
+    def heartbeat(self, stage: str, replica_id: str | int) -> None: ...
+    def heartbeats(self) -> dict[tuple[str, str], float]: ...
+    def policy_version(self) -> int: ...
+    def set_policy_version(self, version: int) -> int: ...
+    def mark_once(self, namespace: str, id: str) -> bool: ...
+    def incr_counter(self, name: str, by: float = 1, once_id: str | None = None) -> float: ...
+    def counters(self) -> dict[str, float]: ...
+    def close(self) -> None: ...
+
+
+# --- shared by both implementations ------------------------------------------------------------
+def batch_moments(values: np.ndarray) -> tuple[int, float, float]:
+    """(k, mean, M2) of one batch in float64; non-finite values are a poison record."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if v.size == 0:
+        return 0, 0.0, 0.0
+    if not np.all(np.isfinite(v)):
+        raise PoisonRecordError(
+            f"non-finite reward values in batch ({int((~np.isfinite(v)).sum())} of {v.size})"
+        )
+    mean = float(v.mean())
+    m2 = float(np.sum((v - mean) ** 2))
+    return int(v.size), mean, m2
+
+
+def merge_moments(n: int, mean: float, m2: float, k: int, mean_b: float, m2_b: float) -> tuple[int, float, float]:
+    """Chan's parallel merge, written operation for operation as the Lua in RedisState does it
+    (same order, so MemoryState and RedisState give the same doubles)."""
+    if k > 0:
+        tot = n + k
+        delta = mean_b - mean
+        mean = mean + delta * k / tot
+        m2 = m2 + m2_b + delta * delta * n * k / tot
+        n = tot
+    return n, mean, m2
+
+
+def kl_adaptive_step(value: float, current_kl: float, target: float, n_steps: float, horizon: float) -> float:
+    """One adaptive KL step, operation for operation as RedisState's Lua (docs/numerics.md)."""
+    e = current_kl / target - 1
+    e = -0.2 if e < -0.2 else (0.2 if e > 0.2 else e)
+    return value * (1 + e * n_steps / horizon)
+
+
+def check_group_members(group_id: str, n: int, members: Mapping[int, bytes]) -> dict[int, bytes]:
+    """Validate a park_group call; ``{index: payload}`` with int indices in ``[0, n)``."""
+    if not isinstance(n, int) or n < 1:
+        raise PoisonRecordError(f"group {group_id!r}: group size n must be a positive int, got {n!r}")
+    out: dict[int, bytes] = {}
+    for idx, payload in members.items():
+        i = int(idx)
+        if not 0 <= i < n:
+            raise PoisonRecordError(f"group {group_id!r}: sample_index {idx} outside [0, {n})")
+        out[i] = bytes(payload)
+    return out
+
+
+def group_size_error(group_id: str, stored_n: int | str, n: int) -> PoisonRecordError:
+    return PoisonRecordError(
+        f"group {group_id!r}: GROUPSIZE group already parked with n={stored_n}, got n={n}"
+    )
+
+
+def check_kl_update(target: float, horizon: float) -> None:
+    if not target > 0:
+        raise ConfigError(
+            f"target KL must be > 0, got {target!r}", field="kl_target", fix="set a positive target"
+        )
+    if not horizon > 0:
+        raise ConfigError(
+            f"KL horizon must be > 0, got {horizon!r}",
+            field="kl_horizon",
+            fix="set a positive horizon (e.g. 10000)",
+        )
+
+
+def kl_not_initialised() -> ConfigError:
+    return ConfigError(
+        "the KL coefficient is not initialised",
+        field="kl_coef",
+        fix="call kl_coef(init_kl_coef) or pass default=",
+    )

@@ -1,0 +1,260 @@
+"""MemoryState: the :class:`~expstream.state.base.State` contract in one process, on dicts.
+
+For everything that runs stages without Redis: LocalChain, tests, the synchronous bench, replay
+of a recorded topic. It gives the answers RedisState gives — the same apply-once-per-id rules,
+the same group and window hand-out, the same float arithmetic (the merge and KL formulas are the
+ones in :mod:`expstream.state.base`, written operation for operation as the Lua) — so a group
+split across micro-batches completes here exactly as it does across Redis.
+
+What it does not do: share anything between processes (each process has its own), or expire
+buffers (``group_ttl_s`` is kept for the contract; the state lives as long as the object).
+Thread-safe: one lock around every call (a stage runner heartbeats from a second thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from expstream.state.base import (
+    DEFAULT_GROUP_TTL_S,
+    Moments,
+    WindowTaken,
+    batch_moments,
+    check_group_members,
+    check_kl_update,
+    group_size_error,
+    kl_adaptive_step,
+    kl_not_initialised,
+    merge_moments,
+)
+
+__all__ = ["MemoryState"]
+
+
+@dataclass
+class _Group:
+    n: int
+    members: dict[int, bytes] = field(default_factory=dict)
+    completer: str | None = None
+
+
+@dataclass
+class _Window:
+    members: dict[str, bytes] = field(default_factory=dict)  # batch_id -> payload, arrival order
+    samples: int = 0
+    closer: str | None = None
+
+
+@dataclass
+class _Windows:
+    of: dict[str, int] = field(default_factory=dict)  # batch_id -> window k it joined
+    cur: int = 0
+    windows: dict[int, _Window] = field(default_factory=dict)
+
+    def window(self, k: int) -> _Window:
+        return self.windows.setdefault(k, _Window())
+
+
+class MemoryState:
+    """Run state in this process's memory (see the module docstring)."""
+
+    def __init__(self, run_id: str = "local", *, group_ttl_s: int = DEFAULT_GROUP_TTL_S) -> None:
+        self.run_id = run_id
+        self.group_ttl_s = int(group_ttl_s)
+        self._lock = threading.RLock()
+        self._moments: dict[str, tuple[int, float, float]] = {}
+        self._moments_applied: dict[str, dict[str, str]] = {}
+        self._groups: dict[str, _Group] = {}
+        self._windows: dict[str, _Windows] = {}
+        self._kl: float | None = None
+        self._kl_applied: dict[str, float] = {}
+        self._stages: dict[str, dict[str, float]] = {}
+        self._stage_applied: dict[str, set[str]] = {}
+        self._heartbeats: dict[tuple[str, str], float] = {}
+        self._policy_version = 0
+        self._once: dict[str, set[str]] = {}
+        self._counters: dict[str, float] = {}
+        self._counter_applied: dict[str, set[str]] = {}
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> MemoryState:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- reward moments ------------------------------------------------------------------------
+    def merge_reward_moments(self, batch_id: str, values: np.ndarray, name: str = "reward") -> Moments:
+        """Merge ``values`` into moments ``name`` once per ``batch_id`` (see RedisState)."""
+        k, mean_b, m2_b = batch_moments(values)
+        with self._lock:
+            applied = self._moments_applied.setdefault(name, {})
+            if batch_id not in applied:
+                merged = merge_moments(*self._moments.get(name, (0, 0.0, 0.0)), k, mean_b, m2_b)
+                snap = Moments.from_triple(*merged).snapshot()
+                # Keep exactly what the snapshot text holds, as Redis keeps the Lua's strings.
+                stored = Moments.parse(snap)
+                self._moments[name] = (stored.count, stored.mean, stored.m2)
+                applied[batch_id] = snap
+            return Moments.parse(applied[batch_id])
+
+    def get_moments(self, name: str = "reward") -> Moments:
+        with self._lock:
+            return Moments.from_triple(*self._moments.get(name, (0, 0.0, 0.0)))
+
+    # --- group buffers -------------------------------------------------------------------------
+    def park_group(self, group_id: str, n: int, batch_id: str,
+                   members: Mapping[int, bytes]) -> list[bytes] | None:
+        """Park members once each; the completing call (and its redelivery) gets all n, in order."""
+        checked = check_group_members(group_id, n, members)
+        with self._lock:
+            group = self._groups.get(group_id)
+            if group is None:
+                group = self._groups[group_id] = _Group(n)
+            elif group.n != n:
+                raise group_size_error(group_id, group.n, n)
+            for i, payload in checked.items():
+                group.members.setdefault(i, payload)
+            if len(group.members) < n:
+                return None
+            if group.completer is None:
+                group.completer = batch_id
+            if group.completer != batch_id:
+                return None
+            return [group.members[i] for i in range(n)]
+
+    def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
+        with self._lock:
+            group = self._groups.get(group_id)
+            if group is None:
+                return 0, None, None
+            return len(group.members), group.n, group.completer
+
+    # --- normalisation windows -----------------------------------------------------------------
+    def park_window(self, name: str, batch_id: str, payload: bytes, n_samples: int,
+                    size: int) -> WindowTaken | None:
+        """Add one micro-batch to window ``name``; ``(window_id, members)`` when this call closed it."""
+        with self._lock:
+            ws = self._windows.setdefault(name, _Windows())
+            if batch_id in ws.of:
+                k = ws.of[batch_id]
+                w = ws.window(k)
+                return (str(k), list(w.members.values())) if w.closer == batch_id else None
+            k = ws.cur
+            w = ws.window(k)
+            w.members[batch_id] = bytes(payload)
+            ws.of[batch_id] = k
+            w.samples += int(n_samples)
+            if w.samples >= int(size):
+                w.closer = batch_id
+                ws.cur = k + 1
+                return str(k), list(w.members.values())
+            return None
+
+    def flush_window(self, name: str) -> WindowTaken | None:
+        """Close the open window whatever its size; None when it is empty."""
+        with self._lock:
+            ws = self._windows.setdefault(name, _Windows())
+            k = ws.cur
+            w = ws.window(k)
+            if w.samples == 0:
+                return None
+            w.closer = "flush"
+            ws.cur = k + 1
+            return str(k), list(w.members.values())
+
+    def pending_window_samples(self, name: str) -> int:
+        with self._lock:
+            ws = self._windows.get(name)
+            return ws.window(ws.cur).samples if ws is not None else 0
+
+    # --- KL coefficient ------------------------------------------------------------------------
+    def kl_coef(self, default: float) -> float:
+        with self._lock:
+            if self._kl is None:
+                self._kl = float(default)
+            return self._kl
+
+    def set_kl_coef(self, value: float) -> None:
+        with self._lock:
+            self._kl = float(value)
+
+    def update_kl_adaptive(self, step_id: str, current_kl: float, target: float, n_steps: int,
+                           horizon: int, *, default: float | None = None) -> float:
+        """Adaptive KL controller step, applied once per ``step_id`` (see RedisState)."""
+        check_kl_update(target, horizon)
+        with self._lock:
+            if step_id in self._kl_applied:
+                return self._kl_applied[step_id]
+            value = self._kl if self._kl is not None else default
+            if value is None:
+                raise kl_not_initialised()
+            new = kl_adaptive_step(float(value), float(current_kl), float(target), float(n_steps),
+                                   float(horizon))
+            self._kl = self._kl_applied[step_id] = new
+            return new
+
+    # --- stage statistics, heartbeats ----------------------------------------------------------
+    def record_stage_time(self, stage: str, seconds: float, samples: int, batch_id: str) -> bool:
+        with self._lock:
+            applied = self._stage_applied.setdefault(stage, set())
+            if batch_id in applied:
+                return False
+            applied.add(batch_id)
+            row = self._stages.setdefault(stage, {"batches": 0, "samples": 0, "seconds": 0.0})
+            row["batches"] += 1
+            row["samples"] += int(samples)
+            row["seconds"] += float(seconds)
+            return True
+
+    def stage_stats(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {s: dict(self._stages[s]) for s in sorted(self._stages)}
+
+    def heartbeat(self, stage: str, replica_id: str | int) -> None:
+        with self._lock:
+            self._heartbeats[(stage, str(replica_id))] = time.time()
+
+    def heartbeats(self) -> dict[tuple[str, str], float]:
+        with self._lock:
+            return dict(self._heartbeats)
+
+    # --- policy version ------------------------------------------------------------------------
+    def policy_version(self) -> int:
+        with self._lock:
+            return self._policy_version
+
+    def set_policy_version(self, version: int) -> int:
+        with self._lock:
+            self._policy_version = max(self._policy_version, int(version))
+            return self._policy_version
+
+    # --- generic idempotence and counters ------------------------------------------------------
+    def mark_once(self, namespace: str, id: str) -> bool:
+        with self._lock:
+            seen = self._once.setdefault(namespace, set())
+            if id in seen:
+                return False
+            seen.add(id)
+            return True
+
+    def incr_counter(self, name: str, by: float = 1, once_id: str | None = None) -> float:
+        with self._lock:
+            if once_id:
+                applied = self._counter_applied.setdefault(name, set())
+                if once_id in applied:
+                    return self._counters.get(name, 0.0)
+                applied.add(once_id)
+            self._counters[name] = self._counters.get(name, 0.0) + float(by)
+            return self._counters[name]
+
+    def counters(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counters)
