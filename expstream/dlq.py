@@ -1,25 +1,8 @@
 """Dead letters: what the stage runner writes to ``<topic>.dlq``, and ``expstream dlq inspect|redrive``.
 
 A dead letter is the record a stage could not process, sent to the dead-letter twin of the stage's
-input topic. Its value is the original bytes (or, when a micro-batch was split to isolate bad
-samples, the bad sample re-encoded as a 1-row batch); its headers say what went wrong and where
-the record came from:
-
-==================  =================================================================================
-``stage``           the stage that refused it
-``replica``         the replica id of that stage process
-``error_class``     the exception class (``DecodeError``, ``ValidationError``, ``PoisonRecordError``...)
-``error_message``   the message (for an unexpected exception: plus a short traceback); <= 2000 chars
-``original_topic``  where the record was read from: redrive publishes it back there
-``original_partition``, ``original_offset``
-``schema``, ``schema_version``, ``batch_id``   from the record's envelope, when readable
-``size``            bytes of the original record value
-``split_from``      only on a 1-row letter cut out of a failed micro-batch: that batch's id
-``sample_ids``      the sample ids (prompt ids for a PromptBatch) in the letter, comma separated
-``value_omitted``   only when the original was too large even for the dead-letter topic: the value
-                    is empty and the original stays at original_topic[partition]@offset
-``redrive_attempt`` how many times ``expstream dlq redrive`` has re-published it (absent: 0)
-==================  =================================================================================
+input topic with headers that say what went wrong and where it came from; the header names, what
+they hold and how they are built and read are in expstream/letters.py, shared with the runner.
 
 ``redrive`` re-publishes each letter's value to its ``original_topic`` with the original record's
 own headers and ``redrive_attempt`` incremented; a letter already at ``--max-attempts`` is skipped
@@ -42,20 +25,26 @@ from kafka.structs import OffsetAndMetadata
 
 from expstream.bus import KafkaConfig, end_offsets, make_admin, make_consumer, make_producer, send_and_confirm
 from expstream.errors import ConfigError, ExpstreamError
+from expstream.letters import (
+    H_BATCH_ID,
+    H_ERROR_CLASS,
+    H_ERROR_MESSAGE,
+    H_OFFSET,
+    H_PARTITION,
+    H_SAMPLE_IDS,
+    H_SCHEMA,
+    H_SIZE,
+    H_SPLIT_FROM,
+    H_STAGE,
+    H_TOPIC,
+    H_VALUE_OMITTED,
+    H_VERSION,
+    decode_headers,
+    redrive_attempt,
+    redrive_headers,
+)
 
 DLQ_SUFFIX = ".dlq"
-# Header names written by stages/runner.py on every dead letter.
-H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE = "stage", "replica", "error_class", "error_message"
-H_TOPIC, H_PARTITION, H_OFFSET = "original_topic", "original_partition", "original_offset"
-H_SCHEMA, H_VERSION, H_BATCH_ID, H_SIZE = "schema", "schema_version", "batch_id", "size"
-H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED = "split_from", "sample_ids", "value_omitted"
-H_ATTEMPT = "redrive_attempt"
-#: Headers that describe one dead-lettering: replaced (never duplicated) when a redriven record
-#: fails again, and stripped when redrive re-publishes a letter to its original topic.
-RUNNER_HEADERS: tuple[str, ...] = (
-    H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE, H_TOPIC, H_PARTITION, H_OFFSET, H_SCHEMA,
-    H_VERSION, H_BATCH_ID, H_SIZE, H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED,
-)  # fmt: skip
 #: Consumer group used by redrive, per dead-letter topic.
 REDRIVE_GROUP = "expstream.dlq-redrive.{topic}"
 # How long one inspect/redrive waits for the broker (topic metadata, reaching the end snapshot).
@@ -78,15 +67,11 @@ class DeadLetter:
     @classmethod
     def from_record(cls, rec: Any) -> DeadLetter:
         raw = list(rec.headers or [])
-        headers = {k: (v or b"").decode("utf-8", errors="replace") for k, v in raw}
-        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, headers, raw)
+        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, decode_headers(raw), raw)
 
     @property
     def attempt(self) -> int:
-        try:
-            return int(self.headers.get(H_ATTEMPT, "0") or 0)
-        except ValueError:
-            return 0
+        return redrive_attempt(self.headers)
 
     @property
     def original_topic(self) -> str | None:
@@ -123,8 +108,7 @@ class DeadLetter:
 
     def redrive_headers(self) -> list[tuple[str, bytes]]:
         """The original record's own headers plus ``redrive_attempt`` = attempt + 1."""
-        kept = [(k, v) for k, v in self.raw_headers if k not in RUNNER_HEADERS and k != H_ATTEMPT]
-        return [*kept, (H_ATTEMPT, str(self.attempt + 1).encode())]
+        return redrive_headers(self.raw_headers, self.attempt)
 
 
 def format_letter(s: dict[str, Any]) -> str:

@@ -14,20 +14,18 @@ Commit protocol, per input record (one record = one micro-batch):
    loop acts on them.
 
 Long model work. Steps 1-3 run on a worker thread; the main thread owns the consumer (which is not
-thread-safe). When the worker is not done after ``BUSY_GRACE_S``, the main thread pauses every
-assigned partition and keeps calling ``poll()`` until it is: a paused partition returns nothing,
-but each poll keeps the group membership that kafka-python drops after ``max_poll_interval_ms``
-without one. A rebalance can still happen meanwhile (another replica joins); a partition assigned
-during the pause is paused too, and anything a poll returned for it before that is rewound with
-``seek`` to the first returned offset, so nothing is skipped. When the work is done, everything
-paused is resumed; the commit is made only if the record's partition is still ours, and if the
-assignment changed meanwhile, the fetch position of the partition is set past the record so that
-it is not fetched a second time from the (older) committed offset.
+thread-safe). When the worker takes longer than a short grace, the main thread pauses every
+assigned partition and keeps polling so that kafka-python does not drop the group membership
+after ``max_poll_interval_ms``; a partition assigned meanwhile is paused too and anything it
+returned is rewound with ``seek`` (stages/pausing.py). When the work is done, everything paused is
+resumed; the commit is made only if the record's partition is still ours, and if the assignment
+changed meanwhile, the fetch position of the partition is set past the record so that it is not
+fetched a second time from the (older) committed offset.
 
 Bad input goes to ``<input topic>.dlq`` and the partition moves on: undecodable bytes, an unknown
 schema or version, missing/mistyped/inconsistent fields or non-finite floats (all ``SchemaError``),
 a record over ``max_record_bytes``, a ``PoisonRecordError`` or any other non-retriable exception
-from ``process``. A letter carries the original bytes and the headers listed in expstream/dlq.py.
+from ``process``. A letter carries the original bytes and the headers listed in expstream/letters.py.
 
 Splitting. When ``process`` fails with a non-retriable error on a micro-batch of B > 1 samples
 (a SampleBatch, or a PromptBatch of several prompts), the batch is bisected: each half is
@@ -41,10 +39,10 @@ record is dead-lettered whole, bytes untouched, so a redrive reproduces it exact
 in B costs about 2·log2(B) extra ``process`` calls. Sub-batches that fail may have done
 idempotent-by-id Redis updates under their own ids before failing; stages validate before writing.
 
-Retries. A retriable error (``ExpstreamError.retriable``: broker or Redis briefly away) is retried
-with exponential backoff from ``RETRY_BACKOFF_START_S`` to ``RETRY_BACKOFF_MAX_S``, naming the
-record and batch in the log; ``process`` is retried alone for its errors and the sends alone for
-theirs (the model is not re-run because the broker was away). After ``RETRY_GIVE_UP_S`` the error
+Retries (expstream/retry.py). A retriable error (``ExpstreamError.retriable``: broker or Redis
+briefly away) is retried with exponential backoff from ``RETRY_BACKOFF_START_S`` to
+``RETRY_BACKOFF_MAX_S``, naming the record and batch in the log; ``process`` is retried alone for
+its errors and the sends alone for theirs (the model is not re-run because the broker was away). After ``RETRY_GIVE_UP_S`` the error
 is raised (the process exits 1 and the supervisor restarts it with its own backoff). Connecting at
 start, polling and committing retry the same way; a commit refused because the group rebalanced
 (``CommitFailedError``) is logged and skipped: the new owner gets the record again and processing
@@ -64,28 +62,32 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
-from expstream import dlq as dlq_headers
 from expstream.bus import make_consumer, make_producer, send_all_and_confirm
 from expstream.errors import BrokerUnavailableError, ExpstreamError, PoisonRecordError, ShutdownRequested
+from expstream.letters import (
+    H_BATCH_ID,
+    H_ERROR_CLASS,
+    H_ERROR_MESSAGE,
+    H_SAMPLE_IDS,
+    header_value,
+    letter_headers,
+    value_omitted_headers,
+)
+from expstream.retry import Attempt, Backoff, Policy, retry
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.codec import peek_header
 from schemas.errors import SchemaError
 from stages.context import StageContext
+from stages.pausing import PausedPolling
 
 # Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
 POLL_TIMEOUT_MS = 500
-# Why 1 s: most micro-batches finish well within it and then pay nothing for pausing; a batch that
-# takes longer is still far from max_poll_interval_ms (60 s by default, >= 6 s in any sane setup).
-BUSY_GRACE_S = 1.0
-# Why 200 ms: the poll() made while the partitions are paused; each returns after about this long,
-# so the end of the work is noticed within 200 ms and heartbeats/rebalances are served promptly.
-BUSY_POLL_MS = 200
 # Why these bounds: a retriable failure (broker or Redis briefly away) is retried with exponential
 # backoff up to 10 s between tries, so a stage neither crash-loops nor hammers a recovering service.
 RETRY_BACKOFF_START_S = 0.2
@@ -96,8 +98,8 @@ RETRY_GIVE_UP_S = 300.0
 # Why 60 s: a commit that cannot reach the broker for a minute is given up (logged); the record is
 # redelivered after the next rebalance, and a later commit on the partition covers it anyway.
 COMMIT_GIVE_UP_S = 60.0
-# Header values are truncated so one enormous error message cannot make the DLQ record oversized.
-MAX_HEADER_CHARS = 2000
+_WORK_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, RETRY_GIVE_UP_S)  # connect, process, send
+_COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_UP_S)
 # Why 5 s: an acknowledgement normally takes milliseconds; after 5 s the operator should hear that the
 # broker is slow or away, long before kafka.produce_timeout_s (30 s) turns it into a retry.
 SLOW_SEND_WARN_S = 5.0
@@ -107,6 +109,7 @@ HEARTBEAT_INTERVAL_S = 2.0
 UNASSIGNED_LOG_INTERVAL_S = 30.0
 
 ProcessFn = Callable[[Any, StageContext], list]
+T = TypeVar("T")
 # Fault injection for crash tests: EXPSTREAM_FAULT="<stage>:<point>:<k>" makes the k-th record this
 # process handles SIGKILL the process at <point> (before_produce | after_produce | after_commit).
 FAULT_ENV = "EXPSTREAM_FAULT"
@@ -159,10 +162,6 @@ class _RevocationTracker(ConsumerRebalanceListener):
             return tp in self.assigned
 
 
-def _headers(**items: Any) -> list[tuple[str, bytes]]:
-    return [(k, str(v)[:MAX_HEADER_CHARS].encode()) for k, v in items.items() if v is not None]
-
-
 @dataclasses.dataclass
 class _Out:
     """One record to send (an output or a dead letter)."""
@@ -171,6 +170,7 @@ class _Out:
     value: bytes | None
     key: bytes | None
     headers: list[tuple[str, bytes]] | None = None
+    samples: int = 0  # samples in an output SampleBatch (0 for a PromptBatch or a letter)
 
 
 @dataclasses.dataclass
@@ -204,7 +204,6 @@ class StageRunner:
         self.handled = 0
         self.dead_lettered = 0
         self.split_batches = 0
-        self.rewound = 0
         self.commits_skipped = 0
         self.longest_busy_s = 0.0
         self.producer: Any = None
@@ -212,8 +211,15 @@ class StageRunner:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = threading.Event()
         self._unassigned_since: float | None = None
+        self._poll_backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
+        self.pausing: PausedPolling | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def rewound(self) -> int:
+        """Records a poll returned for a partition assigned during a pause, rewound (stages/pausing.py)."""
+        return self.pausing.rewound if self.pausing is not None else 0
+
     @property
     def stop_requested(self) -> bool:
         return self._stop.is_set()
@@ -238,13 +244,14 @@ class StageRunner:
             return 0
         self.tracker = _RevocationTracker()
         self.consumer.subscribe([self.stage.input], listener=self.tracker)
+        self.pausing = PausedPolling(self.consumer, self._poll, self.tracker.owns, self.log, self.stage.name,
+                                     self.ctx.topology.kafka.max_poll_interval_ms)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
                       self.group_id, self.stage.output, self.ctx.topology.kafka.max_poll_interval_ms,
                       self.max_record_bytes)
-        if self.ctx.state is not None:
-            threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
+        threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
                 polled = self._poll(POLL_TIMEOUT_MS)
@@ -262,24 +269,30 @@ class StageRunner:
     def _connect(self) -> bool:
         """Create the producer and consumer, retrying while the broker is unreachable."""
         cfg = self.ctx.topology.kafka
-        started, backoff = time.monotonic(), RETRY_BACKOFF_START_S
-        while True:
+
+        def connect() -> bool:
             try:
                 self.producer = make_producer(self.bootstrap, cfg)
                 self.consumer = make_consumer(self.bootstrap, self.group_id, cfg)
-                return True
-            except BrokerUnavailableError as exc:
+            except BrokerUnavailableError:
                 if self.producer is not None:
                     self.producer.close(timeout=1)
                     self.producer = None
-                waited = time.monotonic() - started
-                if waited > RETRY_GIVE_UP_S:
-                    raise
-                self.log.warning("stage %s: broker %s unreachable (%s); retrying in %.1fs (%.0fs so far)",
-                                 self.stage.name, self.bootstrap, exc, backoff, waited)
-                if self._stop.wait(backoff):
-                    return False
-                backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
+                raise
+            return True
+
+        def wait(seconds: float) -> None:
+            if self._stop.wait(seconds):
+                raise ShutdownRequested("stop requested while connecting")
+
+        try:
+            return retry(connect, policy=_WORK_RETRY, retriable=lambda exc: isinstance(exc, BrokerUnavailableError),
+                         on_retry=lambda a: self.log.warning(
+                             "stage %s: broker %s unreachable (%s); retrying in %.1fs (%.0fs so far)", self.stage.name,
+                             self.bootstrap, a.exc, a.delay_s, a.waited_s),
+                         sleep=wait)
+        except ShutdownRequested:
+            return False
 
     def _close(self) -> None:
         if self._executor is not None:
@@ -303,21 +316,19 @@ class StageRunner:
                 return
 
     # -- polling (main thread only) -------------------------------------------------------------
-    _poll_backoff = RETRY_BACKOFF_START_S
-
     def _poll(self, timeout_ms: int) -> dict:
         try:
             polled = self.consumer.poll(timeout_ms=timeout_ms)
         except kafka_errors.KafkaError as exc:
+            delay = self._poll_backoff.next()
             self.log.warning("stage %s: poll of %s failed (%s: %s); retrying in %.1fs", self.stage.name,
-                             self.stage.input, type(exc).__name__, exc, self._poll_backoff)
+                             self.stage.input, type(exc).__name__, exc, delay)
             if self.stop_requested:  # still polling for a micro-batch in hand: do not spin
-                time.sleep(min(self._poll_backoff, 1.0))
+                time.sleep(min(delay, 1.0))
             else:
-                self._stop.wait(self._poll_backoff)
-            self._poll_backoff = min(self._poll_backoff * 2, RETRY_BACKOFF_MAX_S)
+                self._stop.wait(delay)
             return {}
-        self._poll_backoff = RETRY_BACKOFF_START_S
+        self._poll_backoff.reset()
         self._note_assignment()
         return polled
 
@@ -353,84 +364,18 @@ class StageRunner:
                 for other, rec in todo[i + 1:]:
                     nxt.setdefault(other, rec.offset)
                 for other, offset in nxt.items():
-                    self._reposition(other, offset)
+                    self.pausing.reposition(other, offset)
                 return
             if self.max_records is not None and self.handled >= self.max_records:
                 return
-
-    def _reposition(self, tp: TopicPartition, offset: int) -> None:
-        if not self.tracker.owns(tp):
-            return
-        try:
-            self.consumer.seek(tp, offset)
-        except (kafka_errors.KafkaError, AssertionError) as exc:  # not assigned after all
-            self.log.debug("stage %s: seek %s to %d skipped: %r", self.stage.name, tp, offset, exc)
-
-    def _pause_all(self) -> None:
-        todo = [tp for tp in self.consumer.assignment() if tp not in self.consumer.paused()]
-        if todo:
-            self.consumer.pause(*todo)
-
-    def _poll_paused(self) -> None:
-        """One poll with every assigned partition paused; rewinds anything a new partition returned."""
-        self._pause_all()
-        polled = self._poll(BUSY_POLL_MS)
-        for tp, recs in polled.items():
-            if not recs:
-                continue
-            first = min(r.offset for r in recs)
-            try:
-                self.consumer.seek(tp, first)
-            except (kafka_errors.KafkaError, AssertionError) as exc:
-                self.log.warning("stage %s: could not rewind %s[%d] to %d: %r", self.stage.name, tp.topic,
-                                 tp.partition, first, exc)
-                continue
-            self.rewound += len(recs)
-            self.log.info("stage %s: %s[%d] assigned while a micro-batch is in hand; rewound to %d (%d records "
-                          "returned before it was paused)", self.stage.name, tp.topic, tp.partition, first, len(recs))
-        self._pause_all()
-
-    def _await(self, fut: concurrent.futures.Future, where: str) -> None:
-        """Wait for the worker, polling with paused partitions once it takes longer than BUSY_GRACE_S."""
-        started = time.monotonic()
-        grace = min(BUSY_GRACE_S, self.ctx.topology.kafka.max_poll_interval_ms / 4000)
-        if concurrent.futures.wait([fut], timeout=grace).done:
-            return
-        self.log.info("stage %s %s: micro-batch still in hand after %.1fs; pausing %d partitions and polling "
-                      "to keep the group membership", self.stage.name, where, grace,
-                      len(self.consumer.assignment()))
-        try:
-            while not fut.done():
-                self._poll_paused()
-        finally:
-            self._resume_all()
-        busy = time.monotonic() - started
-        self.longest_busy_s = max(self.longest_busy_s, busy)
-        self.log.info("stage %s %s: micro-batch done after %.1fs; partitions resumed", self.stage.name, where, busy)
-
-    def _sleep_polling(self, seconds: float) -> None:
-        """Back off for ``seconds`` without leaving the group (paused polls)."""
-        deadline = time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline and not self.stop_requested:
-                self._poll_paused()
-        finally:
-            self._resume_all()
-
-    def _resume_all(self) -> None:
-        paused = self.consumer.paused()
-        if paused:
-            self.consumer.resume(*paused)
-            dropped = _drop_parked_records(self.consumer, paused)
-            if dropped:
-                self.log.debug("stage %s: dropped parked fetch data of %s (fetched again from the position)",
-                               self.stage.name, dropped)
 
     # -- one record -----------------------------------------------------------------------------
     def _handle(self, tp: TopicPartition, record: Any) -> None:
         where = f"{record.topic}[{record.partition}]@{record.offset}"
         fut = self._executor.submit(self._work, record, where)
-        self._await(fut, where)
+        busy = self.pausing.wait(fut, where)
+        if busy is not None:
+            self.longest_busy_s = max(self.longest_busy_s, busy)
         try:
             done = fut.result()
         except ShutdownRequested as exc:
@@ -468,10 +413,10 @@ class StageRunner:
         self._maybe_fault("after_produce")
         seconds = time.monotonic() - started
         # statistics: every record the stage did its work on, including those parked in a group
-        # buffer (no output yet); samples are generated samples for a prompt record
-        if batch is not None and (outputs or not letters) and self.ctx.state is not None:
-            samples = len(batch) * (self.ctx.topology.generate.n_samples_per_prompt
-                                    if isinstance(batch, PromptBatch) else 1)
+        # buffer (no output yet); samples are the record's own, or for a prompt record the samples
+        # generated from it, counted in the outputs
+        if batch is not None and (outputs or not letters):
+            samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
             try:
                 self.ctx.state.record_stage_time(self.stage.name, seconds, samples, batch.batch_id)
             except ExpstreamError as exc:  # statistics only
@@ -481,31 +426,38 @@ class StageRunner:
 
     # -- process, with retries and splitting (worker thread) ---------------------------------------
     def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
-        started, backoff, attempt = time.monotonic(), RETRY_BACKOFF_START_S, 0
-        while True:
-            try:
-                return self._process_or_split(batch, record, where)
-            except ExpstreamError as exc:
-                if not exc.retriable:
-                    raise
-                attempt += 1
-                self._backoff_or_give_up(exc, started, backoff, attempt, f"{where} batch={batch.batch_id}",
-                                         "process")
-                backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
+        return self._retry_work(lambda: self._process_or_split(batch, record, where),
+                                f"{where} batch={batch.batch_id}", "process")
 
-    def _backoff_or_give_up(self, exc: Exception, started: float, backoff: float, attempt: int, what: str,
-                            step: str) -> None:
-        waited = time.monotonic() - started
-        if waited > RETRY_GIVE_UP_S:
+    def _retry_work(self, fn: Callable[[], T], what: str, step: str,
+                    recovered: Callable[[Attempt], None] | None = None) -> T:
+        """``fn`` retried on retriable errors (worker thread): after RETRY_GIVE_UP_S the error is raised so
+        the supervisor restarts the stage; a stop request abandons the record (ShutdownRequested)."""
+        last: list[Attempt] = []
+
+        def stopping(a: Attempt) -> ShutdownRequested:
+            return ShutdownRequested(f"stop requested while retrying {step} ({type(a.exc).__name__}: {a.exc})")
+
+        def give_up(a: Attempt) -> T:
             self.log.error("stage %s %s: %s still failing after %.0fs (%s: %s); giving up so the supervisor "
-                           "restarts the stage", self.stage.name, what, step, waited, type(exc).__name__, exc)
-            raise exc
-        if self.stop_requested:
-            raise ShutdownRequested(f"stop requested while retrying {step} ({type(exc).__name__}: {exc})")
-        self.log.warning("stage %s %s: %s failed with retriable %s: %s; retry %d in %.1fs (%.1fs so far)",
-                         self.stage.name, what, step, type(exc).__name__, exc, attempt, backoff, waited)
-        if self._stop.wait(backoff):
-            raise ShutdownRequested(f"stop requested while retrying {step} ({type(exc).__name__}: {exc})")
+                           "restarts the stage", self.stage.name, what, step, a.waited_s, type(a.exc).__name__, a.exc)
+            raise a.exc
+
+        def on_retry(a: Attempt) -> None:
+            if self.stop_requested:
+                raise stopping(a)
+            self.log.warning("stage %s %s: %s failed with retriable %s: %s; retry %d in %.1fs (%.1fs so far)",
+                             self.stage.name, what, step, type(a.exc).__name__, a.exc, a.number, a.delay_s, a.waited_s)
+            last[:] = [a]
+
+        def wait(seconds: float) -> None:
+            if self._stop.wait(seconds):
+                raise stopping(last[0])
+
+        out = retry(fn, policy=_WORK_RETRY, retriable=_retriable, on_retry=on_retry, on_give_up=give_up, sleep=wait)
+        if last and recovered is not None:
+            recovered(last[0])
+        return out
 
     def _run_process(self, batch: Any) -> list[_Out]:
         """``process`` + encode; non-retriable failures come out as SchemaError, ExpstreamError or _Poison."""
@@ -513,7 +465,8 @@ class StageRunner:
             outs = self.process(batch, self.ctx)
             if isinstance(outs, (SampleBatch, PromptBatch)):
                 outs = [outs]
-            return [_Out(self.stage.output, encode(o), _key(o)) for o in outs]
+            return [_Out(self.stage.output, encode(o), _key(o), samples=len(o) if isinstance(o, SampleBatch) else 0)
+                    for o in outs]
         except (SchemaError, ExpstreamError):
             raise
         except Exception as exc:  # a bug or a bad sample: data routed to the DLQ, never swallowed
@@ -574,51 +527,28 @@ class StageRunner:
     # -- dead letters and sends (worker thread) ---------------------------------------------------
     def _letter(self, record: Any, exc: Exception, *, value: Any = ..., batch: Any = None,
                 split_from: str | None = None) -> _Out:
-        original = record.value
-        value = original if value is ... else value
-        schema, version, batch_id = peek_header(value) if value else (None, None, None)
-        if schema is None and original is not None and value is original:
-            schema, version, batch_id = peek_header(original)
-        taken = set(dlq_headers.RUNNER_HEADERS)
-        kept = [(k, v) for k, v in (record.headers or []) if k not in taken]
-        headers = kept + _headers(**{
-            dlq_headers.H_STAGE: self.stage.name,
-            dlq_headers.H_REPLICA: self.ctx.replica_id,
-            dlq_headers.H_ERROR_CLASS: _error_class(exc),
-            dlq_headers.H_ERROR_MESSAGE: str(exc),
-            dlq_headers.H_TOPIC: record.topic,
-            dlq_headers.H_PARTITION: record.partition,
-            dlq_headers.H_OFFSET: record.offset,
-            dlq_headers.H_SCHEMA: schema,
-            dlq_headers.H_VERSION: version,
-            dlq_headers.H_BATCH_ID: batch_id,
-            dlq_headers.H_SIZE: len(original) if original is not None else 0,
-            dlq_headers.H_SPLIT_FROM: split_from,
-            dlq_headers.H_SAMPLE_IDS: ",".join(_sample_ids(batch)) if batch is not None else None,
-        })
+        value = record.value if value is ... else value
+        headers = letter_headers(
+            record, stage=self.stage.name, replica=self.ctx.replica_id, error_class=_error_class(exc),
+            error_message=str(exc), value=value, sample_ids=_sample_ids(batch) if batch is not None else None,
+            split_from=split_from)
         return _Out(self.dlq_topic, value, record.key, headers)
 
     def _send(self, items: list[_Out], what: str) -> None:
         """Send and confirm ``items``, retrying retriable failures; raises a non-retriable ProduceError."""
-        started, backoff, attempt = time.monotonic(), RETRY_BACKOFF_START_S, 0
-        while True:
-            try:
-                with _warn_if_slow(self.log, "stage %s %s: still waiting for the broker to acknowledge %d records "
-                                   "after %.0fs (broker unreachable or paused?); retrying after "
-                                   "kafka.produce_timeout_s=%.0fs", self.stage.name, what, len(items),
-                                   SLOW_SEND_WARN_S, self.ctx.topology.kafka.produce_timeout_s):
-                    send_all_and_confirm(self.producer, [(o.topic, o.value, o.key, o.headers) for o in items],
-                                         self.ctx.topology.kafka.produce_timeout_s)
-                if attempt:
-                    self.log.info("stage %s %s: sent after %d retries (%.1fs); broker reachable again",
-                                  self.stage.name, what, attempt, time.monotonic() - started)
-                return
-            except ExpstreamError as exc:
-                if not exc.retriable:
-                    raise
-                attempt += 1
-                self._backoff_or_give_up(exc, started, backoff, attempt, what, f"sending {len(items)} records")
-                backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
+        started = time.monotonic()
+
+        def send() -> None:
+            with _warn_if_slow(self.log, "stage %s %s: still waiting for the broker to acknowledge %d records "
+                               "after %.0fs (broker unreachable or paused?); retrying after "
+                               "kafka.produce_timeout_s=%.0fs", self.stage.name, what, len(items),
+                               SLOW_SEND_WARN_S, self.ctx.topology.kafka.produce_timeout_s):
+                send_all_and_confirm(self.producer, [(o.topic, o.value, o.key, o.headers) for o in items],
+                                     self.ctx.topology.kafka.produce_timeout_s)
+
+        self._retry_work(send, what, f"sending {len(items)} records", recovered=lambda a: self.log.info(
+            "stage %s %s: sent after %d retries (%.1fs); broker reachable again", self.stage.name, what, a.number,
+            time.monotonic() - started))
 
     def _deliver(self, record: Any, where: str, outputs: list[_Out], letters: list[_Out], batch: Any) -> None:
         what = f"{where} batch={batch.batch_id if batch is not None else peek_header(record.value)[2]}"
@@ -636,16 +566,14 @@ class StageRunner:
                     raise
                 # Even the original is too large for the dead-letter topic: send its position only.
                 letters[0].value = b""
-                letters[0].headers = [*(letters[0].headers or []), *_headers(**{
-                    dlq_headers.H_VALUE_OMITTED: f"the broker refused the original value ({exc2}); read it at "
-                                                 f"{where}"})]
+                letters[0].headers = value_omitted_headers(
+                    letters[0].headers, f"the broker refused the original value ({exc2}); read it at {where}")
                 self._send(letters, what)
         for letter in letters:
             self.dead_lettered += 1
             self.log.error("stage %s %s batch=%s: dead-lettered %s to %s: %s: %s", self.stage.name, where,
-                           _header(letter, dlq_headers.H_BATCH_ID) or "?", _header(letter, dlq_headers.H_SAMPLE_IDS)
-                           or "the record", self.dlq_topic, _header(letter, dlq_headers.H_ERROR_CLASS),
-                           _first_line(_header(letter, dlq_headers.H_ERROR_MESSAGE)))
+                           _header(letter, H_BATCH_ID) or "?", _header(letter, H_SAMPLE_IDS) or "the record",
+                           self.dlq_topic, _header(letter, H_ERROR_CLASS), _first_line(_header(letter, H_ERROR_MESSAGE)))
 
     def _maybe_fault(self, point: str) -> None:
         if self.fault is not None and self.fault[0] == point and self.handled + 1 >= self.fault[1]:
@@ -654,9 +582,10 @@ class StageRunner:
 
     # -- commit (main thread) --------------------------------------------------------------------
     def _commit(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
-        started, backoff, attempt = time.monotonic(), RETRY_BACKOFF_START_S, 0
         timeout_ms = self.ctx.topology.kafka.request_timeout_ms
-        while True:
+        retries = [0]
+
+        def commit() -> bool:
             if not self.tracker.owns(tp):
                 self.commits_skipped += 1
                 self.log.warning("stage %s %s batch=%s: partition revoked meanwhile; not committing (the new owner "
@@ -667,29 +596,34 @@ class StageRunner:
                                    "%.0fs (broker unreachable or paused?)", self.stage.name, where, batch_id,
                                    SLOW_SEND_WARN_S):
                     self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
-                if attempt:
-                    self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage.name, where,
-                                  batch_id, attempt)
-                return True
             except _REBALANCED as exc:
                 self.commits_skipped += 1
                 self.log.warning("stage %s %s batch=%s: commit refused, the group rebalanced (%s); the record is "
                                  "redelivered to the partition's owner and re-processed idempotently",
                                  self.stage.name, where, batch_id, type(exc).__name__)
                 return False
-            except kafka_errors.KafkaError as exc:
-                attempt += 1
-                waited = time.monotonic() - started
-                if waited > COMMIT_GIVE_UP_S or self.stop_requested:
-                    self.commits_skipped += 1
-                    self.log.error("stage %s %s batch=%s: commit failed for %.0fs (%s: %s); giving up on it, the "
-                                   "record is redelivered after the next rebalance or restart", self.stage.name,
-                                   where, batch_id, waited, type(exc).__name__, exc)
-                    return False
-                self.log.warning("stage %s %s batch=%s: commit failed (%s: %s; broker unreachable?); retry %d in "
-                                 "%.1fs", self.stage.name, where, batch_id, type(exc).__name__, exc, attempt, backoff)
-                self._sleep_polling(backoff)
-                backoff = min(backoff * 2, RETRY_BACKOFF_MAX_S)
+            if retries[0]:
+                self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage.name, where,
+                              batch_id, retries[0])
+            return True
+
+        def on_retry(a: Attempt) -> None:
+            retries[0] = a.number
+            self.log.warning("stage %s %s batch=%s: commit failed (%s: %s; broker unreachable?); retry %d in "
+                             "%.1fs", self.stage.name, where, batch_id, type(a.exc).__name__, a.exc, a.number,
+                             a.delay_s)
+
+        def give_up(a: Attempt) -> bool:
+            self.commits_skipped += 1
+            self.log.error("stage %s %s batch=%s: commit failed for %.0fs (%s: %s); giving up on it, the "
+                           "record is redelivered after the next rebalance or restart", self.stage.name,
+                           where, batch_id, a.waited_s, type(a.exc).__name__, a.exc)
+            return False
+
+        # the backoff is spent polling with paused partitions, so the consumer stays in its group
+        return retry(commit, policy=_COMMIT_RETRY, retriable=lambda exc: isinstance(exc, kafka_errors.KafkaError),
+                     on_retry=on_retry, on_give_up=give_up, stop=lambda: self.stop_requested,
+                     sleep=lambda seconds: self.pausing.sleep(seconds, lambda: self.stop_requested))
 
 
 @contextlib.contextmanager
@@ -708,24 +642,6 @@ class _Poison(Exception):
     """A failure inside process() that is not retriable: the record goes to the DLQ."""
 
 
-def _drop_parked_records(consumer: Any, partitions: Any) -> list[TopicPartition]:
-    """Work around a kafka-python 3.0.x fetcher bug; returns the partitions whose data was dropped.
-
-    Since dpkp/kafka-python#2981 (KAFKA-7548), records fetched for a partition that is paused while
-    they are being drained are parked in ``Fetcher._paused_partition_records``. They are put back
-    only when the fetcher's in-line slot is empty (``_next_partition_records is None``), which it
-    almost never is once any partition has returned records, and a partition with parked data is
-    never fetched again. Measured here: pause one of two partitions, poll, resume -> the partition
-    returns nothing, forever; with the parked entry dropped it resumes at its position. Dropping
-    loses nothing: the data is fetched again from the partition's position (which the parked copy
-    never moved). A no-op when the attribute is missing (other versions).
-    """
-    parked = getattr(getattr(consumer, "_fetcher", None), "_paused_partition_records", None)
-    if not isinstance(parked, dict):
-        return []
-    return [tp for tp in partitions if parked.pop(tp, None) is not None]
-
-
 def _retriable(exc: BaseException) -> bool:
     return bool(getattr(exc, "retriable", False)) and isinstance(exc, ExpstreamError)
 
@@ -742,10 +658,7 @@ def _first_line(exc: BaseException | str) -> str:
 
 
 def _header(out: _Out, name: str) -> str:
-    for k, v in out.headers or []:
-        if k == name:
-            return v.decode(errors="replace")
-    return ""
+    return header_value(out.headers, name)
 
 
 def _sample_ids(batch: Any) -> list[str]:

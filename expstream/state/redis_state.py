@@ -53,6 +53,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
+from expstream.retry import Attempt, Policy, retry
 from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
     Moments,
@@ -327,24 +328,17 @@ class RedisState:
 
     def _call(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T:
         """Run ``fn`` retrying connection errors/timeouts with bounded exponential backoff."""
-        deadline = time.monotonic() + self.retry_deadline_s
-        delay = RETRY_BASE_DELAY_S
-        attempt = 0
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError) as exc:
-                attempt += 1
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StateUnavailableError(
-                        f"Redis at {self.url} unavailable for {what} after {attempt} attempts "
-                        f"({self.retry_deadline_s:.1f}s): {exc!r}"
-                    ) from exc
-                sleep = min(delay, left)
-                log.warning("redis %s failed (%r); retry %d in %.2fs", what, exc, attempt, sleep)
-                time.sleep(sleep)
-                delay = min(delay * 2, RETRY_MAX_DELAY_S)
+
+        def give_up(a: Attempt) -> T:
+            raise StateUnavailableError(f"Redis at {self.url} unavailable for {what} after {a.number} attempts "
+                                        f"({self.retry_deadline_s:.1f}s): {a.exc!r}") from a.exc
+
+        transient = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+        return retry(lambda: fn(*args, **kwargs), retriable=lambda exc: isinstance(exc, transient),
+                     policy=Policy(RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S, self.retry_deadline_s, clip_to_give_up=True),
+                     on_retry=lambda a: log.warning("redis %s failed (%r); retry %d in %.2fs", what, a.exc, a.number,
+                                                    a.delay_s),
+                     on_give_up=give_up)
 
     def _pipeline(self, what: str, fill: Callable[[redis.client.Pipeline], None], *, transaction: bool) -> list:
         """Run a pipeline of reads with :meth:`_call`'s retries, building it afresh for every attempt:
