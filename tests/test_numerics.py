@@ -198,8 +198,7 @@ def test_moments_merge_vs_numpy_and_seed_prior():
         assert moments_std(c, m2) == pytest.approx(seed_std, abs=1e-12)
 
 
-def test_moments_std_edges_and_normalize():
-    assert math.isnan(moments_std(0, 0.0))
+def test_normalize_rewards_at_the_std_edges():
     # first batch of one element: N-1 = 0 -> inf (§9), and the reward becomes 0
     c, m, m2 = nx.moments_merge(0, 0.0, 0.0, t([2.5]))
     assert moments_std(c, m2) == math.inf
