@@ -4,7 +4,8 @@ Production updates the running reward/advantage moments and the adaptive KL coef
 Redis (Lua, atomic and once per id); :func:`expstream.numerics.moments_merge` and
 :func:`expstream.numerics.adaptive_kl_update` are the same formulas in Python. Here both run on
 the same inputs (a real redis-server, no mock) and must agree to float tolerance, so the Lua is
-the formula the docs and the numerics tests describe.
+the formula the docs and the numerics tests describe. MemoryState (its own Python copy of the
+Lua arithmetic) runs through the same checks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from expstream import numerics as nx
 from expstream.errors import ConfigError
-from expstream.state import RedisState
+from expstream.state import MemoryState, RedisState, State
 from tests.tensors import moments_std
 
 pytestmark = pytest.mark.integration
@@ -31,10 +32,14 @@ pytestmark = pytest.mark.integration
 SETTINGS = settings(max_examples=60, deadline=None)
 
 
+KINDS = ["redis", "memory"]
+
+
 @contextmanager
-def fresh_state(redis_url: str) -> Iterator[RedisState]:
-    """A RedisState under a new run id, so every hypothesis example starts from empty keys."""
-    state = RedisState(redis_url, f"ref{uuid.uuid4().hex[:12]}")
+def fresh_state(kind: str, redis_url: str) -> Iterator[State]:
+    """A state under a new run id, so every hypothesis example starts from empty keys."""
+    run_id = f"ref{uuid.uuid4().hex[:12]}"
+    state = RedisState(redis_url, run_id) if kind == "redis" else MemoryState(run_id)
     try:
         yield state
     finally:
@@ -61,13 +66,14 @@ def _assert_moments_equal(lua, count: float, mean: float, m2: float, scale: floa
         assert lua.std == pytest.approx(moments_std(count, max(m2, 0.0)), rel=1e-6, abs=1e-6 * scale)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @SETTINGS
 @given(batches)
-def test_lua_moments_merge_matches_numerics(redis_url, bats):
+def test_lua_moments_merge_matches_numerics(redis_url, kind, bats):
     scale = 1.0 + max((abs(v) for b in bats for v in b), default=0.0)
     c, m, m2 = 0.0, 0.0, 0.0
     snapshots = []
-    with fresh_state(redis_url) as state:
+    with fresh_state(kind, redis_url) as state:
         for i, bat in enumerate(bats):
             lua = state.merge_reward_moments(f"b{i}", np.asarray(bat, dtype=np.float64), name="ref")
             c, m, m2 = nx.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float64))
@@ -88,12 +94,14 @@ def test_lua_moments_merge_matches_numerics(redis_url, bats):
         [[1e6 + 0.5, 1e6 - 0.5] * 4, [1e6] * 3],  # large mean, small spread
     ],
 )
-def test_lua_moments_merge_grid(redis_state, bats):
+@pytest.mark.parametrize("kind", KINDS)
+def test_lua_moments_merge_grid(redis_url, kind, bats):
     c, m, m2 = 0.0, 0.0, 0.0
-    for i, bat in enumerate(bats):
-        lua = redis_state.merge_reward_moments(f"b{i}", np.asarray(bat, dtype=np.float64), name="grid")
-        c, m, m2 = nx.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float64))
-        _assert_moments_equal(lua, c, m, m2, 1e6)
+    with fresh_state(kind, redis_url) as state:
+        for i, bat in enumerate(bats):
+            lua = state.merge_reward_moments(f"b{i}", np.asarray(bat, dtype=np.float64), name="grid")
+            c, m, m2 = nx.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float64))
+            _assert_moments_equal(lua, c, m, m2, 1e6)
     if c == 1:
         assert math.isinf(lua.std)
 
@@ -110,6 +118,7 @@ kl_steps = st.lists(
 )
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @SETTINGS
 @given(
     st.floats(min_value=1e-4, max_value=1.0),  # init_kl_coef
@@ -117,9 +126,9 @@ kl_steps = st.lists(
     st.integers(min_value=1, max_value=100000),  # horizon
     kl_steps,
 )
-def test_lua_kl_update_matches_numerics(redis_url, init, target, horizon, steps):
+def test_lua_kl_update_matches_numerics(redis_url, kind, init, target, horizon, steps):
     value = init
-    with fresh_state(redis_url) as state:
+    with fresh_state(kind, redis_url) as state:
         for i, (kl, n_steps) in enumerate(steps):
             lua = state.update_kl_adaptive(f"s{i}", kl, target, n_steps, horizon, default=init)
             value = nx.adaptive_kl_update(value, kl, target, n_steps, horizon)
@@ -132,17 +141,19 @@ def test_lua_kl_update_matches_numerics(redis_url, init, target, horizon, steps)
 
 @pytest.mark.parametrize("current", [0.0, 0.005, 0.0079, 0.008, 0.0099, 0.01, 0.0101, 0.012, 0.0121, 0.05])
 @pytest.mark.parametrize(("n_steps", "horizon"), [(1, 10000), (1000, 10000), (16, 1), (20000, 10000)])
-def test_lua_kl_update_grid(redis_url, current, n_steps, horizon):
+@pytest.mark.parametrize("kind", KINDS)
+def test_lua_kl_update_grid(redis_url, kind, current, n_steps, horizon):
     # target 0.01: the error current/target − 1 crosses both clip edges (±0.2) in this grid
-    with fresh_state(redis_url) as state:
+    with fresh_state(kind, redis_url) as state:
         state.kl_coef(0.05)
         lua = state.update_kl_adaptive("s", current, 0.01, n_steps, horizon)
     assert lua == pytest.approx(nx.adaptive_kl_update(0.05, current, 0.01, n_steps, horizon), rel=1e-12, abs=0.0)
 
 
 @pytest.mark.parametrize(("target", "horizon"), [(0.0, 10000), (-1.0, 10000), (0.1, 0)])
-def test_both_refuse_bad_controller_settings(redis_state, target, horizon):
+@pytest.mark.parametrize("kind", KINDS)
+def test_both_refuse_bad_controller_settings(redis_url, kind, target, horizon):
     with pytest.raises(ValueError):
         nx.adaptive_kl_update(0.05, 0.1, target, 10, horizon)
-    with pytest.raises(ConfigError):
-        redis_state.update_kl_adaptive("s", 0.1, target, 10, horizon, default=0.05)
+    with fresh_state(kind, redis_url) as state, pytest.raises(ConfigError):
+        state.update_kl_adaptive("s", 0.1, target, 10, horizon, default=0.05)
