@@ -110,7 +110,7 @@ def scored_inputs(args: argparse.Namespace, topo: Topology, with_values: bool) -
 
 def padded_tensors(batches: list[SampleBatch]) -> list[dict[str, torch.Tensor]]:
     """The bare side's inputs: padded (B, A) tensors built once, outside the timing."""
-    from stages.common import action_field, padded
+    from expstream.layout import action_field, padded
 
     out = []
     for b in batches:

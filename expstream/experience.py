@@ -333,10 +333,10 @@ def padded_from_ragged(
     ``prompts``/``actions`` are (flat values, int64 lengths); ``action_mask_values`` is flat
     bool with the action lengths. P = longest prompt, A = max(1, longest action row).
 
-    Uses :func:`expstream.numerics.rebuild_padded`, the function the model stages use, so a
+    Uses :func:`expstream.layout.rebuild_padded`, the function the model stages use, so a
     reader sees exactly the tensors the models saw.
     """
-    from expstream.numerics import rebuild_padded
+    from expstream.layout import rebuild_padded
 
     p_rows = _split(*prompts)
     a_rows = _split(*actions)

@@ -36,6 +36,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from expstream.layout import position_ids_from_attention  # noqa: E402
+
 __all__ = [
     "MODEL_KEYS",
     "SPECIAL_TOKENS",
@@ -53,7 +55,6 @@ __all__ = [
     "forward_packed_action_log_probs",
     "forward_packed_values",
     "forward_packed_reward",
-    "position_ids_from_attention_mask",
 ]
 
 MODEL_KEYS = ("tokenizer", "actor", "critic", "reward")
@@ -542,13 +543,6 @@ class TransformersGenerator:
 # ---------------------------------------------------------------------------------------------
 
 
-def position_ids_from_attention_mask(attention_mask: Tensor) -> Tensor:
-    """``cumsum(attention_mask) - 1`` with masked positions set to 1 (as in the seed)."""
-    mask = attention_mask.long()
-    pos = mask.cumsum(-1) - 1
-    return pos.masked_fill(mask == 0, 1)
-
-
 def _model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
@@ -594,7 +588,7 @@ def _padded_forward(model: Any, sequences: Tensor, attention_mask: Tensor, **kwa
     out = model(
         input_ids=sequences,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_attention_mask(attention_mask),
+        position_ids=position_ids_from_attention(attention_mask),
         **kwargs,
     )
     return out, sequences

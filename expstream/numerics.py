@@ -1,4 +1,4 @@
-"""Pure numerics of the experience maker (torch only; no Kafka, no Redis).
+"""The RL math of the experience maker: KL, reward transforms, estimators, normalisation (torch only).
 
 Every function here is a formula from ``shared/notes/fastexperiencemaker-numerics.md`` (cited as
 "§n" below), implemented **as intended**: the seed's bugs listed in §14 are not reproduced
@@ -9,26 +9,30 @@ whitening and cross-batch normalisation write ``-μ/σ`` there, §14.8).
 
 Conventions:
 
-* per-sample data are torch tensors; action-level tensors are padded ``(B, A)`` views whose
-  positions past a row's valid actions are 0 (or False for masks);
+* per-sample data are torch tensors; action-level tensors are the padded ``(B, A)`` views of
+  :mod:`expstream.layout` (positions past a row's valid actions are 0, or False for masks);
 * float outputs are float32 (the seed's bf16 leak, §14.11, is not reproduced); statistics
   (means, variances, running moments) are accumulated in float64;
 * ``action_mask`` is a bool ``(B, A)`` tensor (any dtype is accepted and converted with ``!= 0``).
 
-This module imports only torch, math and dataclasses (no Kafka, Redis or project imports).
+:func:`moments_merge` and :func:`adaptive_kl_update` are the Python forms of the Lua scripts that
+update the shared running moments and KL coefficient in Redis (``expstream.state``); the Lua is
+tested against them (tests/test_state_reference.py), and an in-memory state uses them directly.
+
+No Kafka or Redis here: this module imports torch, :mod:`expstream.layout` (the padded views and
+their mask helpers) and :mod:`expstream.estimators` (the estimator table).
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from expstream import estimators
+from expstream.estimators import KL_ESTIMATORS
+from expstream.layout import action_lengths, as_bool_mask, check_2d
+
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "KL_ESTIMATORS",
-    "PaddedLayout",
-    "action_lengths",
     "adaptive_kl_update",
     "apply_normalization",
     "clip_fraction",
@@ -42,42 +46,13 @@ __all__ = [
     "high_entropy_mask",
     "kl_penalized_rewards",
     "masked_mean",
-    "masked_moments",
     "masked_sum",
     "moments_merge",
-    "moments_std",
-    "moments_to_mean_var",
     "normalize_rewards",
     "overlong_penalty",
-    "packed_layout",
-    "pad_rows",
-    "padded_layout",
-    "position_ids_from_attention",
-    "rebuild_padded",
     "shape_group_rewards",
-    "unpack_actions",
-    "unpad_rows",
     "whiten",
 ]
-
-#: KL estimators accepted by :func:`compute_approx_kl` (§3).
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-#: Advantage estimators accepted by :func:`shape_group_rewards` and :func:`compute_advantages`.
-#: ``grpo`` is an alias of ``group_norm``; ``dr_grpo`` is group-mean centring without the std
-#: division (Dr. GRPO), handled like ``group_norm`` downstream.
-ADVANTAGE_ESTIMATORS = (
-    "gae",
-    "reinforce",
-    "rloo",
-    "reinforce_baseline",
-    "group_norm",
-    "grpo",
-    "dr_grpo",
-    "cpgd",
-)
-
-_GROUP_NEEDS_N_GT_1 = ("rloo", "group_norm", "grpo")
 
 #: eps of the GRPO z-score (§4.3, fast path).
 GROUP_NORM_EPS = 1e-9
@@ -88,291 +63,6 @@ REINFORCE_WHITEN_EPS = 1e-8
 CPGD_EPS = 1e-6
 #: variance floor of the cross-batch / replay normalisation (§7.2, §7.3).
 VAR_FLOOR = 1e-8
-
-
-# ----------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def _row(x) -> Tensor:
-    t = torch.as_tensor(x)
-    if t.dim() != 1:
-        raise ValueError(f"expected a 1-D row, got shape {tuple(t.shape)}")
-    return t
-
-
-def _bool_mask(mask: Tensor | None, like: Tensor) -> Tensor:
-    if mask is None:
-        return torch.ones(like.shape, dtype=torch.bool, device=like.device)
-    m = torch.as_tensor(mask)
-    m = m if m.dtype == torch.bool else m != 0
-    if m.shape != like.shape:
-        raise ValueError(f"mask shape {tuple(m.shape)} does not match tensor shape {tuple(like.shape)}")
-    return m
-
-
-def _check_2d(name: str, x: Tensor) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (B, A), got shape {tuple(x.shape)}")
-
-
-# ----------------------------------------------------------------------------------------------
-# §1 layouts
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PaddedLayout:
-    """A padded micro-batch (§1.1, §1.5).
-
-    * ``sequences`` (B, P+A) long: left-padded prompt + EOS-repaired output + right padding;
-    * ``attention_mask`` (B, P+A) long 0/1;
-    * ``action_mask`` (B, A) bool: action t is the token at ``P + t``;
-    * ``prompt_width`` = P (longest prompt); ``num_actions`` = A (longest output, ≥ 1).
-    """
-
-    sequences: Tensor
-    attention_mask: Tensor
-    action_mask: Tensor
-    prompt_width: int
-    num_actions: int
-
-    @property
-    def response_length(self) -> Tensor:
-        """``action_mask.sum(-1)`` as float32 (§1.1): valid actions including the EOS."""
-        return self.action_mask.sum(-1).to(torch.float32)
-
-    @property
-    def total_length(self) -> Tensor:
-        """``attention_mask.sum(-1)`` as float32 (§1.1)."""
-        return self.attention_mask.sum(-1).to(torch.float32)
-
-
-def pad_rows(
-    rows: list[Tensor],
-    side: str = "right",
-    value=0,
-    width: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> Tensor:
-    """Stack ragged 1-D rows into a ``(B, W)`` tensor padded with ``value``.
-
-    ``side="right"`` puts each row at the start (responses, §1.1); ``side="left"`` right-aligns it
-    (prompts). ``W = width`` or the longest row (0 for no rows); a row longer than ``width`` is a
-    ValueError. The dtype is ``dtype``, else the first row's dtype (float32 for no rows).
-    """
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    rs = [_row(r) for r in rows]
-    longest = max((r.numel() for r in rs), default=0)
-    w = longest if width is None else int(width)
-    if longest > w:
-        raise ValueError(f"a row of length {longest} does not fit in width {w}")
-    if dtype is None:
-        dtype = rs[0].dtype if rs else torch.float32
-    out = torch.full((len(rs), w), value, dtype=dtype)
-    for b, r in enumerate(rs):
-        n = r.numel()
-        if n == 0:
-            continue
-        if side == "right":
-            out[b, :n] = r.to(dtype)
-        else:
-            out[b, w - n :] = r.to(dtype)
-    return out
-
-
-def unpad_rows(x: Tensor, lengths) -> list[Tensor]:
-    """Inverse of right-padding: ``[x[b, :lengths[b]] for b]`` (copies, so callers may mutate)."""
-    _check_2d("x", x)
-    lens = [int(v) for v in torch.as_tensor(lengths).reshape(-1).tolist()]
-    if len(lens) != x.shape[0]:
-        raise ValueError(f"{len(lens)} lengths for {x.shape[0]} rows")
-    for n in lens:
-        if n < 0 or n > x.shape[1]:
-            raise ValueError(f"length {n} outside [0, {x.shape[1]}]")
-    return [x[b, :n].clone() for b, n in enumerate(lens)]
-
-
-def action_lengths(action_mask: Tensor) -> Tensor:
-    """Per row, the index of the last True in ``action_mask`` plus 1 (0 when none): the a_b of
-    the wire format (ARCHITECTURE.md, ``action_ids``). Returns a LongTensor (B,)."""
-    m = _bool_mask(action_mask, torch.as_tensor(action_mask))
-    _check_2d("action_mask", m)
-    b, a = m.shape
-    if a == 0:
-        return torch.zeros(b, dtype=torch.long)
-    idx = torch.arange(1, a + 1, dtype=torch.long).expand(b, a)
-    return torch.where(m, idx, torch.zeros_like(idx)).max(dim=1).values
-
-
-def _process_sequences(seq: Tensor, prompt_width: int, eos_id: int, pad_id: int):
-    """§1.2: EOS repair, attention_mask and action_mask of a (B, P+A) padded batch."""
-    bsz, length = seq.shape
-    num_actions = length - prompt_width
-    valid = (seq != eos_id) & (seq != pad_id)
-    pos = torch.arange(length, dtype=torch.long).expand(bsz, length)
-    has_valid = valid.any(dim=1)
-    last = torch.where(valid, pos, torch.full_like(pos, -1)).max(dim=1).values
-    # eos_b = last_b + 1 if last_b < L-1, else L-1 (also when the row has no valid token).
-    eos_pos = torch.where(has_valid & (last < length - 1), last + 1, torch.full_like(last, length - 1))
-    seq = seq.clone()
-    seq[torch.arange(bsz), eos_pos] = eos_id
-    first = torch.where(valid, pos, torch.full_like(pos, length)).min(dim=1).values
-    first = torch.where(has_valid, first, torch.zeros_like(first))
-    attention_mask = ((pos >= first[:, None]) & (pos <= eos_pos[:, None])).to(torch.long)
-    # action t has its state token at P-1+t (read after the repair); [:, 0] forced True.
-    action_mask = torch.zeros((bsz, num_actions), dtype=torch.bool)
-    if num_actions > 0:
-        state = seq[:, prompt_width : length - 1]
-        action_mask[:, 1:] = (state != eos_id) & (state != pad_id)
-        action_mask[:, 0] = True
-    return seq, attention_mask, action_mask
-
-
-def padded_layout(
-    prompt_rows: list[Tensor], response_rows: list[Tensor], eos_id: int, pad_id: int
-) -> PaddedLayout:
-    """Build a padded micro-batch exactly as §1.1 step 3 + §1.2 (``process_sequences``).
-
-    ``sequences[b] = [pad]*(P-p_b) + prompt_b + output_b + [pad]*(A-o_b)`` with P = longest prompt
-    and A = max(1, longest output); then, with ``valid = token ∉ {eos_id, pad_id}``:
-
-    * EOS repair: ``eos_b = last_b + 1`` if the last valid position ``last_b < L-1``, else ``L-1``
-      (also for a row without a valid token); ``seq[b, eos_b] = eos_id``. A truncated row's last
-      generated token is overwritten by EOS (§14.12);
-    * ``attention_mask[b, j] = first_b <= j <= eos_b`` (first_b = first valid position, 0 if none);
-    * ``action_mask[b, t] = seq[b, P-1+t] ∉ {eos, pad}`` after the repair, ``[:, 0] = True``.
-    """
-    if len(prompt_rows) != len(response_rows):
-        raise ValueError(f"{len(prompt_rows)} prompts but {len(response_rows)} responses")
-    prompts = [_row(r).to(torch.long) for r in prompt_rows]
-    responses = [_row(r).to(torch.long) for r in response_rows]
-    p_width = max((r.numel() for r in prompts), default=0)
-    a_width = max(1, max((r.numel() for r in responses), default=0))
-    left = pad_rows(prompts, "left", pad_id, p_width, dtype=torch.long)
-    right = pad_rows(responses, "right", pad_id, a_width, dtype=torch.long)
-    seq = torch.cat([left, right], dim=1)
-    seq, attention_mask, action_mask = _process_sequences(seq, p_width, int(eos_id), int(pad_id))
-    return PaddedLayout(seq, attention_mask, action_mask, p_width, a_width)
-
-
-def rebuild_padded(
-    prompt_rows: list[Tensor],
-    action_rows: list[Tensor],
-    action_mask_rows: list[Tensor],
-    pad_id: int,
-    eos_id: int | None = None,
-) -> PaddedLayout:
-    """Rebuild a padded micro-batch from the wire's ragged fields (no EOS repair is redone).
-
-    Inputs are the prompt tokens, the ALREADY-REPAIRED action tokens (response up to and
-    including the EOS, a_b tokens) and the a_b-long action masks. With P = longest prompt and
-    A = max(1, max a_b):
-
-    * ``sequences`` = left-padded prompt + actions + right padding (``pad_id``);
-    * ``attention_mask`` = 1 from ``first_b`` through the last action token ``P + a_b - 1``, where
-      ``first_b`` is the first token of the row (prompt, then actions) that is neither pad nor
-      ``eos_id``: inside the prompt in the usual case; if the prompt has no valid token it is the
-      first valid action (exactly what §1.2 computes); a row with no valid token at all is
-      attended from position P;
-    * ``action_mask`` = the given masks right-padded with False.
-
-    ``eos_id=None`` treats only ``pad_id`` as invalid when searching ``first_b`` (enough unless a
-    prompt starts with the EOS token).
-
-    For engine-shaped outputs this reproduces :func:`padded_layout` on columns ``[0, P + max a_b)``
-    and the original's remaining columns are pad / 0 / False. It cannot when the original row
-    loses information in the cut: a row without any valid token, a row whose repaired EOS is not
-    its last valid action (e.g. an output that fills the width and ends ``…, eos, x``, or a prompt
-    ending in pad/eos followed by an output with no valid token), or trailing EOS tokens after the
-    stop token.
-    """
-    n = len(prompt_rows)
-    if len(action_rows) != n or len(action_mask_rows) != n:
-        raise ValueError(
-            f"row counts differ: {n} prompts, {len(action_rows)} action rows, "
-            f"{len(action_mask_rows)} action masks"
-        )
-    prompts = [_row(r).to(torch.long) for r in prompt_rows]
-    actions = [_row(r).to(torch.long) for r in action_rows]
-    masks = [_row(r) for r in action_mask_rows]
-    masks = [m if m.dtype == torch.bool else m != 0 for m in masks]
-    for b, (a, m) in enumerate(zip(actions, masks, strict=True)):
-        if a.numel() != m.numel():
-            raise ValueError(f"row {b}: {a.numel()} action tokens but an action mask of {m.numel()}")
-    p_width = max((r.numel() for r in prompts), default=0)
-    lens = torch.tensor([a.numel() for a in actions], dtype=torch.long)
-    a_width = max(1, int(lens.max()) if n else 0)
-    left = pad_rows(prompts, "left", pad_id, p_width, dtype=torch.long)
-    right = pad_rows(actions, "right", pad_id, a_width, dtype=torch.long)
-    seq = torch.cat([left, right], dim=1)
-    action_mask = pad_rows(masks, "right", False, a_width, dtype=torch.bool)
-    length = p_width + a_width
-    pos = torch.arange(length, dtype=torch.long).expand(n, length)
-    end = p_width + lens - 1  # last action token (P-1 when a row has no action)
-    valid = seq != pad_id
-    if eos_id is not None:
-        valid &= seq != eos_id
-    valid &= pos <= end[:, None]
-    first = torch.where(valid, pos, torch.full_like(pos, length)).min(dim=1).values
-    first = torch.where(valid.any(dim=1), first, torch.full_like(first, p_width))
-    attention_mask = ((pos >= first[:, None]) & (pos <= end[:, None])).to(torch.long)
-    return PaddedLayout(seq, attention_mask, action_mask, p_width, a_width)
-
-
-def position_ids_from_attention(attention_mask: Tensor) -> Tensor:
-    """§1.3: ``cumsum(attention_mask) - 1`` along the last axis, with masked positions set to 1."""
-    am = torch.as_tensor(attention_mask).to(torch.long)
-    pos = am.cumsum(dim=-1) - 1
-    return pos.masked_fill(am == 0, 1)
-
-
-def packed_layout(
-    prompt_rows: list[Tensor], action_rows: list[Tensor]
-) -> tuple[Tensor, Tensor, Tensor, list[int], list[int]]:
-    """§1.4 packed layout (intended; no EOS repair).
-
-    Returns ``(sequences (1,T) long, segment_ids (1,T) long 1-based, position_ids (1,T) long
-    restarting at 0 in each segment, seq_lens list[int] = [p_i + o_i], num_actions list[int] =
-    [max(1, o_i)])``. A sample with no token at all is a ValueError.
-    """
-    if len(prompt_rows) != len(action_rows):
-        raise ValueError(f"{len(prompt_rows)} prompts but {len(action_rows)} action rows")
-    seqs, segs, poss, seq_lens, num_actions = [], [], [], [], []
-    for i, (p, a) in enumerate(zip(prompt_rows, action_rows, strict=True)):
-        s = torch.cat([_row(p).to(torch.long), _row(a).to(torch.long)])
-        if s.numel() == 0:
-            raise ValueError(f"packed sample {i} has no token")
-        seqs.append(s)
-        segs.append(torch.full((s.numel(),), i + 1, dtype=torch.long))
-        poss.append(torch.arange(s.numel(), dtype=torch.long))
-        seq_lens.append(int(s.numel()))
-        num_actions.append(max(1, int(_row(a).numel())))
-    if not seqs:
-        empty = torch.zeros((1, 0), dtype=torch.long)
-        return empty, empty.clone(), empty.clone(), [], []
-    return (
-        torch.cat(seqs)[None],
-        torch.cat(segs)[None],
-        torch.cat(poss)[None],
-        seq_lens,
-        num_actions,
-    )
-
-
-def unpack_actions(flat: Tensor, num_actions: list[int]) -> list[Tensor]:
-    """Split a packed action-level row ``(1, N)`` or ``(N,)`` into per-sample rows (§1.4)."""
-    x = torch.as_tensor(flat)
-    if x.dim() == 2 and x.shape[0] == 1:
-        x = x[0]
-    if x.dim() != 1:
-        raise ValueError(f"flat must be (1, N) or (N,), got shape {tuple(x.shape)}")
-    sizes = [int(k) for k in num_actions]
-    if any(k < 0 for k in sizes) or sum(sizes) != x.numel():
-        raise ValueError(f"num_actions sum to {sum(sizes)} but the row has {x.numel()} entries")
-    return [part.clone() for part in torch.split(x, sizes)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,7 +85,7 @@ def compute_approx_kl(
     blp = torch.as_tensor(base_log_probs).to(torch.float32)
     if lp.shape != blp.shape:
         raise ValueError(f"log_probs {tuple(lp.shape)} and base_log_probs {tuple(blp.shape)} differ")
-    m = _bool_mask(action_mask, lp)
+    m = as_bool_mask(action_mask, lp)
     d = torch.where(m, lp.double() - blp.double(), torch.zeros((), dtype=torch.float64))
     if estimator == "k1":
         k = d
@@ -408,7 +98,7 @@ def compute_approx_kl(
 
 def masked_sum(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tensor:
     """Σ x over valid positions (masked entries are ignored, even if NaN)."""
-    m = _bool_mask(mask, x)
+    m = as_bool_mask(mask, x)
     z = torch.where(m, x, torch.zeros((), dtype=x.dtype))
     return z.sum() if dim is None else z.sum(dim=dim)
 
@@ -419,7 +109,7 @@ def masked_mean(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tenso
     Decision: where Σ mask == 0 the result is 0 (the seed's 0/0 gives NaN, §4.2, which our wire
     format rejects).
     """
-    m = _bool_mask(mask, x)
+    m = as_bool_mask(mask, x)
     x = x if x.is_floating_point() else x.to(torch.float32)
     total = masked_sum(x, m, dim)
     count = m.sum() if dim is None else m.sum(dim=dim)
@@ -453,7 +143,7 @@ def group_is_constant(r: Tensor) -> Tensor:
     (not only all-0/all-1). A NaN makes a group non-constant.
     """
     x = torch.as_tensor(r)
-    _check_2d("r", x)
+    check_2d("r", x)
     if x.shape[1] == 0:
         return torch.ones(x.shape[0], dtype=torch.bool)
     return (x == x[:, :1]).all(dim=1)
@@ -473,25 +163,22 @@ def shape_group_rewards(r: Tensor, estimator: str) -> Tensor:
     rloo / group_norm / grpo (the seed divides by zero); for reinforce_baseline and dr_grpo it
     gives 0.
     """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
+    spec = estimators.estimator(estimator)  # ValueError naming the allowed ones
     x = torch.as_tensor(r)
-    _check_2d("r (G, n)", x)
+    check_2d("r (G, n)", x)
     out_dtype = x.dtype if x.is_floating_point() else torch.float32
-    if estimator in ("gae", "reinforce", "cpgd"):
+    if not spec.group:
         return x.to(out_dtype).clone()
     n = x.shape[1]
-    if estimator in _GROUP_NEEDS_N_GT_1 and n <= 1:
+    if spec.divides_by_n_minus_1 and n <= 1:
         raise ValueError(f"{estimator}: n_samples_per_prompt must be > 1 (got n={n})")
     xd = x.to(torch.float64)
     mean = xd.mean(dim=1, keepdim=True)
-    if estimator == "rloo":
+    if spec.shaping == "leave_one_out":  # rloo
         out = xd - (xd.sum(dim=1, keepdim=True) - xd) / (n - 1)
-    elif estimator in ("reinforce_baseline", "dr_grpo"):
+    elif spec.shaping == "mean":  # reinforce_baseline, dr_grpo
         out = xd - mean
-    else:  # group_norm, grpo
+    else:  # zscore: group_norm, grpo
         std = xd.std(dim=1, unbiased=True, keepdim=True)
         out = (xd - mean) / (std + GROUP_NORM_EPS)
     const = group_is_constant(x)
@@ -514,10 +201,13 @@ def moments_merge(count: float, mean: float, m2: float, batch: Tensor) -> tuple[
         M2 ← M2 + M2_b + δ²·count·k/N;  mean ← mean + δ·k/N;  count ← N
 
     Decision: the state starts at an exact zero (count = 0, mean = 0, M2 = 0), so ``mean`` and
-    :func:`moments_std` are the exact pooled statistics of everything seen. The seed's prior
-    (count = 1e-24, mean = 0, var = 1) has weight 1e-24, so it agrees with this to ~1e-12 (and
-    exactly in float64 except for an all-equal history, see :func:`moments_std`). An empty batch
-    leaves the state unchanged. Returns python floats.
+    the unbiased std ``sqrt(M2 / (count − 1))`` are the exact pooled statistics of everything
+    seen. The seed's prior (count = 1e-24, mean = 0, var = 1) has weight 1e-24, so it agrees with
+    this to ~1e-12 (and exactly in float64 except for an all-equal history, where our std is 0
+    and the seed's ~1e-12). An empty batch leaves the state unchanged. Returns python floats.
+
+    The Redis form of this merge is a Lua script (``RedisState.merge_reward_moments``), tested
+    against this function; it receives the batch's (k, mean, M2) computed the same way.
     """
     x = torch.as_tensor(batch).detach().reshape(-1).to(torch.float64)
     k = x.numel()
@@ -531,21 +221,6 @@ def moments_merge(count: float, mean: float, m2: float, batch: Tensor) -> tuple[
     new_m2 = m2 + bm2 + delta * delta * count * k / total
     new_mean = mean + delta * k / total
     return total, new_mean, new_m2
-
-
-def moments_std(count: float, m2: float) -> float:
-    """Unbiased (Bessel) std of all samples merged so far: ``sqrt(M2 / (count − 1))`` (§9).
-
-    Edge cases (§9): count == 0 (nothing seen) → NaN; 0 < count <= 1 (a first batch of one
-    element) → inf, so the normalised reward becomes 0 as in the seed. An all-equal history gives
-    0 (the seed's 1e-24 prior gives ~1e-12 instead); see :func:`normalize_rewards`.
-    """
-    count, m2 = float(count), float(m2)
-    if count <= 0:
-        return math.nan
-    if count <= 1:
-        return math.inf
-    return math.sqrt(max(m2, 0.0) / (count - 1.0))
 
 
 def normalize_rewards(r: Tensor, mean: float, std: float, minus_mean: bool) -> Tensor:
@@ -571,7 +246,7 @@ def kl_penalized_rewards(R: Tensor, kl: Tensor | None, action_mask: Tensor, beta
     """
     m = torch.as_tensor(action_mask)
     m = m if m.dtype == torch.bool else m != 0
-    _check_2d("action_mask", m)
+    check_2d("action_mask", m)
     bsz, a = m.shape
     rr = torch.as_tensor(R).to(torch.float32).reshape(-1)
     if rr.numel() != bsz:
@@ -622,7 +297,7 @@ def clip_fraction_masked(x: Tensor, mask: Tensor | None, lo: float, hi: float) -
     t = torch.as_tensor(x)
     if t.dim() == 0:
         t = t.reshape(1)
-    m = _bool_mask(mask, t)
+    m = as_bool_mask(mask, t)
     rows = t.shape[0]
     nvalid = int(m.sum())
     if nvalid == 0:
@@ -642,8 +317,8 @@ def cumulative_returns(rewards: Tensor, action_mask: Tensor | None, gamma: float
     The recursion runs over all A positions (as the seed); the result is 0 at masked positions.
     """
     f = torch.as_tensor(rewards).to(torch.float32)
-    _check_2d("rewards", f)
-    m = _bool_mask(action_mask, f)
+    check_2d("rewards", f)
+    m = as_bool_mask(action_mask, f)
     f = torch.where(m, f, torch.zeros((), dtype=torch.float32))
     out = torch.zeros_like(f)
     run = torch.zeros(f.shape[0], dtype=torch.float32)
@@ -662,11 +337,11 @@ def gae(
     returns = Â + V (from the raw Â). Both are 0 at masked positions.
     """
     f = torch.as_tensor(rewards).to(torch.float32)
-    _check_2d("rewards", f)
+    check_2d("rewards", f)
     v = torch.as_tensor(values).to(torch.float32)
     if v.shape != f.shape:
         raise ValueError(f"values shape {tuple(v.shape)} does not match rewards {tuple(f.shape)}")
-    m = _bool_mask(action_mask, f)
+    m = as_bool_mask(action_mask, f)
     zero = torch.zeros((), dtype=torch.float32)
     f = torch.where(m, f, zero)
     v = torch.where(m, v, zero)
@@ -692,7 +367,7 @@ def whiten(x: Tensor, mask: Tensor | None, eps: float) -> Tensor:
     constant set of valid values gives exactly 0 there.
     """
     t = torch.as_tensor(x)
-    m = _bool_mask(mask, t)
+    m = as_bool_mask(mask, t)
     vals = t[m].to(torch.float64)
     if vals.numel() < 2:
         return t.clone()
@@ -763,13 +438,10 @@ def compute_advantages(
     or clipped. Masked positions of both outputs are 0. Clip fractions use
     :func:`clip_fraction_masked` (valid positions only). ``info`` maps names to float32 (B,).
     """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
+    spec = estimators.estimator(estimator)  # ValueError naming the allowed ones
     f = torch.as_tensor(token_rewards).to(torch.float32)
-    _check_2d("token_rewards", f)
-    m = _bool_mask(action_mask, f)
+    check_2d("token_rewards", f)
+    m = as_bool_mask(action_mask, f)
     bsz = f.shape[0]
     zero = torch.zeros((), dtype=torch.float32)
     info: dict[str, Tensor] = {}
@@ -795,7 +467,7 @@ def compute_advantages(
         adv = returns.clone()
         eps = REINFORCE_WHITEN_EPS
 
-    if advantages_norm and estimator in ("gae", "reinforce", "rloo", "reinforce_baseline"):
+    if advantages_norm and spec.whiten:
         adv = whiten(adv, m, eps)
 
     if clip > 0:
@@ -811,35 +483,13 @@ def compute_advantages(
 # ----------------------------------------------------------------------------------------------
 
 
-def masked_moments(x: Tensor, mask: Tensor | None) -> tuple[float, float, float]:
-    """(count, Σx, Σx²) over valid positions, as float64 python floats.
-
-    Additive across micro-batches (and replicas), so a streaming stage can accumulate them in
-    Redis and derive the §7.2 statistics with :func:`moments_to_mean_var`.
-    """
-    t = torch.as_tensor(x)
-    m = _bool_mask(mask, t)
-    vals = t[m].to(torch.float64)
-    return float(vals.numel()), float(vals.sum()), float((vals * vals).sum())
-
-
-def moments_to_mean_var(count: float, total: float, sumsq: float) -> tuple[float, float]:
-    """μ = Σx/N and the **biased** var = Σx²/N − μ² (clamped at 0) from :func:`masked_moments`
-    sums (§7.2). N <= 0 gives (0.0, 0.0)."""
-    count = float(count)
-    if count <= 0:
-        return 0.0, 0.0
-    mean = float(total) / count
-    return mean, max(float(sumsq) / count - mean * mean, 0.0)
-
-
 def apply_normalization(
     x: Tensor, mask: Tensor | None, mean: float, var: float, floor: float = VAR_FLOOR
 ) -> Tensor:
     """§7.2/§7.3: ``(x − μ)·rstd`` with ``rstd = 1/sqrt(max(var, floor))`` at valid positions only;
     masked positions keep x's values (0 for our tensors). Result in x's dtype."""
     t = torch.as_tensor(x)
-    m = _bool_mask(mask, t)
+    m = as_bool_mask(mask, t)
     rstd = 1.0 / math.sqrt(max(float(var), float(floor)))
     out = (t.to(torch.float64) - float(mean)) * rstd
     return torch.where(m, out.to(t.dtype), t)
@@ -858,7 +508,8 @@ def adaptive_kl_update(
     Adaptive (``target`` set): ``e = clip(current/target − 1, −0.2, 0.2)``;
     ``value · (1 + e · n_steps / horizon)``, with n_steps = rollout_batch_size · n per update.
     Fixed controller (``target=None``, the default config): the value is returned unchanged
-    (β = init_kl_coef for the whole run).
+    (β = init_kl_coef for the whole run). The Redis form is a Lua script
+    (``RedisState.update_kl_adaptive``), tested against this function.
     """
     if target is None:
         return float(value)
@@ -880,7 +531,7 @@ def high_entropy_mask(entropy: Tensor, action_mask: Tensor, ratio: float) -> Ten
     """
     m = torch.as_tensor(action_mask)
     m = m if m.dtype == torch.bool else m != 0
-    _check_2d("action_mask", m)
+    check_2d("action_mask", m)
     if ratio <= 0 or ratio >= 1:
         return m.clone()
     e = torch.as_tensor(entropy).to(torch.float32)

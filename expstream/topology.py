@@ -20,6 +20,7 @@ import yaml
 
 from expstream.bus import KafkaConfig
 from expstream.errors import ConfigError
+from expstream.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 
 STAGE_ORDER: tuple[str, ...] = (
     "generate",
@@ -31,8 +32,6 @@ STAGE_ORDER: tuple[str, ...] = (
     "postprocess",
     "advantage",
 )
-ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo", "cpgd")
-GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "grpo", "dr_grpo")
 BUILTIN_TINY = "builtin:tiny"
 
 
@@ -175,7 +174,7 @@ class AlgoConfig:
                "must be >= 0 (0.25 feeds 25% more prompts)")
         _check(self.advantage_estimator in ESTIMATORS, "algo.advantage_estimator",
                f"got {self.advantage_estimator!r}; use one of {', '.join(ESTIMATORS)}")
-        _check(self.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator",
+        _check(self.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator",
                f"got {self.kl_estimator!r}; use k1, k2 or k3")
         _check(self.micro_rollout_batch_size >= 1, "algo.micro_rollout_batch_size", "must be >= 1")
         _check(0 <= self.gamma <= 1, "algo.gamma", "must be in [0, 1]")

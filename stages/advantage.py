@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from expstream import numerics
+from expstream.estimators import CROSS_BATCH_ESTIMATORS
+from expstream.layout import action_field, padded, to_ragged
 from schemas import Ragged, SampleBatch, decode, encode
-from stages.common import action_field, padded, scalar, to_ragged
+from stages.common import scalar
 from stages.context import StageContext
 
-CROSS_BATCH_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")
 WINDOW_NAME = "advantages"
 
 

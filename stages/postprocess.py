@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from expstream import numerics
+from expstream.layout import action_field, padded, to_ragged
 from schemas import SampleBatch
-from stages.common import action_field, padded, scalar, to_ragged
+from stages.common import scalar
 from stages.context import StageContext
 
 

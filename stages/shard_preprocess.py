@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from expstream import numerics
 from expstream.errors import PoisonRecordError
+from expstream.layout import action_lengths, padded_layout, rows_of
 from schemas import Ragged, SampleBatch
-from stages.common import rows_of
 from stages.context import StageContext
 
 
@@ -35,9 +34,8 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     for j, start in enumerate(range(0, len(batch), mrb)):
         idx = list(range(start, min(start + mrb, len(batch))))
         mb = batch.select(idx, batch_id=f"{batch.batch_id}/m{j}")
-        layout = numerics.padded_layout(rows_of(mb.prompt_ids), rows_of(mb.response_ids),
-                                        mb.eos_token_id, mb.pad_token_id)
-        lengths = numerics.action_lengths(layout.action_mask)
+        layout = padded_layout(rows_of(mb.prompt_ids), rows_of(mb.response_ids), mb.eos_token_id, mb.pad_token_id)
+        lengths = action_lengths(layout.action_mask)
         p = layout.prompt_width
         action_rows = [layout.sequences[b, p: p + int(n)].numpy().astype(np.int32) for b, n in enumerate(lengths)]
         mask_rows = [layout.action_mask[b, : int(n)].numpy() for b, n in enumerate(lengths)]

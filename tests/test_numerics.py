@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from expstream import numerics as nx
-
-EOS, PAD = 9, 0
+from tests.tensors import moments_std
 
 
 def t(x, dtype=torch.float32):
@@ -31,173 +30,6 @@ def close(a, b, atol=1e-6):
     np.testing.assert_allclose(
         np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), atol=atol, rtol=0
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# §1.2 layout
-# ---------------------------------------------------------------------------------------------
-
-
-def test_padded_layout_worked_table():
-    # §1.2 worked example: eos=9, pad=0, P=3 (prompt [1,2,3]); A = 5 (longest output).
-    prompts = [L([1, 2, 3])] * 3
-    outputs = [L([7, 8, 9]), L([7, 7, 7, 7, 7]), L([3])]
-    lay = nx.padded_layout(prompts, outputs, EOS, PAD)
-    assert lay.prompt_width == 3 and lay.num_actions == 5
-    assert lay.sequences.dtype == torch.long and lay.attention_mask.dtype == torch.long
-    assert lay.action_mask.dtype == torch.bool
-    # normal: [7,8,9,0,0] unchanged; last valid = 8 at col 4 -> eos at col 5 (already 9)
-    # truncated: last valid at L-1=7 -> eos_b = L-1, the last 7 is overwritten by 9
-    # no EOS returned: [3,0,0,0,0] -> last valid at col 3 -> eos at col 4 -> [3,9,0,0,0]
-    assert lay.sequences.tolist() == [
-        [1, 2, 3, 7, 8, 9, 0, 0],
-        [1, 2, 3, 7, 7, 7, 7, 9],
-        [1, 2, 3, 3, 9, 0, 0, 0],
-    ]
-    # attention: first valid = 0, through eos_b (5, 7, 4)
-    assert lay.attention_mask.tolist() == [
-        [1, 1, 1, 1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 1, 0, 0, 0],
-    ]
-    # action t valid iff the state token seq[P-1+t] is not eos/pad; [:,0] forced
-    assert lay.action_mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert lay.response_length.tolist() == [3.0, 5.0, 2.0]
-    assert lay.total_length.tolist() == [6.0, 8.0, 5.0]
-
-
-def test_padded_layout_early_eos_and_left_padding():
-    # P = 2, A = 3. Row 0: prompt [5] left-padded -> [0,5]; output [9] (immediate EOS).
-    #   valid only at col 1 -> eos_b = 2 (already 9); attention cols 1..2; state tokens
-    #   seq[1..3] = 5, 9, 0 -> mask [1,0,0].
-    # Row 1: prompt [1,2], output [4,4,9]: last valid col 3 -> eos col 4; state 2,4,4 -> all 1.
-    lay = nx.padded_layout([L([5]), L([1, 2])], [L([9]), L([4, 4, 9])], EOS, PAD)
-    assert lay.sequences.tolist() == [[0, 5, 9, 0, 0], [1, 2, 4, 4, 9]]
-    assert lay.attention_mask.tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
-    assert lay.action_mask.int().tolist() == [[1, 0, 0], [1, 1, 1]]
-    assert nx.action_lengths(lay.action_mask).tolist() == [1, 3]
-
-
-def test_padded_layout_length_one_and_empty_and_degenerate():
-    # length-1 response without EOS that fills the width (A=1): its token is overwritten.
-    lay = nx.padded_layout([L([1, 2])], [L([5])], EOS, PAD)
-    assert lay.sequences.tolist() == [[1, 2, 9]]
-    assert lay.attention_mask.tolist() == [[1, 1, 1]]
-    assert lay.action_mask.tolist() == [[True]]
-    # empty output: A = max(1, 0) = 1; last valid = col 0 -> eos at col 1.
-    lay = nx.padded_layout([L([1])], [L([])], EOS, PAD)
-    assert lay.num_actions == 1 and lay.sequences.tolist() == [[1, 9]]
-    assert lay.attention_mask.tolist() == [[1, 1]] and lay.action_mask.tolist() == [[True]]
-    # no valid token at all: eos_b = L-1, first_b = 0.
-    lay = nx.padded_layout([L([0])], [L([0])], EOS, PAD)
-    assert lay.sequences.tolist() == [[0, 9]] and lay.attention_mask.tolist() == [[1, 1]]
-
-
-def test_padded_layout_stop_on_pad_is_rewritten_and_special_in_prompt():
-    # Qwen-like: the engine stopped on the pad token -> rewritten to eos.
-    lay = nx.padded_layout([L([1])], [L([7, 0])], EOS, PAD)
-    assert lay.sequences.tolist() == [[1, 7, 9]]
-    assert lay.action_mask.int().tolist() == [[1, 1]]
-    # an EOS at the start of the prompt is not attended (first_b = first valid = col 1).
-    lay = nx.padded_layout([L([9, 4])], [L([5, 9])], EOS, PAD)
-    assert lay.sequences.tolist() == [[9, 4, 5, 9]]
-    assert lay.attention_mask.tolist() == [[0, 1, 1, 1]]
-
-
-def test_padded_layout_accepts_int32_numpy_rows():
-    lay = nx.padded_layout(
-        [np.array([1, 2, 3], dtype=np.int32)], [np.array([7, 9], dtype=np.int32)], EOS, PAD
-    )
-    assert lay.sequences.dtype == torch.long
-    assert lay.sequences.tolist() == [[1, 2, 3, 7, 9]]
-
-
-def test_action_lengths():
-    m = B([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]])
-    # last True at 3 -> 4; none -> 0; last True at 0 -> 1
-    assert nx.action_lengths(m).tolist() == [4, 0, 1]
-    assert nx.action_lengths(torch.zeros((2, 0), dtype=torch.bool)).tolist() == [0, 0]
-
-
-def test_pad_and_unpad_rows():
-    rows = [L([1, 2]), L([3]), L([])]
-    assert nx.pad_rows(rows).tolist() == [[1, 2], [3, 0], [0, 0]]
-    assert nx.pad_rows(rows, side="left", value=-1, width=3).tolist() == [
-        [-1, 1, 2],
-        [-1, -1, 3],
-        [-1, -1, -1],
-    ]
-    assert nx.pad_rows([t([True]), t([])], value=False, dtype=torch.bool).tolist() == [[True], [False]]
-    with pytest.raises(ValueError):
-        nx.pad_rows(rows, width=1)
-    with pytest.raises(ValueError):
-        nx.pad_rows(rows, side="middle")
-    x = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    parts = nx.unpad_rows(x, [2, 0])
-    assert [p.tolist() for p in parts] == [[1.0, 2.0], []]
-    parts[0][0] = 99.0
-    assert x[0, 0] == 1.0  # copies
-    with pytest.raises(ValueError):
-        nx.unpad_rows(x, [4, 0])
-
-
-def test_rebuild_padded_from_worked_table():
-    # cut of the §1.2 table: a_b = last True + 1 = 3, 5, 2; action tokens seq[P : P+a_b]
-    prompts = [L([1, 2, 3])] * 3
-    actions = [L([7, 8, 9]), L([7, 7, 7, 7, 9]), L([3, 9])]
-    masks = [B([1, 1, 1]), B([1, 1, 1, 1, 1]), B([1, 1])]
-    lay = nx.rebuild_padded(prompts, actions, masks, PAD, eos_id=EOS)
-    assert lay.prompt_width == 3 and lay.num_actions == 5
-    assert lay.sequences.tolist() == [
-        [1, 2, 3, 7, 8, 9, 0, 0],
-        [1, 2, 3, 7, 7, 7, 7, 9],
-        [1, 2, 3, 3, 9, 0, 0, 0],
-    ]
-    assert lay.attention_mask.tolist() == [
-        [1, 1, 1, 1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 1, 0, 0, 0],
-    ]
-    assert lay.action_mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-
-
-def test_rebuild_padded_narrower_and_prompt_edge_cases():
-    # original: prompt [0,5] (left-pad), output [7,9,0] -> A=3 but a_b = 2; rebuilt A = 2.
-    lay = nx.rebuild_padded([L([5]), L([4, 4])], [L([7, 9]), L([9])], [B([1, 1]), B([1])], PAD, eos_id=EOS)
-    assert lay.sequences.tolist() == [[0, 5, 7, 9], [4, 4, 9, 0]]
-    assert lay.attention_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 0]]
-    assert lay.action_mask.int().tolist() == [[1, 1], [1, 0]]
-    # prompt with a leading EOS: with eos_id the first attended token is the 4.
-    lay = nx.rebuild_padded([L([9, 4])], [L([5, 9])], [B([1, 1])], PAD, eos_id=EOS)
-    assert lay.attention_mask.tolist() == [[0, 1, 1, 1]]
-    # prompt with no valid token at all: attended from the first valid action (col P=2).
-    lay = nx.rebuild_padded([L([0, 0])], [L([5, 9])], [B([1, 1])], PAD, eos_id=EOS)
-    assert lay.attention_mask.tolist() == [[0, 0, 1, 1]]
-    # no valid token anywhere: from position P through the last action.
-    lay = nx.rebuild_padded([L([0])], [L([9])], [B([1])], PAD, eos_id=EOS)
-    assert lay.attention_mask.tolist() == [[0, 1]]
-    with pytest.raises(ValueError):
-        nx.rebuild_padded([L([1])], [L([5, 9])], [B([1])], PAD)
-
-
-def test_position_ids_from_attention():
-    # cumsum [0,1,2,3,3] - 1 = [-1,0,1,2,2]; masked positions (0 and 4) -> 1
-    am = L([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
-    assert nx.position_ids_from_attention(am).tolist() == [[1, 0, 1, 2, 1], [0, 1, 1, 1, 1]]
-
-
-def test_packed_layout_and_unpack():
-    seqs, seg, pos, lens, nact = nx.packed_layout([L([1, 2]), L([3])], [L([4, 5, 6]), L([])])
-    assert seqs.tolist() == [[1, 2, 4, 5, 6, 3]]  # no EOS repair, no padding
-    assert seg.tolist() == [[1, 1, 1, 1, 1, 2]]
-    assert pos.tolist() == [[0, 1, 2, 3, 4, 0]]
-    assert lens == [5, 1] and nact == [3, 1]  # max(1, o_i)
-    parts = nx.unpack_actions(t([[0.1, 0.2, 0.3, 0.4]]), [3, 1])
-    close(parts[0], [0.1, 0.2, 0.3])
-    close(parts[1], [0.4])
-    assert len(nx.unpack_actions(t([0.5, 0.6]), [2])) == 1
-    with pytest.raises(ValueError):
-        nx.unpack_actions(t([0.5, 0.6]), [3])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,12 +165,12 @@ def test_moments_merge_by_hand():
     # [1,2,3]: count 3, mean 2, M2 = 1+0+1 = 2; std = sqrt(2/2) = 1
     c, m, m2 = nx.moments_merge(0, 0.0, 0.0, t([1.0, 2.0, 3.0]))
     assert (c, m, m2) == (3.0, 2.0, 2.0)
-    assert nx.moments_std(c, m2) == 1.0
+    assert moments_std(c, m2) == 1.0
     # + [10]: delta = 8, N = 4, M2 = 2 + 0 + 64*3*1/4 = 50, mean = 2 + 8/4 = 4
     # check: values 1,2,3,10 -> mean 4, squared deviations 9+4+1+36 = 50
     c, m, m2 = nx.moments_merge(c, m, m2, t([10.0]))
     assert (c, m, m2) == (4.0, 4.0, 50.0)
-    assert nx.moments_std(c, m2) == pytest.approx(math.sqrt(50 / 3), abs=1e-12)
+    assert moments_std(c, m2) == pytest.approx(math.sqrt(50 / 3), abs=1e-12)
     # empty batch: unchanged
     assert nx.moments_merge(c, m, m2, t([])) == (4.0, 4.0, 50.0)
 
@@ -361,16 +193,15 @@ def test_moments_merge_vs_numpy_and_seed_prior():
         seen.append(x)
         pooled = np.concatenate(seen)
         assert m == pytest.approx(pooled.mean(), abs=1e-12)
-        assert nx.moments_std(c, m2) == pytest.approx(pooled.std(ddof=1), abs=1e-12)
+        assert moments_std(c, m2) == pytest.approx(pooled.std(ddof=1), abs=1e-12)
         assert m == pytest.approx(sm, abs=1e-12)
-        assert nx.moments_std(c, m2) == pytest.approx(seed_std, abs=1e-12)
+        assert moments_std(c, m2) == pytest.approx(seed_std, abs=1e-12)
 
 
-def test_moments_std_edges_and_normalize():
-    assert math.isnan(nx.moments_std(0, 0.0))
+def test_normalize_rewards_at_the_std_edges():
     # first batch of one element: N-1 = 0 -> inf (§9), and the reward becomes 0
     c, m, m2 = nx.moments_merge(0, 0.0, 0.0, t([2.5]))
-    assert nx.moments_std(c, m2) == math.inf
+    assert moments_std(c, m2) == math.inf
     assert nx.normalize_rewards(t([2.5]), m, math.inf, True).tolist() == [0.0]
     assert nx.normalize_rewards(t([2.5]), m, math.inf, False).tolist() == [0.0]
     # r = [1, 3], mean 2, std 2: minus_mean -> [-0.5, 0.5]; else -> [0.5, 1.5]
@@ -378,7 +209,7 @@ def test_moments_std_edges_and_normalize():
     close(nx.normalize_rewards(t([1.0, 3.0]), 2.0, 2.0, False), [0.5, 1.5])
     # all-equal history: std 0; zero numerators stay 0
     c, m, m2 = nx.moments_merge(0, 0.0, 0.0, t([0.0, 0.0, 0.0]))
-    assert nx.moments_std(c, m2) == 0.0
+    assert moments_std(c, m2) == 0.0
     assert nx.normalize_rewards(t([0.0, 0.0]), m, 0.0, False).tolist() == [0.0, 0.0]
 
 
@@ -571,23 +402,16 @@ def test_whiten():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_masked_moments_and_apply_normalization():
+def test_apply_normalization():
     x = t([[1.0, 2.0, 0.0], [3.0, 6.0, 0.0]])
     m = B([[1, 1, 0], [1, 1, 0]])
-    # count 4, sum 12, sum of squares 1+4+9+36 = 50
-    assert nx.masked_moments(x, m) == (4.0, 12.0, 50.0)
-    # mean 3, biased var 50/4 - 9 = 3.5
-    mean, var = nx.moments_to_mean_var(4.0, 12.0, 50.0)
-    assert (mean, var) == (3.0, 3.5)
+    # valid values 1, 2, 3, 6: mean 3, biased var (4 + 1 + 0 + 9)/4 = 3.5
+    mean, var = 3.0, 3.5
     s = math.sqrt(3.5)
     out = nx.apply_normalization(x, m, mean, var)
     close(out, [[-2 / s, -1 / s, 0.0], [0.0, 3 / s, 0.0]])
-    # streaming: the moments of two micro-batches add up to the whole batch's
-    a, b = nx.masked_moments(x[:1], m[:1]), nx.masked_moments(x[1:], m[1:])
-    assert tuple(p + q for p, q in zip(a, b, strict=True)) == (4.0, 12.0, 50.0)
     # variance floor 1e-8: rstd = 1e4
     close(nx.apply_normalization(t([[3.5]]), B([[1]]), 3.0, 0.0), [[5000.0]], atol=1e-3)
-    assert nx.moments_to_mean_var(0.0, 0.0, 0.0) == (0.0, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,13 +7,13 @@ import math
 
 import numpy as np
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expstream import numerics as nx
+from tests.tensors import moments_std
 
 SETTINGS = settings(max_examples=60, deadline=None)
-EOS, PAD = 9, 0
 
 finite32 = st.floats(min_value=-10.0, max_value=10.0, allow_nan=False, allow_infinity=False, width=32)
 
@@ -222,89 +222,6 @@ def test_moments_merge_is_pooled(batches):
         return
     assert abs(m - pooled.mean()) < 1e-9
     if pooled.size >= 2:
-        assert abs(nx.moments_std(c, m2) - pooled.std(ddof=1)) < 1e-9
+        assert abs(moments_std(c, m2) - pooled.std(ddof=1)) < 1e-9
     else:
-        assert nx.moments_std(c, m2) == math.inf
-
-
-# ---------------------------------------------------------------------------------------------
-# layouts
-# ---------------------------------------------------------------------------------------------
-
-token = st.sampled_from([PAD, EOS, 1, 2, 3])
-
-
-@st.composite
-def engine_rows(draw):
-    """Prompts of any tokens; outputs = tokens ending in a valid one (or nothing), then an
-    optional stop token (eos or pad), then right padding — what an engine returns."""
-    b = draw(st.integers(1, 4))
-    prompts, outputs = [], []
-    for _ in range(b):
-        prompts.append(draw(st.lists(token, min_size=0, max_size=4)))
-        body = draw(st.lists(token, min_size=0, max_size=5))
-        while body and body[-1] in (PAD, EOS):
-            body.pop()
-        stop = draw(st.sampled_from([[], [EOS], [PAD]]))
-        outputs.append(body + stop + [PAD] * draw(st.integers(0, 2)))
-    return prompts, outputs
-
-
-def _is_valid(tok):
-    return tok not in (PAD, EOS)
-
-
-@SETTINGS
-@given(engine_rows())
-def test_rebuild_padded_reproduces_padded_layout(rows):
-    prompts, outputs = rows
-    P = max(len(p) for p in prompts)
-    A = max(1, max(len(o) for o in outputs))
-    Lw = P + A
-    # the domain where the cut keeps everything (see rebuild_padded's docstring), computed by hand
-    for p, o in zip(prompts, outputs, strict=True):
-        seq = [PAD] * (P - len(p)) + p + o + [PAD] * (A - len(o))
-        valid = [_is_valid(x) for x in seq]
-        assume(any(valid))
-        last = max(j for j, v in enumerate(valid) if v)
-        assume(last >= P - 1)
-        assume(not (last == Lw - 1 and A >= 2 and not valid[Lw - 2]))
-
-    lay = nx.padded_layout([torch.tensor(p) for p in prompts], [torch.tensor(o) for o in outputs], EOS, PAD)
-    seq = lay.sequences.tolist()
-    am = lay.action_mask.tolist()
-    # cut to the wire's ragged fields: a_b = last True + 1
-    a_len = [max(t + 1 for t, v in enumerate(row) if v) for row in am]
-    action_rows = [torch.tensor(seq[b][P : P + a_len[b]]) for b in range(len(seq))]
-    mask_rows = [torch.tensor(am[b][: a_len[b]]) for b in range(len(seq))]
-    re = nx.rebuild_padded([torch.tensor(p) for p in prompts], action_rows, mask_rows, PAD, eos_id=EOS)
-
-    w = P + max(a_len)
-    assert re.prompt_width == P and re.num_actions == max(a_len)
-    assert re.sequences.shape[1] == w
-    assert re.sequences.tolist() == lay.sequences[:, :w].tolist()
-    assert re.attention_mask.tolist() == lay.attention_mask[:, :w].tolist()
-    assert re.action_mask.tolist() == lay.action_mask[:, : max(a_len)].tolist()
-    # the original's remaining columns are padding / 0 / False
-    assert torch.all(lay.sequences[:, w:] == PAD)
-    assert torch.all(lay.attention_mask[:, w:] == 0)
-    assert not lay.action_mask[:, max(a_len) :].any()
-
-
-@SETTINGS
-@given(engine_rows())
-def test_padded_layout_invariants(rows):
-    prompts, outputs = rows
-    lay = nx.padded_layout([torch.tensor(p) for p in prompts], [torch.tensor(o) for o in outputs], EOS, PAD)
-    P, A = lay.prompt_width, lay.num_actions
-    assert P == max(len(p) for p in prompts) and A == max(1, max(len(o) for o in outputs))
-    assert lay.action_mask[:, 0].all()
-    # exactly one repaired EOS closes each row's attended span
-    for b in range(len(prompts)):
-        att = lay.attention_mask[b].tolist()
-        end = max(j for j, v in enumerate(att) if v)
-        assert lay.sequences[b, end].item() == EOS
-        # position ids count attended tokens from 0
-        pos = nx.position_ids_from_attention(lay.attention_mask[b : b + 1])[0].tolist()
-        start = att.index(1)
-        assert pos[start : end + 1] == list(range(end - start + 1))
+        assert moments_std(c, m2) == math.inf

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from expstream.layout import packed, padded
 from expstream.topology import load_topology
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages import shard_preprocess
-from stages.common import packed, padded
 from stages.context import make_context
 from stages.local import LocalChain
 

@@ -1,0 +1,23 @@
+"""Test-only reference formulas (oracles) that no production code needs.
+
+Production code reads the running std from ``expstream.state.Moments``; these tests check the
+Python merge of :func:`expstream.numerics.moments_merge` with the plain formula below.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def moments_std(count: float, m2: float) -> float:
+    """Unbiased (Bessel) std of all samples merged so far: ``sqrt(M2 / (count − 1))`` (§9).
+
+    count == 0 (nothing seen) → NaN; 0 < count <= 1 (a first batch of one element) → inf, so a
+    normalised reward becomes 0 as in the seed; an all-equal history gives 0.
+    """
+    count, m2 = float(count), float(m2)
+    if count <= 0:
+        return math.nan
+    if count <= 1:
+        return math.inf
+    return math.sqrt(max(m2, 0.0) / (count - 1.0))
