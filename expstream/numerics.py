@@ -15,9 +15,8 @@ Conventions:
   (means, variances, running moments) are accumulated in float64;
 * ``action_mask`` is a bool ``(B, A)`` tensor (any dtype is accepted and converted with ``!= 0``).
 
-:func:`moments_merge` and :func:`adaptive_kl_update` are the Python forms of the Lua scripts that
-update the shared running moments and KL coefficient in Redis (``expstream.state``); the Lua is
-tested against them (tests/test_state_reference.py), and an in-memory state uses them directly.
+The running moments merge and the KL controller step, applied to run-wide state once per id,
+are scalar formulas in :mod:`expstream.running` (no torch), next to the state that applies them.
 
 No Kafka or Redis here: this module imports torch, :mod:`expstream.layout` (the padded views and
 their mask helpers) and :mod:`expstream.estimators` (the estimator table).
@@ -33,7 +32,6 @@ from expstream.estimators import KL_ESTIMATORS
 from expstream.layout import action_lengths, as_bool_mask, check_2d
 
 __all__ = [
-    "adaptive_kl_update",
     "apply_normalization",
     "clip_fraction",
     "clip_fraction_masked",
@@ -47,7 +45,6 @@ __all__ = [
     "kl_penalized_rewards",
     "masked_mean",
     "masked_sum",
-    "moments_merge",
     "normalize_rewards",
     "overlong_penalty",
     "shape_group_rewards",
@@ -189,38 +186,6 @@ def shape_group_rewards(r: Tensor, estimator: str) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # §5 / §9 running moments, reward normalisation, KL-penalised rewards
 # ----------------------------------------------------------------------------------------------
-
-
-def moments_merge(count: float, mean: float, m2: float, batch: Tensor) -> tuple[float, float, float]:
-    """Chan's parallel merge of (count, mean, M2) with a batch (§9), in float64.
-
-    M2 is the sum of squared deviations. With k = numel(batch), m = its mean and
-    M2_b = k·var_pop(batch)::
-
-        δ = m − mean;  N = count + k
-        M2 ← M2 + M2_b + δ²·count·k/N;  mean ← mean + δ·k/N;  count ← N
-
-    Decision: the state starts at an exact zero (count = 0, mean = 0, M2 = 0), so ``mean`` and
-    the unbiased std ``sqrt(M2 / (count − 1))`` are the exact pooled statistics of everything
-    seen. The seed's prior (count = 1e-24, mean = 0, var = 1) has weight 1e-24, so it agrees with
-    this to ~1e-12 (and exactly in float64 except for an all-equal history, where our std is 0
-    and the seed's ~1e-12). An empty batch leaves the state unchanged. Returns python floats.
-
-    The Redis form of this merge is a Lua script (``RedisState.merge_reward_moments``), tested
-    against this function; it receives the batch's (k, mean, M2) computed the same way.
-    """
-    x = torch.as_tensor(batch).detach().reshape(-1).to(torch.float64)
-    k = x.numel()
-    count, mean, m2 = float(count), float(mean), float(m2)
-    if k == 0:
-        return count, mean, m2
-    bm = float(x.mean())
-    bm2 = float(((x - bm) ** 2).sum())
-    total = count + k
-    delta = bm - mean
-    new_m2 = m2 + bm2 + delta * delta * count * k / total
-    new_mean = mean + delta * k / total
-    return total, new_mean, new_m2
 
 
 def normalize_rewards(r: Tensor, mean: float, std: float, minus_mean: bool) -> Tensor:
@@ -498,27 +463,6 @@ def apply_normalization(
 # ----------------------------------------------------------------------------------------------
 # §10 KL controller, §11 high-entropy mask
 # ----------------------------------------------------------------------------------------------
-
-
-def adaptive_kl_update(
-    value: float, current_kl: float, target: float | None, n_steps: int, horizon: int = 10000
-) -> float:
-    """One KL-coefficient update (§10).
-
-    Adaptive (``target`` set): ``e = clip(current/target − 1, −0.2, 0.2)``;
-    ``value · (1 + e · n_steps / horizon)``, with n_steps = rollout_batch_size · n per update.
-    Fixed controller (``target=None``, the default config): the value is returned unchanged
-    (β = init_kl_coef for the whole run). The Redis form is a Lua script
-    (``RedisState.update_kl_adaptive``), tested against this function.
-    """
-    if target is None:
-        return float(value)
-    if target <= 0:
-        raise ValueError(f"kl_target must be > 0, got {target}")
-    if horizon <= 0:
-        raise ValueError(f"kl_horizon must be > 0, got {horizon}")
-    err = min(max(float(current_kl) / float(target) - 1.0, -0.2), 0.2)
-    return float(value) * (1.0 + err * float(n_steps) / float(horizon))
 
 
 def high_entropy_mask(entropy: Tensor, action_mask: Tensor, ratio: float) -> Tensor:

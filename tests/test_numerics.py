@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from expstream import numerics as nx
+from expstream import running
+from expstream.errors import ConfigError
 from tests.tensors import moments_std
 
 
@@ -163,16 +165,16 @@ def test_group_is_constant():
 
 def test_moments_merge_by_hand():
     # [1,2,3]: count 3, mean 2, M2 = 1+0+1 = 2; std = sqrt(2/2) = 1
-    c, m, m2 = nx.moments_merge(0, 0.0, 0.0, t([1.0, 2.0, 3.0]))
+    c, m, m2 = running.moments_merge(0, 0.0, 0.0, t([1.0, 2.0, 3.0]))
     assert (c, m, m2) == (3.0, 2.0, 2.0)
     assert moments_std(c, m2) == 1.0
     # + [10]: delta = 8, N = 4, M2 = 2 + 0 + 64*3*1/4 = 50, mean = 2 + 8/4 = 4
     # check: values 1,2,3,10 -> mean 4, squared deviations 9+4+1+36 = 50
-    c, m, m2 = nx.moments_merge(c, m, m2, t([10.0]))
+    c, m, m2 = running.moments_merge(c, m, m2, t([10.0]))
     assert (c, m, m2) == (4.0, 4.0, 50.0)
     assert moments_std(c, m2) == pytest.approx(math.sqrt(50 / 3), abs=1e-12)
     # empty batch: unchanged
-    assert nx.moments_merge(c, m, m2, t([])) == (4.0, 4.0, 50.0)
+    assert running.moments_merge(c, m, m2, t([])) == (4.0, 4.0, 50.0)
 
 
 def test_moments_merge_vs_numpy_and_seed_prior():
@@ -183,7 +185,7 @@ def test_moments_merge_vs_numpy_and_seed_prior():
     sc, sm, sv = 1e-24, 0.0, 1.0
     seen = []
     for bat in batches:
-        c, m, m2 = nx.moments_merge(c, m, m2, torch.from_numpy(bat))
+        c, m, m2 = running.moments_merge(c, m, m2, torch.from_numpy(bat))
         x = bat.astype(np.float64)
         bm, bv, k = x.mean(), x.var(), x.size
         delta, tot = bm - sm, sc + k
@@ -200,7 +202,7 @@ def test_moments_merge_vs_numpy_and_seed_prior():
 
 def test_normalize_rewards_at_the_std_edges():
     # first batch of one element: N-1 = 0 -> inf (§9), and the reward becomes 0
-    c, m, m2 = nx.moments_merge(0, 0.0, 0.0, t([2.5]))
+    c, m, m2 = running.moments_merge(0, 0.0, 0.0, t([2.5]))
     assert moments_std(c, m2) == math.inf
     assert nx.normalize_rewards(t([2.5]), m, math.inf, True).tolist() == [0.0]
     assert nx.normalize_rewards(t([2.5]), m, math.inf, False).tolist() == [0.0]
@@ -208,7 +210,7 @@ def test_normalize_rewards_at_the_std_edges():
     close(nx.normalize_rewards(t([1.0, 3.0]), 2.0, 2.0, True), [-0.5, 0.5])
     close(nx.normalize_rewards(t([1.0, 3.0]), 2.0, 2.0, False), [0.5, 1.5])
     # all-equal history: std 0; zero numerators stay 0
-    c, m, m2 = nx.moments_merge(0, 0.0, 0.0, t([0.0, 0.0, 0.0]))
+    c, m, m2 = running.moments_merge(0, 0.0, 0.0, t([0.0, 0.0, 0.0]))
     assert moments_std(c, m2) == 0.0
     assert nx.normalize_rewards(t([0.0, 0.0]), m, 0.0, False).tolist() == [0.0, 0.0]
 
@@ -421,13 +423,13 @@ def test_apply_normalization():
 
 def test_adaptive_kl_update():
     # current/target - 1 = 1 -> clipped to .2; 0.01 * (1 + .2 * 1000/10000) = 0.0102
-    assert nx.adaptive_kl_update(0.01, 0.02, 0.01, 1000, 10000) == pytest.approx(0.0102, abs=1e-15)
+    assert running.adaptive_kl_update(0.01, 0.02, 0.01, 1000, 10000) == pytest.approx(0.0102, abs=1e-15)
     # 0.009/0.01 - 1 = -0.1 -> 0.01 * (1 - 0.1*0.1) = 0.0099
-    assert nx.adaptive_kl_update(0.01, 0.009, 0.01, 1000, 10000) == pytest.approx(0.0099, abs=1e-15)
+    assert running.adaptive_kl_update(0.01, 0.009, 0.01, 1000, 10000) == pytest.approx(0.0099, abs=1e-15)
     # fixed controller
-    assert nx.adaptive_kl_update(0.01, 5.0, None, 1000) == 0.01
-    with pytest.raises(ValueError):
-        nx.adaptive_kl_update(0.01, 0.1, 0.0, 10)
+    assert running.adaptive_kl_update(0.01, 5.0, None, 1000) == 0.01
+    with pytest.raises(ConfigError, match="kl_target"):
+        running.adaptive_kl_update(0.01, 0.1, 0.0, 10)
 
 
 def test_high_entropy_mask():

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expstream import numerics as nx
+from expstream import running
 from tests.tensors import moments_std
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -215,7 +216,7 @@ def test_k3_nonnegative_for_tiny_differences(ds):
 def test_moments_merge_is_pooled(batches):
     c, m, m2 = 0.0, 0.0, 0.0
     for bat in batches:
-        c, m, m2 = nx.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float32))
+        c, m, m2 = running.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float32))
     pooled = np.array([v for bat in batches for v in bat], dtype=np.float32).astype(np.float64)
     assert c == pooled.size
     if pooled.size == 0:

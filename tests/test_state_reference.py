@@ -1,11 +1,10 @@
-"""The Lua scripts of RedisState against their Python reference functions in expstream.numerics.
+"""The Lua scripts of RedisState against their Python reference functions in expstream.running.
 
 Production updates the running reward/advantage moments and the adaptive KL coefficient inside
-Redis (Lua, atomic and once per id); :func:`expstream.numerics.moments_merge` and
-:func:`expstream.numerics.adaptive_kl_update` are the same formulas in Python. Here both run on
-the same inputs (a real redis-server, no mock) and must agree to float tolerance, so the Lua is
-the formula the docs and the numerics tests describe. MemoryState (its own Python copy of the
-Lua arithmetic) runs through the same checks.
+Redis (Lua, atomic and once per id); :func:`expstream.running.moments_merge` and
+:func:`expstream.running.adaptive_kl_update` are the same formulas in Python (MemoryState calls
+them). Here both run on the same inputs (a real redis-server, no mock) and must agree to float
+tolerance, so the Lua is the formula the docs and the numerics tests describe.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expstream import numerics as nx
+from expstream import running
 from expstream.errors import ConfigError
 from expstream.state import MemoryState, RedisState, State
 from tests.tensors import moments_std
@@ -76,7 +75,7 @@ def test_lua_moments_merge_matches_numerics(redis_url, kind, bats):
     with fresh_state(kind, redis_url) as state:
         for i, bat in enumerate(bats):
             lua = state.merge_reward_moments(f"b{i}", np.asarray(bat, dtype=np.float64), name="ref")
-            c, m, m2 = nx.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float64))
+            c, m, m2 = running.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float64))
             _assert_moments_equal(lua, c, m, m2, scale)
             snapshots.append((c, m, m2))
         # a redelivered first batch gets the snapshot the Python merge had right after it
@@ -100,7 +99,7 @@ def test_lua_moments_merge_grid(redis_url, kind, bats):
     with fresh_state(kind, redis_url) as state:
         for i, bat in enumerate(bats):
             lua = state.merge_reward_moments(f"b{i}", np.asarray(bat, dtype=np.float64), name="grid")
-            c, m, m2 = nx.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float64))
+            c, m, m2 = running.moments_merge(c, m, m2, torch.tensor(bat, dtype=torch.float64))
             _assert_moments_equal(lua, c, m, m2, 1e6)
     if c == 1:
         assert math.isinf(lua.std)
@@ -131,11 +130,11 @@ def test_lua_kl_update_matches_numerics(redis_url, kind, init, target, horizon, 
     with fresh_state(kind, redis_url) as state:
         for i, (kl, n_steps) in enumerate(steps):
             lua = state.update_kl_adaptive(f"s{i}", kl, target, n_steps, horizon, default=init)
-            value = nx.adaptive_kl_update(value, kl, target, n_steps, horizon)
+            value = running.adaptive_kl_update(value, kl, target, n_steps, horizon)
             assert lua == pytest.approx(value, rel=1e-12, abs=0.0)
         # a retried report is applied once: the stored value, not a second step
         assert state.update_kl_adaptive("s0", 5.0, target, 1000, horizon) == pytest.approx(
-            nx.adaptive_kl_update(init, steps[0][0], target, steps[0][1], horizon), rel=1e-12, abs=0.0)
+            running.adaptive_kl_update(init, steps[0][0], target, steps[0][1], horizon), rel=1e-12, abs=0.0)
         assert state.kl_coef(init) == pytest.approx(value, rel=1e-12, abs=0.0)
 
 
@@ -147,13 +146,13 @@ def test_lua_kl_update_grid(redis_url, kind, current, n_steps, horizon):
     with fresh_state(kind, redis_url) as state:
         state.kl_coef(0.05)
         lua = state.update_kl_adaptive("s", current, 0.01, n_steps, horizon)
-    assert lua == pytest.approx(nx.adaptive_kl_update(0.05, current, 0.01, n_steps, horizon), rel=1e-12, abs=0.0)
+    assert lua == pytest.approx(running.adaptive_kl_update(0.05, current, 0.01, n_steps, horizon), rel=1e-12, abs=0.0)
 
 
 @pytest.mark.parametrize(("target", "horizon"), [(0.0, 10000), (-1.0, 10000), (0.1, 0)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_both_refuse_bad_controller_settings(redis_url, kind, target, horizon):
-    with pytest.raises(ValueError):
-        nx.adaptive_kl_update(0.05, 0.1, target, 10, horizon)
+    with pytest.raises(ConfigError):
+        running.adaptive_kl_update(0.05, 0.1, target, 10, horizon)
     with fresh_state(kind, redis_url) as state, pytest.raises(ConfigError):
         state.update_kl_adaptive("s", 0.1, target, 10, horizon, default=0.05)

@@ -3,7 +3,8 @@
 * :class:`RedisState` (``redis_state.py``) — across processes and hosts; atomic Lua scripts.
 * :class:`MemoryState` (``memory.py``) — one process, dicts; LocalChain, tests, bench, replay.
 
-``base.py`` holds the contract, :class:`Moments` and the arithmetic both use.
+``base.py`` holds the contract, :class:`Moments` and the checks both use; the merge and KL
+formulas are in :mod:`expstream.running`.
 """
 
 from expstream.state.base import DEFAULT_GROUP_TTL_S, Moments, State, WindowTaken

@@ -34,11 +34,7 @@ __all__ = [
     "Moments",
     "WindowTaken",
     "DEFAULT_GROUP_TTL_S",
-    "batch_moments",
     "check_group_members",
-    "check_kl_update",
-    "kl_adaptive_step",
-    "merge_moments",
 ]
 
 # Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
@@ -126,39 +122,6 @@ class State(Protocol):
 
 
 # --- shared by both implementations ------------------------------------------------------------
-def batch_moments(values: np.ndarray) -> tuple[int, float, float]:
-    """(k, mean, M2) of one batch in float64; non-finite values are a poison record."""
-    v = np.asarray(values, dtype=np.float64).reshape(-1)
-    if v.size == 0:
-        return 0, 0.0, 0.0
-    if not np.all(np.isfinite(v)):
-        raise PoisonRecordError(
-            f"non-finite reward values in batch ({int((~np.isfinite(v)).sum())} of {v.size})"
-        )
-    mean = float(v.mean())
-    m2 = float(np.sum((v - mean) ** 2))
-    return int(v.size), mean, m2
-
-
-def merge_moments(n: int, mean: float, m2: float, k: int, mean_b: float, m2_b: float) -> tuple[int, float, float]:
-    """Chan's parallel merge, written operation for operation as the Lua in RedisState does it
-    (same order, so MemoryState and RedisState give the same doubles)."""
-    if k > 0:
-        tot = n + k
-        delta = mean_b - mean
-        mean = mean + delta * k / tot
-        m2 = m2 + m2_b + delta * delta * n * k / tot
-        n = tot
-    return n, mean, m2
-
-
-def kl_adaptive_step(value: float, current_kl: float, target: float, n_steps: float, horizon: float) -> float:
-    """One adaptive KL step, operation for operation as RedisState's Lua (docs/numerics.md)."""
-    e = current_kl / target - 1
-    e = -0.2 if e < -0.2 else (0.2 if e > 0.2 else e)
-    return value * (1 + e * n_steps / horizon)
-
-
 def check_group_members(group_id: str, n: int, members: Mapping[int, bytes]) -> dict[int, bytes]:
     """Validate a park_group call; ``{index: payload}`` with int indices in ``[0, n)``."""
     if not isinstance(n, int) or n < 1:
@@ -176,19 +139,6 @@ def group_size_error(group_id: str, stored_n: int | str, n: int) -> PoisonRecord
     return PoisonRecordError(
         f"group {group_id!r}: GROUPSIZE group already parked with n={stored_n}, got n={n}"
     )
-
-
-def check_kl_update(target: float, horizon: float) -> None:
-    if not target > 0:
-        raise ConfigError(
-            f"target KL must be > 0, got {target!r}", field="kl_target", fix="set a positive target"
-        )
-    if not horizon > 0:
-        raise ConfigError(
-            f"KL horizon must be > 0, got {horizon!r}",
-            field="kl_horizon",
-            fix="set a positive horizon (e.g. 10000)",
-        )
 
 
 def kl_not_initialised() -> ConfigError:

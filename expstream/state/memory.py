@@ -2,8 +2,8 @@
 
 For everything that runs stages without Redis: LocalChain, tests, the synchronous bench, replay
 of a recorded topic. It gives the answers RedisState gives — the same apply-once-per-id rules,
-the same group and window hand-out, the same float arithmetic (the merge and KL formulas are the
-ones in :mod:`expstream.state.base`, written operation for operation as the Lua) — so a group
+the same group and window hand-out, the same float arithmetic (the merge and KL formulas of
+:mod:`expstream.running`, which the Lua mirrors operation for operation) — so a group
 split across micro-batches completes here exactly as it does across Redis.
 
 What it does not do: share anything between processes (each process has its own), or expire
@@ -20,17 +20,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from expstream.running import adaptive_kl_update, batch_moments, check_kl_update, merge_batch_moments
 from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
     Moments,
     WindowTaken,
-    batch_moments,
     check_group_members,
-    check_kl_update,
     group_size_error,
-    kl_adaptive_step,
     kl_not_initialised,
-    merge_moments,
 )
 
 __all__ = ["MemoryState"]
@@ -97,7 +94,7 @@ class MemoryState:
         with self._lock:
             applied = self._moments_applied.setdefault(name, {})
             if batch_id not in applied:
-                merged = merge_moments(*self._moments.get(name, (0, 0.0, 0.0)), k, mean_b, m2_b)
+                merged = merge_batch_moments(*self._moments.get(name, (0, 0.0, 0.0)), k, mean_b, m2_b)
                 snap = Moments.from_triple(*merged).snapshot()
                 # Keep exactly what the snapshot text holds, as Redis keeps the Lua's strings.
                 stored = Moments.parse(snap)
@@ -196,8 +193,8 @@ class MemoryState:
             value = self._kl if self._kl is not None else default
             if value is None:
                 raise kl_not_initialised()
-            new = kl_adaptive_step(float(value), float(current_kl), float(target), float(n_steps),
-                                   float(horizon))
+            new = adaptive_kl_update(float(value), float(current_kl), float(target), float(n_steps),
+                                     float(horizon))
             self._kl = self._kl_applied[step_id] = new
             return new
 

@@ -54,13 +54,12 @@ from redis.retry import Retry
 
 from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
 from expstream.retry import Attempt, Policy, retry
+from expstream.running import batch_moments, check_kl_update
 from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
     Moments,
     WindowTaken,
-    batch_moments,
     check_group_members,
-    check_kl_update,
     kl_not_initialised,
 )
 
