@@ -1,18 +1,16 @@
 """Helpers shared by the stages: padded / packed views of a ragged micro-batch, the model forwards
-that dispatch on ``SampleBatch.layout``, model resolution."""
+that dispatch on ``SampleBatch.layout`` (model directories are resolved by expstream.resolve)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from expstream import numerics
-from expstream.errors import ConfigError, PoisonRecordError
-from expstream.topology import BUILTIN_TINY, Topology
+from expstream.errors import PoisonRecordError
 from schemas import Ragged, SampleBatch
 
 
@@ -146,20 +144,3 @@ def to_ragged(x: torch.Tensor, batch: SampleBatch) -> Ragged:
 
 def scalar(x: torch.Tensor) -> np.ndarray:
     return x.detach().to(torch.float32).cpu().numpy().astype(np.float32)
-
-
-def model_dir(topology: Topology, role: str) -> Path:
-    """Resolve ``models.<role>`` to a directory, building the tiny offline models when asked."""
-    value = getattr(topology.models, role)
-    if value is None:
-        raise ConfigError(f"models.{role}: is null but this stage needs it; set it to a model directory")
-    if value == BUILTIN_TINY:
-        from expstream.models import build_tiny_models
-
-        key = {"reference": "actor"}.get(role, role)
-        return Path(build_tiny_models(topology.models.cache_dir)[key])
-    path = Path(value)
-    if not path.is_dir():
-        raise ConfigError(f"models.{role}: directory {value!r} does not exist; point it at a directory "
-                          "saved with save_pretrained, or use builtin:tiny")
-    return path
