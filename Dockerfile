@@ -25,7 +25,7 @@ COPY . /src
 RUN set -eux; \
     if [ -n "$TORCH_INDEX_URL" ]; then pip install "torch>=2.3" --index-url "$TORCH_INDEX_URL"; fi; \
     if [ -n "$EXTRAS" ]; then pip install "/src[$EXTRAS]"; else pip install /src; fi; \
-    install -D -m 0644 /src/expstream/topology.yaml /etc/expstream/topology.yaml; \
+    install -D -m 0644 /src/topology.yaml /etc/expstream/topology.yaml; \
     rm -rf /src; \
     useradd --create-home --uid 1000 --shell /usr/sbin/nologin expstream; \
     mkdir -p /work /models; \

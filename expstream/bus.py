@@ -13,7 +13,6 @@ errors.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -26,7 +25,7 @@ from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.producer.future import RecordMetadata
 
-from expstream.errors import BrokerUnavailableError, ConfigError, ProduceError
+from expstream.errors import BrokerUnavailableError, ConfigError, ProduceError, unknown_key_error
 
 __all__ = [
     "MiB",
@@ -149,7 +148,7 @@ class KafkaConfig:
         >>> KafkaConfig.from_dict({"sesion_timeout_ms": 6000})
         Traceback (most recent call last):
         ...
-        expstream.errors.ConfigError: kafka.sesion_timeout_ms: unknown kafka setting ... 'session_timeout_ms'...
+        expstream.errors.ConfigError: kafka.sesion_timeout_ms: unknown key. Did you mean kafka.session_timeout_ms? ...
         """
         if d is None:
             return cls()
@@ -162,9 +161,7 @@ class KafkaConfig:
         valid = cls.field_names()
         for key in d:
             if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
-                raise ConfigError(f"unknown kafka setting {key!r}", field=f"{where}.{key}", fix=hint)
+                raise unknown_key_error(where, key, valid)
         return cls(**dict(d))
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from pathlib import Path
 import yaml
 
 from expstream.errors import ConfigError, ExpstreamError
-from expstream.topology import Topology, load_topology
+from expstream.resolve import check_models, model_dir
+from expstream.topology import Topology, find_topology, load_topology
 
 log = logging.getLogger("expstream")
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -34,7 +35,7 @@ def _setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001
 
 
 def _add_topology_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--topology", help="topology YAML (default: the packaged expstream/topology.yaml)")
+    p.add_argument("--topology", help="topology YAML (default: ./topology.yaml when present, else the packaged copy)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
                    help="override a topology value; repeatable")
     p.add_argument("--bootstrap-servers", help="Kafka HOST:PORT; default: start a local broker")
@@ -77,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
     try:
-        topo = load_topology(args.topology, args.overrides)
+        topo = load_topology(find_topology(args.topology), args.overrides)
         if args.command == "run":
+            check_models(topo)
             from expstream.pipeline import run_pipeline
 
             return run_pipeline(topo, args)
@@ -91,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
 
             return dlq_command(topo, args)
         if args.command == "models":
-            from stages.common import model_dir
-
             for role in ("tokenizer", "actor", "critic", "reward"):
                 if getattr(topo.models, role):
                     print(f"{role}: {model_dir(topo, role)}")

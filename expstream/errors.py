@@ -14,6 +14,9 @@ An instance may override ``retriable`` when its cause says otherwise (for exampl
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "ExpstreamError",
     "ConfigError",
@@ -23,6 +26,7 @@ __all__ = [
     "StateUnavailableError",
     "ProduceError",
     "ShutdownRequested",
+    "unknown_key_error",
 ]
 
 
@@ -108,3 +112,27 @@ def _broker_refused(exc: BaseException | None) -> bool:
     except ImportError:  # pragma: no cover - kafka-python is a hard dependency
         return False
     return isinstance(exc, BrokerResponseError) and not exc.retriable
+
+
+def unknown_key_error(block: str, key: object, allowed: Iterable[str], *, what: str = "key",
+                      origin: str | None = None) -> ConfigError:
+    """The ConfigError for a key that ``block`` does not have, naming the closest valid one.
+
+    One helper for every configuration block (the topology's blocks, stages and ``--set`` paths,
+    and ``KafkaConfig``), so a typo reads the same everywhere::
+
+        algo.advantage_estimatr: unknown key. Did you mean algo.advantage_estimator? (valid keys: ...)
+
+    ``block`` is the dotted path of the enclosing block ("" at the top level); ``what`` names the
+    kind of key (key, block, stage); ``origin`` says where it was written (e.g. ``--set``).
+    The suggestion is given only when one is close enough (difflib's ratio >= 0.6), since a far
+    guess misleads more than the list of valid keys does.
+    """
+    choices = [str(c) for c in allowed]
+    where = f"{block}.{key}" if block else str(key)
+    head = f"{where} (from {origin})" if origin else where
+    if not choices:
+        return ConfigError(f"{head}: unknown {what} ({block} has no keys below it)", field=where)
+    close = difflib.get_close_matches(str(key), choices, n=1, cutoff=0.6)
+    hint = f". Did you mean {block + '.' if block else ''}{close[0]}?" if close else ""
+    return ConfigError(f"{head}: unknown {what}{hint} (valid {what}s: {', '.join(choices)})", field=where)

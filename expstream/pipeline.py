@@ -1,7 +1,7 @@
 """``expstream run``: the embedded default (or existing services), end to end.
 
-1. Check the configuration that can only be checked here (reward function imports, model
-   directories; the built-in tiny models are built once, before any stage starts).
+1. Build the built-in tiny models once, before any stage starts (the reward function and the
+   model directories were checked by expstream.resolve right after loading the topology).
 2. Start a local broker and redis-server on free loopback ports unless addresses were given.
 3. Create every topic of the topology and its ``.dlq`` twin explicitly.
 4. Start every enabled stage replica as its own process under the supervisor.
@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import math
 import sys
@@ -36,8 +35,9 @@ from expstream.cli import (
 )
 from expstream.errors import ConfigError
 from expstream.feeder import ExperienceCollector, feed_prompts, read_prompts
+from expstream.resolve import build_builtin_models
 from expstream.supervisor import Supervisor, SupervisorError
-from expstream.topology import BUILTIN_TINY, Topology
+from expstream.topology import Topology
 
 if TYPE_CHECKING:
     from expstream.state import State
@@ -46,61 +46,6 @@ log = logging.getLogger("expstream.run")
 # Why 5 s: often enough to see progress in a CI log, rare enough not to flood it.
 PROGRESS_LOG_INTERVAL_S = 5.0
 MONITOR_POLL_MS = 300
-
-
-def preflight(topo: Topology) -> None:
-    """Fail fast, before anything starts, on what a stage would only discover later.
-
-    Raises ConfigError naming the topology field and the fix. The cheap checks come first and need
-    neither torch nor the stages package (importing them takes seconds): the reward function's
-    import, and every model directory given as a path. Only then are the built-in tiny models
-    built (once, into models.cache_dir) for the roles that use ``builtin:tiny``.
-    """
-    if topo.models.reward_fn:
-        _check_reward_fn(topo.models.reward_fn)
-    roles = ["tokenizer", "actor"]
-    if topo.stages["reference"].enabled:
-        roles.append("reference")
-    if topo.stages["critic"].enabled:
-        roles.append("critic")
-    if topo.models.reward:
-        roles.append("reward")
-    builtin = [r for r in roles if getattr(topo.models, r) == BUILTIN_TINY]
-    for role in roles:
-        value = getattr(topo.models, role)
-        if role in builtin:
-            continue
-        path = Path(value).expanduser()
-        if not path.is_dir():
-            raise ConfigError(f"directory {value!r} does not exist", field=f"models.{role}",
-                              fix="point it at a directory saved with save_pretrained, or use builtin:tiny")
-        if role != "tokenizer" and not (path / "config.json").is_file():
-            raise ConfigError(f"directory {value!r} has no config.json, so it is not a saved model",
-                              field=f"models.{role}", fix="point it at the directory save_pretrained wrote")
-    if not builtin:
-        return
-    from stages.common import model_dir
-
-    for role in builtin:
-        try:
-            model_dir(topo, role)
-        except OSError as exc:  # building the tiny models: cache_dir not writable, disk full
-            raise ConfigError(f"cannot build the built-in tiny model for models.{role} ({exc})",
-                              field="models.cache_dir", fix="set models.cache_dir to a writable directory") from exc
-
-
-def _check_reward_fn(path: str) -> None:
-    """``models.reward_fn`` imports and names a function (what stages.reward.load_reward_fn will do)."""
-    module_name, _, func_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or whatever the module raises while importing
-        raise ConfigError(f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})",
-                          field="models.reward_fn",
-                          fix="make it importable (on PYTHONPATH or installed) or fix the name") from exc
-    if not callable(getattr(module, func_name, None)):
-        raise ConfigError(f"module {module_name} has no function {func_name!r}", field="models.reward_fn",
-                          fix="write it as 'package.module:function' naming a function of that module")
 
 
 def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, redis_url: str, run_id: str) -> list[str]:
@@ -143,7 +88,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot read the prompt file {args.prompts!r} ({exc.strerror or exc})", field="--prompts",
                           fix="give an existing JSON-lines file, e.g. --prompts examples/prompts.jsonl") from exc
-    preflight(topo)
+    build_builtin_models(topo)
     if topo.run.spawn == "fork":
         from expstream.forkserver import warm_up
 
@@ -261,6 +206,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             "estimator": topo.algo.advantage_estimator,
             "n_samples_per_prompt": topo.generate.n_samples_per_prompt,
             "bootstrap_servers": bootstrap,
+            "topology": topo.source,
         }
         dump_json(summary, out_dir / "summary.json")
     print_summary(summary, out_dir)
@@ -334,4 +280,4 @@ def print_summary(summary: dict, out_dir: Path) -> None:
     print(f"  wrote {out_dir / 'experiences.msgpack'} and {out_dir / 'summary.json'}")
 
 
-__all__ = ["run_pipeline", "preflight", "EXIT_CONFIG", "ConfigError"]
+__all__ = ["run_pipeline", "EXIT_CONFIG", "ConfigError"]

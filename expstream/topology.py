@@ -9,8 +9,8 @@ switches stages off (no critic unless the estimator is ``gae``, no reference whe
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.resources
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from expstream.bus import KafkaConfig
-from expstream.errors import ConfigError
+from expstream.errors import ConfigError, unknown_key_error
 from expstream.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 
 STAGE_ORDER: tuple[str, ...] = (
@@ -33,11 +33,12 @@ STAGE_ORDER: tuple[str, ...] = (
     "advantage",
 )
 BUILTIN_TINY = "builtin:tiny"
+# The file `expstream` reads from the current directory when no --topology is given.
+LOCAL_TOPOLOGY = "topology.yaml"
+# How Topology.source names the copy shipped inside the package (the repository root's file).
+PACKAGED_SOURCE = "packaged expstream/topology.yaml"
 
-
-def _closest(key: str, valid: Iterable[str]) -> str:
-    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
-    return match[0] if match else "?"
+log = logging.getLogger("expstream.topology")
 
 
 def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
@@ -46,10 +47,7 @@ def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(
-                f"{where}.{key}: unknown key. Did you mean {where}.{_closest(key, names)}? "
-                f"Valid keys: {', '.join(sorted(names))}."
-            )
+            raise unknown_key_error(where, key, sorted(names))
     return cls(**data)
 
 
@@ -220,6 +218,8 @@ class Topology:
     stages: dict[str, StageConfig] = field(default_factory=dict)
     topics: TopicsConfig = field(default_factory=TopicsConfig)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Which file this was read from (a path, or PACKAGED_SOURCE); logged and kept in summary.json.
+    source: str = PACKAGED_SOURCE
 
     # ---- derived views -------------------------------------------------------------------
     def enabled_stages(self) -> list[StageConfig]:
@@ -241,18 +241,30 @@ class Topology:
 
 
 def default_topology_text() -> str:
+    """The packaged copy: a symlink to the repository root's topology.yaml, a real file once built."""
     return importlib.resources.files("expstream").joinpath("topology.yaml").read_text()
+
+
+def find_topology(path: str | Path | None = None, cwd: str | Path | None = None) -> Path | None:
+    """Which topology file a command reads: ``--topology PATH`` when given, else ``./topology.yaml``
+    when the current directory has one (a checkout, or a deployment's working directory), else
+    None, meaning the packaged copy. ``load_topology(find_topology(args.topology))`` is the order
+    every ``expstream`` command uses; ``load_topology(None)`` alone always reads the packaged copy.
+    """
+    if path:
+        return Path(path)
+    local = Path(cwd if cwd is not None else Path.cwd()) / LOCAL_TOPOLOGY
+    return local if local.is_file() else None
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any, valid: dict[str, Any]) -> None:
     parts = dotted.split(".")
     node, ref = raw, valid
     for i, part in enumerate(parts):
-        where = ".".join(parts[:i]) or "<top>"
         if not isinstance(ref, dict) or part not in ref:
             choices = list(ref.keys()) if isinstance(ref, dict) else []
-            hint = f" Did you mean {'.'.join(parts[:i] + [_closest(part, choices)])}?" if choices else ""
-            raise ConfigError(f"--set {dotted}: unknown key {part!r} under {where}.{hint}")
+            what = "block" if i == 0 else "stage" if i == 1 and parts[0] == "stages" else "key"
+            raise unknown_key_error(".".join(parts[:i]), part, choices, what=what, origin="--set")
         if i == len(parts) - 1:
             node[part] = value
         else:
@@ -287,28 +299,43 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Topology:
-    """Read a topology file (the packaged default when ``path`` is None) and apply ``--set`` items."""
-    text = Path(path).read_text() if path else default_topology_text()
+    """Read a topology file (the packaged copy when ``path`` is None) and apply ``--set`` items.
+
+    The returned Topology's ``source`` names the file read (see :func:`find_topology` for the
+    order the command line uses).
+    """
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or exc})", field="--topology",
+                              fix="give an existing YAML file, or leave --topology out for ./topology.yaml "
+                                  "or the packaged default") from exc
+        source = str(Path(path).resolve())
+    else:
+        text, source = default_topology_text(), PACKAGED_SOURCE
     raw = yaml.safe_load(text) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'topology.yaml'}: the top level must be a mapping of blocks")
     valid = _valid_tree()
     for key in raw:
         if key not in valid:
-            raise ConfigError(f"{key}: unknown block. Did you mean {_closest(key, valid)}? "
-                              f"Valid blocks: {', '.join(valid)}.")
+            raise unknown_key_error("", key, valid, what="block")
+    overrides = list(overrides)
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value, valid)
-    return build_topology(raw)
+    topo = build_topology(raw)
+    topo.source = source
+    log.info("topology: %s%s", source, f" with {len(overrides)} --set override(s)" if overrides else "")
+    return topo
 
 
 def build_topology(raw: dict[str, Any]) -> Topology:
     stages_raw = raw.get("stages") or {}
     for name in stages_raw:
         if name not in STAGE_ORDER:
-            raise ConfigError(f"stages.{name}: unknown stage. Did you mean stages.{_closest(name, STAGE_ORDER)}? "
-                              f"Stages: {', '.join(STAGE_ORDER)}.")
+            raise unknown_key_error("stages", name, STAGE_ORDER, what="stage")
     topo = Topology(
         run=_from_dict(RunConfig, raw.get("run"), "run"),
         kafka=KafkaConfig.from_dict(raw.get("kafka") or {}),

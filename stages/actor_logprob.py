@@ -6,8 +6,9 @@ Runs in the batch's layout (padded, or packed with ``algo.packing_samples``); th
 
 from __future__ import annotations
 
+from expstream.resolve import model_dir
 from schemas import SampleBatch
-from stages.common import forward_log_probs, model_dir
+from stages.common import forward_log_probs
 from stages.context import StageContext
 
 MODEL_ROLE = "actor"

@@ -1,17 +1,15 @@
-"""Helpers shared by the stages: the model forwards that dispatch on ``SampleBatch.layout``, model
-resolution. The padded / packed views themselves are in :mod:`expstream.layout`."""
+"""Helpers shared by the stages: the model forwards that dispatch on ``SampleBatch.layout``. The
+padded / packed views are in :mod:`expstream.layout`; model directories are resolved by
+:mod:`expstream.resolve`."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from expstream.errors import ConfigError
 from expstream.layout import is_packed, packed, padded, ragged_from_flat, to_ragged
-from expstream.topology import BUILTIN_TINY, Topology
 from schemas import Ragged, SampleBatch
 
 
@@ -56,20 +54,3 @@ def forward_reward(rm: Any, batch: SampleBatch) -> np.ndarray:
 
 def scalar(x: torch.Tensor) -> np.ndarray:
     return x.detach().to(torch.float32).cpu().numpy().astype(np.float32)
-
-
-def model_dir(topology: Topology, role: str) -> Path:
-    """Resolve ``models.<role>`` to a directory, building the tiny offline models when asked."""
-    value = getattr(topology.models, role)
-    if value is None:
-        raise ConfigError(f"models.{role}: is null but this stage needs it; set it to a model directory")
-    if value == BUILTIN_TINY:
-        from expstream.models import build_tiny_models
-
-        key = {"reference": "actor"}.get(role, role)
-        return Path(build_tiny_models(topology.models.cache_dir)[key])
-    path = Path(value)
-    if not path.is_dir():
-        raise ConfigError(f"models.{role}: directory {value!r} does not exist; point it at a directory "
-                          "saved with save_pretrained, or use builtin:tiny")
-    return path

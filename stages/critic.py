@@ -3,8 +3,9 @@ the batch's layout (padded or packed)."""
 
 from __future__ import annotations
 
+from expstream.resolve import model_dir
 from schemas import SampleBatch
-from stages.common import forward_values, model_dir
+from stages.common import forward_values
 from stages.context import StageContext
 
 

@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 
 from expstream.errors import PoisonRecordError
+from expstream.resolve import model_dir
 from schemas import PromptBatch, Ragged, SampleBatch
-from stages.common import model_dir
 from stages.context import StageContext
 
 

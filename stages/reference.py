@@ -3,8 +3,9 @@ batch's layout (padded or packed)."""
 
 from __future__ import annotations
 
+from expstream.resolve import model_dir
 from schemas import SampleBatch
-from stages.common import forward_log_probs, model_dir
+from stages.common import forward_log_probs
 from stages.context import StageContext
 
 

@@ -8,29 +8,13 @@ combine (sum | mean | model | fn) and each source's score is kept in ``reward_me
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-
 import numpy as np
 
-from expstream.errors import ConfigError, PoisonRecordError
+from expstream.errors import PoisonRecordError
+from expstream.resolve import model_dir, reward_fn
 from schemas import SampleBatch
-from stages.common import forward_reward, model_dir
+from stages.common import forward_reward
 from stages.context import StageContext
-
-
-def load_reward_fn(path: str) -> Callable:
-    module_name, _, func_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"models.reward_fn: cannot import module {module_name!r} ({exc}); make it importable "
-                          "(on PYTHONPATH or installed) or fix the name") from exc
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise ConfigError(f"models.reward_fn: {module_name} has no function {func_name!r}; write it as "
-                          "'module:function'")
-    return fn
 
 
 def setup(ctx: StageContext) -> None:
@@ -41,7 +25,7 @@ def setup(ctx: StageContext) -> None:
     if models.reward:
         ctx.models["rm"] = load_reward_model(model_dir(ctx.topology, "reward"), device=models.device)
     if models.reward_fn:
-        ctx.models["reward_fn"] = load_reward_fn(models.reward_fn)
+        ctx.models["reward_fn"] = reward_fn(models.reward_fn)
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:

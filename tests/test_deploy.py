@@ -121,5 +121,5 @@ def test_dockerignore_keeps_the_context_small():
     ignored = (ROOT / ".dockerignore").read_text().split()
     for entry in (".venv", ".git", "runs", "models"):
         assert entry in ignored
-    for needed in ("pyproject.toml", "expstream", "schemas", "stages", "README.md"):
+    for needed in ("pyproject.toml", "expstream", "schemas", "stages", "README.md", "topology.yaml"):
         assert needed not in ignored

@@ -29,6 +29,7 @@ def run_expstream(tmp_path: Path, cache: Path, *sets: str, timeout: int = 400) -
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["topology"] == str(ROOT / "topology.yaml"), "run from the checkout: ./topology.yaml is read"
     return summary, read_experiences(out / "experiences.msgpack")
 
 

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.resources
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from expstream.errors import ConfigError
-from expstream.topology import STAGE_ORDER, load_topology
+from expstream.bus import KafkaConfig
+from expstream.errors import ConfigError, unknown_key_error
+from expstream.topology import (
+    PACKAGED_SOURCE,
+    STAGE_ORDER,
+    default_topology_text,
+    find_topology,
+    load_topology,
+)
 
 
 def test_default_topology_links_the_enabled_stages_in_order():
@@ -72,3 +85,75 @@ def test_bad_values_name_the_field():
         load_topology(overrides=["algo.kl_estimator=k4"])
     with pytest.raises(ConfigError, match="set dotted.key=value|dotted.key=value"):
         load_topology(overrides=["algo.gamma"])
+
+
+# --- where the topology comes from -----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_packaged_copy_is_the_repository_root_file():
+    """One source: the package ships the root's topology.yaml (a symlink here, a file in a wheel)."""
+    packaged = importlib.resources.files("expstream").joinpath("topology.yaml").read_bytes()
+    assert packaged == (ROOT / "topology.yaml").read_bytes()
+    assert default_topology_text() == (ROOT / "topology.yaml").read_text()
+
+
+def test_find_topology_order(tmp_path, monkeypatch):
+    given = tmp_path / "given.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert find_topology(None) is None, "no ./topology.yaml: the packaged copy"
+    (tmp_path / "topology.yaml").write_text("algo:\n  gamma: 0.5\n")
+    assert find_topology(None) == tmp_path / "topology.yaml"
+    assert find_topology(str(given)) == given, "--topology wins over ./topology.yaml"
+    topo = load_topology(find_topology(None))
+    assert topo.algo.gamma == 0.5 and topo.source == str((tmp_path / "topology.yaml").resolve())
+    assert load_topology().source == PACKAGED_SOURCE and load_topology().algo.gamma != 0.5
+
+
+def test_missing_topology_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"--topology.*cannot read"):
+        load_topology(tmp_path / "nope.yaml")
+
+
+def test_cli_reads_topology_yaml_from_the_current_directory(tmp_path):
+    """`expstream run` in a directory with a topology.yaml uses it (and says so), before the packaged copy."""
+    (tmp_path / "topology.yaml").write_text("models:\n  actor: /nonexistent/local-topology-actor\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "2+2?", "label": "4"}\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "expstream", "run", "--prompts", "prompts.jsonl", "--no-progress"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"topology: {(tmp_path / 'topology.yaml').resolve()}" in proc.stderr
+    assert "models.actor" in proc.stderr and "/nonexistent/local-topology-actor" in proc.stderr
+
+
+# --- one unknown-key message for every block -------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("algo:\n  gamam: 0.9\n", "algo.gamam: unknown key. Did you mean algo.gamma?"),
+    ("kafka:\n  sesion_timeout_ms: 6000\n", "kafka.sesion_timeout_ms: unknown key. Did you mean kafka.session_timeout_ms?"),
+    ("stages:\n  advantge: {}\n", "stages.advantge: unknown stage. Did you mean stages.advantage?"),
+    ("stages:\n  reward:\n    replica: 2\n", "stages.reward.replica: unknown key. Did you mean stages.reward.replicas?"),
+    ("algoo:\n  gamma: 0.9\n", "algoo: unknown block. Did you mean algo?"),
+])
+def test_unknown_keys_read_the_same_in_every_block(tmp_path, text, expected):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_topology(path)
+    assert str(err.value).startswith(expected), str(err.value)
+    assert err.value.field == expected.split(":")[0]
+
+
+def test_kafka_config_uses_the_same_helper():
+    with pytest.raises(ConfigError) as err:
+        KafkaConfig.from_dict({"lingr_ms": 5})
+    assert str(err.value).startswith("kafka.lingr_ms: unknown key. Did you mean kafka.linger_ms? (valid keys: ")
+    assert str(err.value) == str(unknown_key_error("kafka", "lingr_ms", KafkaConfig.field_names()))
+
+
+def test_far_keys_get_the_list_not_a_guess():
+    err = unknown_key_error("algo", "zzz", ["gamma", "lambd"])
+    assert str(err) == "algo.zzz: unknown key (valid keys: gamma, lambd)"

@@ -1,0 +1,104 @@
+"""What the topology names outside itself: model directories and the reward function.
+
+``expstream/topology.py`` checks the file on its own terms (keys, ranges, combinations). This module
+checks what can only be checked against the machine: that ``models.reward_fn`` imports and names a
+function, that every model directory a stage will load exists and holds a saved model, and that the
+built-in tiny models can be built. It is the one place those checks are written: ``expstream run``
+calls :func:`check_models` right after loading the topology, so a bad path stops the run (exit 2)
+before anything starts, and the stages resolve their models through :func:`model_dir` and
+:func:`reward_fn`, so a stage started on its own (docker-compose) fails with the same message.
+
+Nothing here imports torch at module level: the checks must stay fast (a second, not the ~4 s of
+importing torch); only building the tiny models imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+from expstream.errors import ConfigError
+from expstream.topology import BUILTIN_TINY, Topology
+
+__all__ = ["model_roles", "check_models", "build_builtin_models", "model_dir", "reward_fn"]
+
+
+def model_roles(topo: Topology) -> list[str]:
+    """The ``models.*`` keys the enabled stages load, in a fixed order."""
+    roles = ["tokenizer", "actor"]
+    if topo.stages["reference"].enabled:
+        roles.append("reference")
+    if topo.stages["critic"].enabled:
+        roles.append("critic")
+    if topo.models.reward:
+        roles.append("reward")
+    return roles
+
+
+def check_models(topo: Topology) -> None:
+    """Fail fast on what a stage would only discover later; neither torch nor stages is imported.
+
+    Raises ConfigError naming the topology field and the fix: the reward function's import, and
+    every model directory given as a path. ``builtin:tiny`` roles are built later, by
+    :func:`build_builtin_models`, because building takes seconds.
+    """
+    if topo.models.reward_fn:
+        reward_fn(topo.models.reward_fn)
+    for role in model_roles(topo):
+        value = getattr(topo.models, role)
+        if value != BUILTIN_TINY:
+            _checked_dir(role, value)
+
+
+def build_builtin_models(topo: Topology) -> None:
+    """Build the built-in tiny models (once, into ``models.cache_dir``) for the roles that use them,
+    before any stage starts, so that stages load them instead of racing to build them."""
+    for role in model_roles(topo):
+        if getattr(topo.models, role) != BUILTIN_TINY:
+            continue
+        try:
+            model_dir(topo, role)
+        except OSError as exc:  # building the tiny models: cache_dir not writable, disk full
+            raise ConfigError(f"cannot build the built-in tiny model for models.{role} ({exc})",
+                              field="models.cache_dir", fix="set models.cache_dir to a writable directory") from exc
+
+
+def model_dir(topo: Topology, role: str) -> Path:
+    """Resolve ``models.<role>`` to a directory, building the tiny offline models when asked."""
+    value = getattr(topo.models, role)
+    if value is None:
+        raise ConfigError(f"models.{role}: is null but this stage needs it; set it to a model directory")
+    if value == BUILTIN_TINY:
+        from expstream.models import build_tiny_models
+
+        key = {"reference": "actor"}.get(role, role)
+        return Path(build_tiny_models(topo.models.cache_dir)[key])
+    return _checked_dir(role, value)
+
+
+def _checked_dir(role: str, value: str) -> Path:
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"directory {value!r} does not exist", field=f"models.{role}",
+                          fix="point it at a directory saved with save_pretrained, or use builtin:tiny")
+    if role != "tokenizer" and not (path / "config.json").is_file():
+        raise ConfigError(f"directory {value!r} has no config.json, so it is not a saved model",
+                          field=f"models.{role}", fix="point it at the directory save_pretrained wrote")
+    return path
+
+
+def reward_fn(path: str) -> Callable:
+    """Import ``models.reward_fn`` (``package.module:function``) and return the function."""
+    module_name, _, func_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raises while importing
+        raise ConfigError(f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})",
+                          field="models.reward_fn",
+                          fix="make it importable (on PYTHONPATH or installed) or fix the name") from exc
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ConfigError(f"module {module_name} has no function {func_name!r}", field="models.reward_fn",
+                          fix="write it as 'package.module:function' naming a function of that module")
+    return fn
