@@ -2,7 +2,7 @@
 
 The KL coefficient β lives in Redis so that every postprocess replica uses the same value. With
 ``algo.kl_target`` null (the default) the controller is fixed: β stays ``algo.init_kl_coef`` and
-reports change nothing. With a target, each report applies §10 once per ``step_id``:
+reports change nothing. With a target, each report applies docs/numerics.md §10 once per ``step_id``:
 
     e = clip(kl / target − 1, −0.2, 0.2);   β ← β · (1 + e · n_steps / horizon)
 

@@ -21,7 +21,7 @@ __all__ = [
     "estimator",
 ]
 
-#: Group reward shaping (§4.3), the ``shaping`` of an :class:`Estimator`.
+#: Group reward shaping (docs/numerics.md §4.3), the ``shaping`` of an :class:`Estimator`.
 SHAPINGS = ("none", "leave_one_out", "mean", "zscore")
 
 
@@ -30,10 +30,11 @@ class Estimator:
     """What one advantage estimator needs from the pipeline.
 
     * ``shaping``: how the scalar rewards of one prompt group are shaped before the estimator
-      runs (§4.3): ``none`` (per-sample), ``leave_one_out`` (rloo), ``mean`` (centring) or
+      runs (docs/numerics.md §4.3): ``none`` (per-sample), ``leave_one_out`` (rloo), ``mean`` (centring) or
       ``zscore`` (group norm);
-    * ``whiten``: ``algo.advantages_norm`` whitens its advantages per experience (§7.1);
-    * ``cross_batch``: ``algo.advantage_cross_batch_norm`` applies to it (as in the seed, §7.2).
+    * ``whiten``: ``algo.advantages_norm`` whitens its advantages per experience (docs/numerics.md §7.1);
+    * ``cross_batch``: ``algo.advantage_cross_batch_norm`` applies to it (as in the
+      seed, docs/numerics.md §7.2).
     """
 
     name: str
@@ -75,7 +76,7 @@ ESTIMATORS: tuple[str, ...] = tuple(TABLE)
 GROUP_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in TABLE.items() if e.group)
 CROSS_BATCH_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in TABLE.items() if e.cross_batch)
 
-#: Token-level KL estimators of ``compute_approx_kl`` (§3).
+#: Token-level KL estimators of ``compute_approx_kl`` (docs/numerics.md §3).
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 

@@ -1,7 +1,7 @@
 """Experiences for the trainer: the padded ``Experience`` batch rebuilt from the ``experiences`` topic.
 
 The wire carries ragged ``SampleBatch`` records (no padding bytes). A trainer wants the seed's
-padded layout (numerics spec §1.5), so this module rebuilds it:
+padded layout (docs/numerics.md §1.5), so this module rebuilds it:
 
 * :class:`Experience` -- one micro-batch, padded: ``sequences``/``attention_mask`` (B, P+A) with the
   prompt left-padded and the response right-padded, every action-level tensor (B, A) right-padded
@@ -10,7 +10,7 @@ padded layout (numerics spec §1.5), so this module rebuilds it:
   Experiences, with the documented consumer-side dedupe by sample id.
 * :class:`BufferItem`, :func:`split_experience_batch`, :func:`make_experience_batch`,
   :func:`zero_pad_sequences`, :func:`remove_padding_in_sequences` -- the replay-buffer helpers of
-  ``lightrft.trainer.replay_buffer_utils`` (seed 004, spec §1.6), for a trainer that re-batches.
+  ``lightrft.trainer.replay_buffer_utils`` (seed 004, docs/numerics.md §1.6), for a trainer that re-batches.
 
 Only torch, numpy and msgpack are needed to *use* the results; ``schemas`` decodes the records.
 """
@@ -71,7 +71,7 @@ def sample_id(group_id: str, sample_index: int) -> str:
 
 @dataclass
 class Experience:
-    """One padded micro-batch of experience (seed ``Experience``; numerics spec §1.5).
+    """One padded micro-batch of experience (seed ``Experience``; docs/numerics.md §1.5).
 
     B rows, P = longest prompt, A = longest action row (``a_b`` = response up to and including
     its EOS). Padded positions of every action-level tensor are 0 (False for ``action_mask``).
@@ -103,7 +103,8 @@ class Experience:
     num_actions: list[int] | None = None  # per sample: actions in the action-level row
 
     def high_entropy_mask(self, ratio: float) -> torch.Tensor:
-        """§11: the (B, A) bool mask of the top ``ratio`` share of valid tokens by rollout entropy.
+        """docs/numerics.md §11: the (B, A) bool mask of the top ``ratio`` share of valid
+        tokens by rollout entropy.
 
         The policy loss uses it in place of ``action_mask`` when ``high_entropy_token_ratio > 0``;
         needs ``action_entropy`` (the actor stage computes it when the ratio is set).
@@ -232,7 +233,7 @@ class Experience:
         * ``sequences[b] = [pad]*(P-p_b) + prompt_ids_b + action_ids_b + [pad]*(A-a_b)`` (long);
         * ``attention_mask[b]`` = 1 from the first prompt token that is neither pad nor eos through
           the last action token ``P + a_b - 1``; a prompt without such a token starts at the first
-          action that is neither (column P for any normal response, §1.2); a row with no such
+          action that is neither (column P for any normal response, docs/numerics.md §1.2); a row with no such
           token at all starts at column P;
         * action-level fields right-padded with 0 to A (``action_mask`` with False); a missing
           wire ``action_mask`` means all a_b actions are valid;
@@ -483,7 +484,7 @@ def read_experiences(
 
 
 # ----------------------------------------------------------------------------------------------
-# Replay-buffer helpers (seed 004, spec §1.6)
+# Replay-buffer helpers (seed 004, docs/numerics.md §1.6)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -578,7 +579,7 @@ def make_experience_batch(items: Sequence[BufferItem], packing_samples: bool = F
     (as the seed's trainer does: responses end up right-aligned), ``info`` scalars are stacked to
     (B,). Items split from one Experience without trimming come back exactly as they were.
 
-    Packed (``packing_samples=True``, spec §1.4 intended layout): the rows are concatenated into
+    Packed (``packing_samples=True``, docs/numerics.md §1.4 intended layout): the rows are concatenated into
     (1, T) token tensors and (1, N) action tensors; ``attention_mask`` holds the 1-based segment
     id of each token; ``packed_seq_lens``/``num_actions`` give the per-sample sizes. Trim the
     items first with :func:`remove_padding_in_sequences`, or the padding is packed too.
@@ -635,7 +636,7 @@ def make_experience_batch(items: Sequence[BufferItem], packing_samples: bool = F
 
 
 def remove_padding_in_sequences(items: Iterable[BufferItem]) -> list[BufferItem]:
-    """Trim each item's padding (spec §1.6); returns new items, the inputs are not changed.
+    """Trim each item's padding (docs/numerics.md §1.6); returns new items, the inputs are not changed.
 
     ``k`` = number of False in ``action_mask``: every action-level tensor keeps ``[:A-k]``;
     ``sequences`` and ``attention_mask`` keep ``[first_valid : S-k]``, first_valid being the

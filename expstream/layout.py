@@ -2,9 +2,10 @@
 
 A ``SampleBatch`` carries ragged rows (no padding on the wire, ARCHITECTURE.md). The model stages
 and the RL math need them laid out: as a padded ``(B, P+A)`` batch with attention and action masks
-(§1.1, §1.2, §1.5), or packed into one ``(1, T)`` row without padding (§1.4). This module builds
-both, and turns action-level tensors back into ragged rows. The RL math itself (KL, reward
-shaping, estimators) lives in :mod:`expstream.numerics`, which works on the padded views built here.
+(docs/numerics.md §1.1, §1.2, §1.5), or packed into one ``(1, T)`` row without padding
+(docs/numerics.md §1.4). This module builds both, and turns action-level tensors back into ragged rows. The RL
+math itself (KL, reward shaping, estimators) lives in :mod:`expstream.numerics`, which works on
+the padded views built here.
 
 Conventions: action-level tensors are padded ``(B, A)`` views whose positions past a row's valid
 actions are 0 (or False for masks); ``action_mask`` is a bool ``(B, A)`` tensor (any dtype is
@@ -74,13 +75,13 @@ def check_2d(name: str, x: Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# §1 tensor layouts
+# docs/numerics.md §1 tensor layouts
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclass
 class PaddedLayout:
-    """A padded micro-batch (§1.1, §1.5).
+    """A padded micro-batch (docs/numerics.md §1.1, §1.5).
 
     * ``sequences`` (B, P+A) long: left-padded prompt + EOS-repaired output + right padding;
     * ``attention_mask`` (B, P+A) long 0/1;
@@ -96,12 +97,12 @@ class PaddedLayout:
 
     @property
     def response_length(self) -> Tensor:
-        """``action_mask.sum(-1)`` as float32 (§1.1): valid actions including the EOS."""
+        """``action_mask.sum(-1)`` as float32 (docs/numerics.md §1.1): valid actions including the EOS."""
         return self.action_mask.sum(-1).to(torch.float32)
 
     @property
     def total_length(self) -> Tensor:
-        """``attention_mask.sum(-1)`` as float32 (§1.1)."""
+        """``attention_mask.sum(-1)`` as float32 (docs/numerics.md §1.1)."""
         return self.attention_mask.sum(-1).to(torch.float32)
 
 
@@ -114,9 +115,9 @@ def pad_rows(
 ) -> Tensor:
     """Stack ragged 1-D rows into a ``(B, W)`` tensor padded with ``value``.
 
-    ``side="right"`` puts each row at the start (responses, §1.1); ``side="left"`` right-aligns it
-    (prompts). ``W = width`` or the longest row (0 for no rows); a row longer than ``width`` is a
-    ValueError. The dtype is ``dtype``, else the first row's dtype (float32 for no rows).
+    ``side="right"`` puts each row at the start (responses, docs/numerics.md §1.1); ``side="left"``
+    right-aligns it (prompts). ``W = width`` or the longest row (0 for no rows); a row longer than ``width``
+    is a ValueError. The dtype is ``dtype``, else the first row's dtype (float32 for no rows).
     """
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
@@ -152,7 +153,7 @@ def action_lengths(action_mask: Tensor) -> Tensor:
 
 
 def _process_sequences(seq: Tensor, prompt_width: int, eos_id: int, pad_id: int):
-    """§1.2: EOS repair, attention_mask and action_mask of a (B, P+A) padded batch."""
+    """docs/numerics.md §1.2: EOS repair, attention_mask and action_mask of a (B, P+A) padded batch."""
     bsz, length = seq.shape
     num_actions = length - prompt_width
     valid = (seq != eos_id) & (seq != pad_id)
@@ -178,14 +179,14 @@ def _process_sequences(seq: Tensor, prompt_width: int, eos_id: int, pad_id: int)
 def padded_layout(
     prompt_rows: list[Tensor], response_rows: list[Tensor], eos_id: int, pad_id: int
 ) -> PaddedLayout:
-    """Build a padded micro-batch exactly as §1.1 step 3 + §1.2 (``process_sequences``).
+    """Build a padded micro-batch exactly as docs/numerics.md §1.1 step 3 + §1.2 (``process_sequences``).
 
     ``sequences[b] = [pad]*(P-p_b) + prompt_b + output_b + [pad]*(A-o_b)`` with P = longest prompt
     and A = max(1, longest output); then, with ``valid = token ∉ {eos_id, pad_id}``:
 
     * EOS repair: ``eos_b = last_b + 1`` if the last valid position ``last_b < L-1``, else ``L-1``
       (also for a row without a valid token); ``seq[b, eos_b] = eos_id``. A truncated row's last
-      generated token is overwritten by EOS (§14.12);
+      generated token is overwritten by EOS (docs/numerics.md §14.12);
     * ``attention_mask[b, j] = first_b <= j <= eos_b`` (first_b = first valid position, 0 if none);
     * ``action_mask[b, t] = seq[b, P-1+t] ∉ {eos, pad}`` after the repair, ``[:, 0] = True``.
     """
@@ -219,7 +220,7 @@ def rebuild_padded(
     * ``attention_mask`` = 1 from ``first_b`` through the last action token ``P + a_b - 1``, where
       ``first_b`` is the first token of the row (prompt, then actions) that is neither pad nor
       ``eos_id``: inside the prompt in the usual case; if the prompt has no valid token it is the
-      first valid action (exactly what §1.2 computes); a row with no valid token at all is
+      first valid action (exactly what docs/numerics.md §1.2 computes); a row with no valid token at all is
       attended from position P;
     * ``action_mask`` = the given masks right-padded with False.
 
@@ -267,7 +268,8 @@ def rebuild_padded(
 
 
 def position_ids_from_attention(attention_mask: Tensor) -> Tensor:
-    """§1.3: ``cumsum(attention_mask) - 1`` along the last axis, with masked positions set to 1."""
+    """docs/numerics.md §1.3: ``cumsum(attention_mask) - 1`` along the last axis, with
+    masked positions set to 1."""
     am = torch.as_tensor(attention_mask).to(torch.long)
     pos = am.cumsum(dim=-1) - 1
     return pos.masked_fill(am == 0, 1)
@@ -276,7 +278,7 @@ def position_ids_from_attention(attention_mask: Tensor) -> Tensor:
 def packed_layout(
     prompt_rows: list[Tensor], action_rows: list[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor, list[int], list[int]]:
-    """§1.4 packed layout (intended; no EOS repair).
+    """docs/numerics.md §1.4 packed layout (intended; no EOS repair).
 
     Returns ``(sequences (1,T) long, segment_ids (1,T) long 1-based, position_ids (1,T) long
     restarting at 0 in each segment, seq_lens list[int] = [p_i + o_i], num_actions list[int] =
@@ -318,7 +320,7 @@ def rows_of(ragged: Ragged) -> list[Tensor]:
 
 
 def is_packed(batch: SampleBatch) -> bool:
-    """True when the model stages run this micro-batch in the packed layout (§1.4)."""
+    """True when the model stages run this micro-batch in the packed layout (docs/numerics.md §1.4)."""
     return batch.layout == "packed"
 
 
@@ -341,7 +343,8 @@ def padded(batch: SampleBatch) -> PaddedLayout:
 
 @dataclass
 class PackedView:
-    """The packed layout (§1.4) of a micro-batch cut by shard-preprocess: one (1, T) row with no padding.
+    """The packed layout (docs/numerics.md §1.4) of a micro-batch cut by shard-preprocess: one
+    (1, T) row with no padding.
 
     Segment b is prompt_b (from its first token that is neither pad nor EOS) + the a_b repaired action
     tokens; ``position_ids`` restart at 0 per segment and the forwards attend block-diagonally, so
@@ -397,6 +400,7 @@ def to_ragged(x: Tensor, batch: SampleBatch) -> Ragged:
 
 
 def ragged_from_flat(flat: Tensor, batch: SampleBatch) -> Ragged:
-    """A packed (N,) action-level row -> Ragged float32 with the batch's action lengths (§1.4)."""
+    """A packed (N,) action-level row -> Ragged float32 with the batch's action lengths
+    (docs/numerics.md §1.4)."""
     values = flat.detach().to(torch.float32).cpu().numpy().astype(np.float32)
     return Ragged(values=values, lengths=np.array(batch.action_ids.lengths, dtype=np.int32), dtype="float32")

@@ -1,7 +1,7 @@
 """Models: tiny offline models, loading through ``from_pretrained``, forward passes and a generator.
 
 Everything here works offline (``HF_HUB_OFFLINE=1`` is set by default when this module is imported)
-and on CPU. The forward passes follow §1.3 of the FastExperienceMaker numerics note:
+and on CPU. The forward passes follow docs/numerics.md §1.3:
 
 * ``forward_action_log_probs``: ``log_softmax(logits[b, L-1-A+t])[seq[b, L-A+t]]`` over raw logits
   (no temperature), with ``position_ids = cumsum(attention_mask) - 1`` and masked positions set to 1;
@@ -9,8 +9,8 @@ and on CPU. The forward passes follow §1.3 of the FastExperienceMaker numerics 
   (``V_t`` = value of the state before action t);
 * ``forward_reward``: the sequence-classification score read at the last non-pad token.
 
-The packed variants take the §1.4 layout (segments concatenated in one row, position ids restarting
-at 0 in each segment) and give the same numbers as the padded layout: segments never attend to each
+The packed variants take the docs/numerics.md §1.4 layout (segments concatenated in one row, position ids
+restarting at 0 in each segment) and give the same numbers as the padded layout: segments never attend to each
 other (a block-diagonal causal 4-D mask, or the position ids for flash attention).
 
 All outputs are float32, whatever the model's dtype (the seed keeps bf16 log-probs in bf16; we
@@ -539,7 +539,7 @@ class TransformersGenerator:
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward passes (padded layout, §1.3)
+# Forward passes (padded layout, docs/numerics.md §1.3)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -578,7 +578,7 @@ def _log_probs_and_entropy(
 
 
 def _padded_forward(model: Any, sequences: Tensor, attention_mask: Tensor, **kwargs: Any) -> tuple[Any, Tensor]:
-    """One forward of a padded batch on the model's device with §1.3 position ids.
+    """One forward of a padded batch on the model's device with docs/numerics.md §1.3 position ids.
 
     Returns the model output and ``sequences`` moved to that device.
     """
@@ -634,7 +634,7 @@ def forward_reward(rm: Any, sequences: Tensor, attention_mask: Tensor) -> Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward passes (packed layout, §1.4)
+# Forward passes (packed layout, docs/numerics.md §1.4)
 # ---------------------------------------------------------------------------------------------
 
 

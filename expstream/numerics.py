@@ -1,17 +1,17 @@
 """The RL math of the experience maker: KL, reward transforms, estimators, normalisation (torch only).
 
-Every function here is a formula from ``shared/notes/fastexperiencemaker-numerics.md`` (cited as
-"§n" below), implemented **as intended**: the seed's bugs listed in §14 are not reproduced
-(γ is never popped, CPGD is not identically zero, the GAE clip fraction is measured before the
+Every function here is a formula from ``docs/numerics.md`` (cited as
+"docs/numerics.md §n" below), implemented **as intended**: the seed's bugs listed in docs/numerics.md §14 are
+not reproduced (γ is never popped, CPGD is not identically zero, the GAE clip fraction is measured before the
 clamp, dynamic sampling is decided per prompt group), and nothing is written into padding
 positions: masked positions of advantages/returns/KL/token rewards are exactly 0 (the seed's
-whitening and cross-batch normalisation write ``-μ/σ`` there, §14.8).
+whitening and cross-batch normalisation write ``-μ/σ`` there, docs/numerics.md §14.8).
 
 Conventions:
 
 * per-sample data are torch tensors; action-level tensors are the padded ``(B, A)`` views of
   :mod:`expstream.layout` (positions past a row's valid actions are 0, or False for masks);
-* float outputs are float32 (the seed's bf16 leak, §14.11, is not reproduced); statistics
+* float outputs are float32 (the seed's bf16 leak, docs/numerics.md §14.11, is not reproduced); statistics
   (means, variances, running moments) are accumulated in float64;
 * ``action_mask`` is a bool ``(B, A)`` tensor (any dtype is accepted and converted with ``!= 0``).
 
@@ -51,26 +51,27 @@ __all__ = [
     "whiten",
 ]
 
-#: eps of the GRPO z-score (§4.3, fast path).
+#: eps of the GRPO z-score (docs/numerics.md §4.3, fast path).
 GROUP_NORM_EPS = 1e-9
-#: eps of the per-experience whitening: GAE (§6.1 step 4) and the REINFORCE family (§6.2).
+#: eps of the per-experience whitening: GAE (docs/numerics.md §6.1 step 4) and the REINFORCE
+#: family (docs/numerics.md §6.2).
 GAE_WHITEN_EPS = 1e-9
 REINFORCE_WHITEN_EPS = 1e-8
-#: eps of the CPGD STD_weight normalisation (§6.4).
+#: eps of the CPGD STD_weight normalisation (docs/numerics.md §6.4).
 CPGD_EPS = 1e-6
-#: variance floor of the cross-batch / replay normalisation (§7.2, §7.3).
+#: variance floor of the cross-batch / replay normalisation (docs/numerics.md §7.2, §7.3).
 VAR_FLOOR = 1e-8
 
 
 # ----------------------------------------------------------------------------------------------
-# §3 KL, masked reductions
+# docs/numerics.md §3 KL, masked reductions
 # ----------------------------------------------------------------------------------------------
 
 
 def compute_approx_kl(
     log_probs: Tensor, base_log_probs: Tensor, action_mask: Tensor | None, estimator: str
 ) -> Tensor:
-    """Token-level approximate KL(π‖π_ref) (§3), float32 (B, A).
+    """Token-level approximate KL(π‖π_ref) (docs/numerics.md §3), float32 (B, A).
 
     With ``d = log π − log π_ref`` at valid positions: k1 = d, k2 = d²/2, k3 = exp(−d) − 1 + d
     (evaluated as ``expm1(−d) + d`` in float64, so it is never negative). No clamping.
@@ -101,10 +102,10 @@ def masked_sum(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tensor
 
 
 def masked_mean(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tensor:
-    """Σ x·mask / Σ mask (§3 ``info.kl``).
+    """Σ x·mask / Σ mask (docs/numerics.md §3 ``info.kl``).
 
-    Decision: where Σ mask == 0 the result is 0 (the seed's 0/0 gives NaN, §4.2, which our wire
-    format rejects).
+    Decision: where Σ mask == 0 the result is 0 (the seed's 0/0 gives NaN, docs/numerics.md §4.2, which our
+    wire format rejects).
     """
     m = as_bool_mask(mask, x)
     x = x if x.is_floating_point() else x.to(torch.float32)
@@ -115,12 +116,12 @@ def masked_mean(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tenso
 
 
 # ----------------------------------------------------------------------------------------------
-# §4 reward shaping
+# docs/numerics.md §4 reward shaping
 # ----------------------------------------------------------------------------------------------
 
 
 def overlong_penalty(response_length, max_new_tokens: int, buffer_len: int, factor: float) -> Tensor:
-    """DAPO soft overlong penalty (§4.1), float32 (B,).
+    """DAPO soft overlong penalty (docs/numerics.md §4.1), float32 (B,).
 
     ``penalty_b = min(0, −(L_b − L_exp) / buffer_len · factor)`` with ``L_exp = max_new_tokens −
     buffer_len`` and L_b = valid actions including the EOS (original mask).
@@ -136,7 +137,7 @@ def overlong_penalty(response_length, max_new_tokens: int, buffer_len: int, fact
 def group_is_constant(r: Tensor) -> Tensor:
     """Per prompt group (row of ``r`` (G, n)): True iff every reward equals the first exactly.
 
-    Used for the intended dynamic sampling (§4.2): test each prompt group, any constant value
+    Used for the intended dynamic sampling (docs/numerics.md §4.2): test each prompt group, any constant value
     (not only all-0/all-1). A NaN makes a group non-constant.
     """
     x = torch.as_tensor(r)
@@ -147,7 +148,7 @@ def group_is_constant(r: Tensor) -> Tensor:
 
 
 def shape_group_rewards(r: Tensor, estimator: str) -> Tensor:
-    """Group shaping of scalar rewards (§4.3); ``r`` is (G, n), row g = prompt group g.
+    """Group shaping of scalar rewards (docs/numerics.md §4.3); ``r`` is (G, n), row g = prompt group g.
 
     * gae, reinforce, cpgd: identity;
     * rloo: ``r_i − (Σ_g r − r_i)/(n−1)`` (leave-one-out; a group sums to 0);
@@ -184,12 +185,13 @@ def shape_group_rewards(r: Tensor, estimator: str) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# §5 / §9 running moments, reward normalisation, KL-penalised rewards
+# docs/numerics.md §5 / §9 running moments, reward normalisation, KL-penalised rewards
 # ----------------------------------------------------------------------------------------------
 
 
 def normalize_rewards(r: Tensor, mean: float, std: float, minus_mean: bool) -> Tensor:
-    """Running reward normalisation (§5.1): ``(r − mean)/std`` if ``minus_mean`` else ``r/std``.
+    """Running reward normalisation (docs/numerics.md §5.1): ``(r − mean)/std`` if
+    ``minus_mean`` else ``r/std``.
 
     float32 out. std = inf gives 0. A zero numerator gives 0 even when std == 0 (the seed divides
     by its ~1e-12 prior std and gets 0 there too); a nonzero numerator over std == 0 is ±inf —
@@ -203,7 +205,7 @@ def normalize_rewards(r: Tensor, mean: float, std: float, minus_mean: bool) -> T
 
 
 def kl_penalized_rewards(R: Tensor, kl: Tensor | None, action_mask: Tensor, beta: float) -> Tensor:
-    """Per-token reward ``final[b,t] = −β·kl[b,t] + R_b·1[t = t*_b]`` (§5.3), float32 (B, A).
+    """Per-token reward ``final[b,t] = −β·kl[b,t] + R_b·1[t = t*_b]`` (docs/numerics.md §5.3), float32 (B, A).
 
     β <= 0 is treated as 0. t*_b = last True of ``action_mask[b]``; a row with no True uses A−1.
     The −β·kl term is masked, so ``final`` is 0 at masked positions (except the t* fallback);
@@ -233,12 +235,12 @@ def kl_penalized_rewards(R: Tensor, kl: Tensor | None, action_mask: Tensor, beta
 
 
 # ----------------------------------------------------------------------------------------------
-# §8 clip fractions
+# docs/numerics.md §8 clip fractions
 # ----------------------------------------------------------------------------------------------
 
 
 def clip_fraction(x: Tensor, lo: float, hi: float) -> Tensor:
-    """``(#(x > hi) + #(x < lo)) / numel(x)`` broadcast to float32 (x.shape[0],) (§8).
+    """``(#(x > hi) + #(x < lo)) / numel(x)`` broadcast to float32 (x.shape[0],) (docs/numerics.md §8).
 
     Strict inequalities; numel counts every entry given (padding included); numel 0 → zeros.
     """
@@ -257,7 +259,8 @@ def clip_fraction_masked(x: Tensor, mask: Tensor | None, lo: float, hi: float) -
 
     This is what :func:`compute_advantages` reports as ``advantage_clip_frac``: our padding is 0
     (never written), so counting it would only make the fraction depend on the micro-batch
-    width A (§14.8). For per-row scalars (rewards) use :func:`clip_fraction`. No valid → zeros.
+    width A (docs/numerics.md §14.8). For per-row scalars (rewards) use
+    :func:`clip_fraction`. No valid → zeros.
     """
     t = torch.as_tensor(x)
     if t.dim() == 0:
@@ -272,12 +275,12 @@ def clip_fraction_masked(x: Tensor, mask: Tensor | None, lo: float, hi: float) -
 
 
 # ----------------------------------------------------------------------------------------------
-# §6 estimators
+# docs/numerics.md §6 estimators
 # ----------------------------------------------------------------------------------------------
 
 
 def cumulative_returns(rewards: Tensor, action_mask: Tensor | None, gamma: float) -> Tensor:
-    """Masked reward-to-go ``G_t = Σ_{k>=t} γ^{k−t} F_k M_k`` (§6), float32 (B, A).
+    """Masked reward-to-go ``G_t = Σ_{k>=t} γ^{k−t} F_k M_k`` (docs/numerics.md §6), float32 (B, A).
 
     The recursion runs over all A positions (as the seed); the result is 0 at masked positions.
     """
@@ -296,7 +299,7 @@ def cumulative_returns(rewards: Tensor, action_mask: Tensor | None, gamma: float
 def gae(
     rewards: Tensor, values: Tensor, action_mask: Tensor | None, gamma: float, lambd: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (§6.1 steps 1–3), float32 (advantages, returns).
+    """Generalised advantage estimation (docs/numerics.md §6.1 steps 1–3), float32 (advantages, returns).
 
     V ← V·M, F ← F·M, V_A := 0; δ_t = F_t + γV_{t+1} − V_t; Â_t = δ_t + γλÂ_{t+1}, Â_A = 0;
     returns = Â + V (from the raw Â). Both are 0 at masked positions.
@@ -323,8 +326,8 @@ def gae(
 
 
 def whiten(x: Tensor, mask: Tensor | None, eps: float) -> Tensor:
-    """Per-experience whitening (§7.1): ``(x − μ)/(σ + eps)`` with μ, σ = mean and unbiased std
-    over the valid positions (statistics in float64; result in x's dtype).
+    """Per-experience whitening (docs/numerics.md §7.1): ``(x − μ)/(σ + eps)`` with μ, σ = mean and unbiased
+    std over the valid positions (statistics in float64; result in x's dtype).
 
     Intended behaviour, unlike the seed: only valid positions change; masked positions keep x's
     values (0 for our tensors, so padding of advantages stays 0). Fewer than two valid elements
@@ -346,7 +349,7 @@ def whiten(x: Tensor, mask: Tensor | None, eps: float) -> Tensor:
 
 
 def cpgd_scores(rewards_raw: Tensor, mode: str = "STD_weight") -> Tensor:
-    """Intended CPGD scores (§6.4), float32 (B,).
+    """Intended CPGD scores (docs/numerics.md §6.4), float32 (B,).
 
     s_b = raw reward (a (B, A) input is summed over the last axis first); μ and σ = mean and
     **biased** std over the micro-batch. ``STD_weight``: (s − μ)/(σ + 1e-6);
@@ -384,14 +387,14 @@ def compute_advantages(
     advantage_clip: float = 0.0,
     cpgd_mode: str = "STD_weight",
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Advantages and returns of one experience (§6.1–6.5, as intended).
+    """Advantages and returns of one experience (docs/numerics.md §6.1–6.5, as intended).
 
     ``token_rewards`` (B, A) is the KL-penalised reward of :func:`kl_penalized_rewards` built
     from the group-shaped R. Per estimator:
 
     * ``gae``: ``values`` required; :func:`gae`; optional whitening (eps 1e-9); optional clamp to
-      ±c with ``advantage_clip_frac`` measured BEFORE the clamp (the seed measures after, §14.3);
-      the key is always present (zeros when c <= 0);
+      ±c with ``advantage_clip_frac`` measured BEFORE the clamp (the seed measures after,
+      docs/numerics.md §14.3); the key is always present (zeros when c <= 0);
     * ``reinforce``, ``rloo``: returns = advantages = G^γ; ``reinforce_baseline``: the same with
       γ forced to 1; optional whitening (eps 1e-8) of the advantages only; optional clamp with
       the fraction measured before it;
@@ -399,7 +402,7 @@ def compute_advantages(
     * ``cpgd``: ``raw_rewards`` (B,) required; advantages = returns = :func:`cpgd_scores`·M;
       γ, whitening and clipping do not apply and no clip fraction is reported.
 
-    γ is the configured one for every experience (no pop, §14.2). Returns are never whitened
+    γ is the configured one for every experience (no pop, docs/numerics.md §14.2). Returns are never whitened
     or clipped. Masked positions of both outputs are 0. Clip fractions use
     :func:`clip_fraction_masked` (valid positions only). ``info`` maps names to float32 (B,).
     """
@@ -444,15 +447,15 @@ def compute_advantages(
 
 
 # ----------------------------------------------------------------------------------------------
-# §7.2 streaming (cross-batch) normalisation
+# docs/numerics.md §7.2 streaming (cross-batch) normalisation
 # ----------------------------------------------------------------------------------------------
 
 
 def apply_normalization(
     x: Tensor, mask: Tensor | None, mean: float, var: float, floor: float = VAR_FLOOR
 ) -> Tensor:
-    """§7.2/§7.3: ``(x − μ)·rstd`` with ``rstd = 1/sqrt(max(var, floor))`` at valid positions only;
-    masked positions keep x's values (0 for our tensors). Result in x's dtype."""
+    """docs/numerics.md §7.2/§7.3: ``(x − μ)·rstd`` with ``rstd = 1/sqrt(max(var, floor))`` at valid positions
+    only; masked positions keep x's values (0 for our tensors). Result in x's dtype."""
     t = torch.as_tensor(x)
     m = as_bool_mask(mask, t)
     rstd = 1.0 / math.sqrt(max(float(var), float(floor)))
@@ -461,12 +464,12 @@ def apply_normalization(
 
 
 # ----------------------------------------------------------------------------------------------
-# §10 KL controller, §11 high-entropy mask
+# docs/numerics.md §10 KL controller, §11 high-entropy mask
 # ----------------------------------------------------------------------------------------------
 
 
 def high_entropy_mask(entropy: Tensor, action_mask: Tensor, ratio: float) -> Tensor:
-    """High-entropy token mask (§11), bool (B, A).
+    """High-entropy token mask (docs/numerics.md §11), bool (B, A).
 
     ρ <= 0 or ρ >= 1 → ``action_mask`` (as bool). Otherwise per row, k = max(1, ⌊n_valid·ρ⌋)
     and the k valid tokens of highest entropy are True; rows with no valid token stay False.

@@ -364,7 +364,7 @@ def _switch_stages(topo: Topology) -> None:
     if algo.advantage_estimator != "gae":
         topo.stages["critic"].enabled = False  # the seed forces critic_pretrain=None unless gae
     if algo.init_kl_coef == 0:
-        topo.stages["reference"].enabled = False  # no initial model, no KL anywhere (§10)
+        topo.stages["reference"].enabled = False  # no initial model, no KL anywhere (docs/numerics.md §10)
     previous = topo.topics.input
     seen: dict[str, str] = {previous: "topics.input"}
     for st in topo.enabled_stages():

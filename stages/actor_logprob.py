@@ -1,4 +1,5 @@
-"""actor-logprob: per-token log-probs (and entropy when asked) of the response under the actor (§1.3).
+"""actor-logprob: per-token log-probs (and entropy when asked) of the response under the
+actor (docs/numerics.md §1.3).
 
 Runs in the batch's layout (padded, or packed with ``algo.packing_samples``); the output is ragged
 (B; a_b) either way.

@@ -54,7 +54,7 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
 
 
 def _normalized(batch: SampleBatch, mean: float, var: float) -> SampleBatch:
-    """§7.2 on the valid actions only: (A − μ)·rsqrt(max(var, 1e-8)); padding stays 0."""
+    """docs/numerics.md §7.2 on the valid actions only: (A − μ)·rsqrt(max(var, 1e-8)); padding stays 0."""
     adv = torch.from_numpy(np.array(batch.advantages.values))
     mask = torch.from_numpy(np.array(batch.action_mask.values, dtype=bool))
     out = numerics.apply_normalization(adv, mask, mean, var).numpy().astype(np.float32)
@@ -75,7 +75,7 @@ def normalize_window(payloads: list[bytes]) -> list[SampleBatch]:
 
 
 def cross_batch(outputs: list[SampleBatch], ctx: StageContext) -> list[SampleBatch]:
-    """The seed's cross-batch advantage normalisation (§7.2), streamed; see docs/numerics.md.
+    """The seed's cross-batch advantage normalisation (docs/numerics.md §7.2), streamed.
 
     ``running``: moments of every valid advantage so far, merged in ctx.state once per batch id, the
     snapshot after this batch normalises it. ``window``: micro-batches gather in a window in ctx.state

@@ -15,7 +15,7 @@ from schemas import Ragged, SampleBatch
 
 def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False) -> tuple[Ragged, Ragged | None]:
     """Per-action log-probs (and entropies when asked) of a causal LM, ragged (B; a_b), in the
-    batch's layout (§1.3 padded, §1.4 packed)."""
+    batch's layout (docs/numerics.md §1.3 padded, §1.4 packed)."""
     from expstream.models import forward_action_log_probs, forward_packed_action_log_probs_and_entropy
 
     if is_packed(batch):

@@ -1,5 +1,5 @@
-"""critic: per-token values V_t of the state before action t (token-classification head, §1.3), in
-the batch's layout (padded or packed)."""
+"""critic: per-token values V_t of the state before action t (token-classification head,
+docs/numerics.md §1.3), in the batch's layout (padded or packed)."""
 
 from __future__ import annotations
 

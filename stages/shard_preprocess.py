@@ -1,12 +1,12 @@
-"""shard-preprocess: rollouts -> model-ready micro-batches (§1.1-1.2).
+"""shard-preprocess: rollouts -> model-ready micro-batches (docs/numerics.md §1.1-1.2).
 
 The EOS repair and action mask depend on the micro-batch's widths, so they are computed here,
 once, and travel as ragged ``action_ids``/``action_mask``; every later stage rebuilds the same
 padded tensors from them whatever batch it ends up in.
 
 ``layout`` says how the model stages run: ``"padded"`` (B, P+A) rows, or ``"packed"`` with
-``algo.packing_samples`` (one (1, T) row, no padding, §1.4). The repair is the same in both, so
-the log-probs, values, rewards and everything after them agree between the layouts; only the
+``algo.packing_samples`` (one (1, T) row, no padding, docs/numerics.md §1.4). The repair is the same in both,
+so the log-probs, values, rewards and everything after them agree between the layouts; only the
 model forwards differ.
 """
 

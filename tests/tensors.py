@@ -10,7 +10,7 @@ import math
 
 
 def moments_std(count: float, m2: float) -> float:
-    """Unbiased (Bessel) std of all samples merged so far: ``sqrt(M2 / (count − 1))`` (§9).
+    """Unbiased (Bessel) std of all samples merged so far: ``sqrt(M2 / (count − 1))`` (docs/numerics.md §9).
 
     count == 0 (nothing seen) → NaN; 0 < count <= 1 (a first batch of one element) → inf, so a
     normalised reward becomes 0 as in the seed; an all-equal history gives 0.

@@ -30,12 +30,12 @@ def B(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# §1.2 layout
+# docs/numerics.md §1.2 layout
 # ---------------------------------------------------------------------------------------------
 
 
 def test_padded_layout_worked_table():
-    # §1.2 worked example: eos=9, pad=0, P=3 (prompt [1,2,3]); A = 5 (longest output).
+    # docs/numerics.md §1.2 worked example: eos=9, pad=0, P=3 (prompt [1,2,3]); A = 5 (longest output).
     prompts = [L([1, 2, 3])] * 3
     outputs = [L([7, 8, 9]), L([7, 7, 7, 7, 7]), L([3])]
     lay = lo.padded_layout(prompts, outputs, EOS, PAD)
@@ -131,7 +131,7 @@ def test_pad_rows():
 
 
 def test_rebuild_padded_from_worked_table():
-    # cut of the §1.2 table: a_b = last True + 1 = 3, 5, 2; action tokens seq[P : P+a_b]
+    # cut of the docs/numerics.md §1.2 table: a_b = last True + 1 = 3, 5, 2; action tokens seq[P : P+a_b]
     prompts = [L([1, 2, 3])] * 3
     actions = [L([7, 8, 9]), L([7, 7, 7, 7, 9]), L([3, 9])]
     masks = [B([1, 1, 1]), B([1, 1, 1, 1, 1]), B([1, 1])]

@@ -51,7 +51,7 @@ def loaded(tiny):
 
 
 def _padded_batch(rows, pad_id, num_actions=None, right=None):
-    """Left-pad prompts and right-pad outputs like §1.1: rows are (prompt, output) pairs."""
+    """Left-pad prompts and right-pad outputs like docs/numerics.md §1.1: rows are (prompt, output) pairs."""
     P = max(len(p) for p, _ in rows)
     A = num_actions if num_actions is not None else max(len(o) for _, o in rows)
     seqs, masks = [], []
@@ -325,7 +325,8 @@ def test_log_probs_match_plain_forward_and_padding(loaded):
 
 
 def test_log_probs_mixed_batch_layout(loaded):
-    """§1.1 layout (left-padded prompts, right-padded outputs): valid actions match per-row forwards."""
+    """docs/numerics.md §1.1 layout (left-padded prompts, right-padded outputs): valid actions
+    match per-row forwards."""
     tok, actor = loaded["tok"], loaded["actor"]
     rows = _samples(tok)
     seqs, mask, A = _padded_batch(rows, tok.pad_token_id)

@@ -1,4 +1,4 @@
-"""Hand-worked cases for expstream.numerics (spec: shared/notes/fastexperiencemaker-numerics.md).
+"""Hand-worked cases for expstream.numerics (spec: docs/numerics.md).
 
 Every expected value is derived here from first principles (arithmetic written out, or numpy),
 never by calling the function under test.
@@ -35,7 +35,7 @@ def close(a, b, atol=1e-6):
 
 
 # ---------------------------------------------------------------------------------------------
-# §3 KL
+# docs/numerics.md §3 KL
 # ---------------------------------------------------------------------------------------------
 
 
@@ -83,7 +83,7 @@ def test_masked_mean_and_sum():
 
 
 # ---------------------------------------------------------------------------------------------
-# §4 shaping
+# docs/numerics.md §4 shaping
 # ---------------------------------------------------------------------------------------------
 
 
@@ -159,7 +159,7 @@ def test_group_is_constant():
 
 
 # ---------------------------------------------------------------------------------------------
-# §9 running moments, §5 reward processing
+# docs/numerics.md §9 running moments, §5 reward processing
 # ---------------------------------------------------------------------------------------------
 
 
@@ -181,7 +181,7 @@ def test_moments_merge_vs_numpy_and_seed_prior():
     rng = np.random.default_rng(0)
     batches = [rng.normal(3.0, 2.0, size=k).astype(np.float32) for k in (5, 1, 8, 3, 16)]
     c, m, m2 = 0.0, 0.0, 0.0
-    # the seed's recurrence (§9), with its 1e-24 prior, written out in float64
+    # the seed's recurrence (docs/numerics.md §9), with its 1e-24 prior, written out in float64
     sc, sm, sv = 1e-24, 0.0, 1.0
     seen = []
     for bat in batches:
@@ -201,7 +201,7 @@ def test_moments_merge_vs_numpy_and_seed_prior():
 
 
 def test_normalize_rewards_at_the_std_edges():
-    # first batch of one element: N-1 = 0 -> inf (§9), and the reward becomes 0
+    # first batch of one element: N-1 = 0 -> inf (docs/numerics.md §9), and the reward becomes 0
     c, m, m2 = running.moments_merge(0, 0.0, 0.0, t([2.5]))
     assert moments_std(c, m2) == math.inf
     assert nx.normalize_rewards(t([2.5]), m, math.inf, True).tolist() == [0.0]
@@ -231,7 +231,7 @@ def test_kl_penalized_rewards():
 
 
 # ---------------------------------------------------------------------------------------------
-# §8 clip fractions
+# docs/numerics.md §8 clip fractions
 # ---------------------------------------------------------------------------------------------
 
 
@@ -256,7 +256,7 @@ def test_clip_fraction_masked():
 
 
 # ---------------------------------------------------------------------------------------------
-# §6 estimators
+# docs/numerics.md §6 estimators
 # ---------------------------------------------------------------------------------------------
 
 
@@ -400,7 +400,7 @@ def test_whiten():
 
 
 # ---------------------------------------------------------------------------------------------
-# §7.2 streaming normalisation
+# docs/numerics.md §7.2 streaming normalisation
 # ---------------------------------------------------------------------------------------------
 
 
@@ -417,7 +417,7 @@ def test_apply_normalization():
 
 
 # ---------------------------------------------------------------------------------------------
-# §10 KL controller, §11 entropy mask
+# docs/numerics.md §10 KL controller, §11 entropy mask
 # ---------------------------------------------------------------------------------------------
 
 
