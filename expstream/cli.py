@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topo = load_topology(args.topology, args.overrides)
         if args.command == "run":
-            from expstream.pipeline import run_pipeline
+            from expstream.run import run_pipeline
 
             return run_pipeline(topo, args)
         if args.command == "stage":
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def topics_command(topo: Topology, args: argparse.Namespace) -> int:
-    from expstream.infra import create_topics
+    from expstream.localservers import create_topics
 
     if not args.bootstrap_servers:
         raise ConfigError("--bootstrap-servers: needed to create topics, e.g. --bootstrap-servers kafka:9092")

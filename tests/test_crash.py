@@ -47,7 +47,7 @@ import pytest
 
 from expstream import read_experiences
 from expstream.bus import read_topic
-from expstream.infra import LocalBroker, LocalRedis
+from expstream.localservers import LocalBroker, LocalRedis
 from expstream.state import RedisState
 from expstream.supervisor import _die_with_parent
 from schemas import decode

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
-from expstream.infra import LocalRedis
+from expstream.localservers import LocalRedis
 from expstream.state import Moments, RedisState
 
 pytestmark = pytest.mark.integration

@@ -34,7 +34,7 @@ from expstream.cli import (
     write_resolved_topology,
 )
 from expstream.errors import ConfigError
-from expstream.feeder import ExperienceCollector, feed_prompts, read_prompts
+from expstream.monitor import ExperienceCollector, feed_prompts, read_prompts
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.topology import BUILTIN_TINY, Topology
 
@@ -154,20 +154,20 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         bootstrap, redis_url = args.bootstrap_servers, args.redis_url
         if not bootstrap:
-            from expstream.infra import LocalBroker
+            from expstream.localservers import LocalBroker
 
             broker = LocalBroker(run_dir)
             bootstrap = broker.start()
             stack.callback(broker.stop)
             log.info("local broker at %s (log %s)", bootstrap, run_dir / "broker.log")
         if not redis_url:
-            from expstream.infra import LocalRedis
+            from expstream.localservers import LocalRedis
 
             redis = LocalRedis(run_dir)
             redis_url = redis.start()
             stack.callback(redis.stop)
             log.info("local redis at %s", redis_url)
-        from expstream.infra import create_topics
+        from expstream.localservers import create_topics
         from expstream.state import RedisState
 
         services = {"bootstrap_servers": bootstrap, "redis_url": redis_url}

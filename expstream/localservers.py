@@ -40,7 +40,7 @@ __all__ = [
     "DEFAULT_TOPIC_CONFIG",
 ]
 
-log = logging.getLogger("expstream.infra")
+log = logging.getLogger("expstream.localservers")
 
 # --- timing knobs ----------------------------------------------------------------------------
 # Why 20 s: Tansu on memory:// is ready in milliseconds; the bound only catches a binary that hangs.
