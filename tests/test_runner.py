@@ -32,7 +32,7 @@ from expstream.bus import (
     topic_lag,
 )
 from expstream.errors import StateUnavailableError
-from expstream.localservers import create_topics
+from expstream.topics import create_topics
 from expstream.topology import load_topology
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from schemas.codec import peek_header
