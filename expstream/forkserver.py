@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from expstream.procs import die_with_parent
+from expstream.procs import die_with_parent, prepare_title
 
 # transformers imports model code lazily: name the modules a stage's first from_pretrained touches
 # (the Llama family of the built-in tiny models; other architectures import in the child).
@@ -67,6 +67,7 @@ def _child_main(entry: str, argv: list[str], log_path: str, env: dict[str, str])
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    prepare_title()  # before the environment is swapped: the stage names itself later (expstream/stage.py)
     os.environ.clear()
     os.environ.update(env)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,7 +19,9 @@ import signal
 import sys
 from collections.abc import Callable
 
-__all__ = ["PR_SET_PDEATHSIG", "set_death_signal", "die_with_parent", "stage_title", "set_stage_title"]
+__all__ = [
+    "PR_SET_PDEATHSIG", "set_death_signal", "die_with_parent", "stage_title", "prepare_title", "set_stage_title",
+]
 
 #: From <sys/prctl.h>.
 PR_SET_PDEATHSIG = 1
@@ -56,6 +58,19 @@ def die_with_parent() -> None:
 def stage_title(name: str, replica: str | int, run_id: str) -> str:
     """``expstream stage reward[1] run=<id>``: what ``ps`` shows for a stage process."""
     return f"expstream stage {name}[{replica}] run={run_id}"
+
+
+def prepare_title() -> None:
+    """Make the title settable later, even after ``os.environ`` is replaced wholesale.
+
+    setproctitle finds the argv memory it overwrites through the C ``environ`` (which lies right
+    after it) and only looks on its first call; once ``os.environ.clear()`` has moved ``environ``
+    to the heap, the title can no longer be set. A forked child that swaps its environment (the
+    fork server's, see expstream/forkserver.py) calls this first.
+    """
+    from setproctitle import getproctitle
+
+    getproctitle()
 
 
 def set_stage_title(name: str, replica: str | int, run_id: str) -> None:
