@@ -213,7 +213,7 @@ def main() -> int:
         raise SystemExit(f"--n {args.n} must divide --mrb {args.mrb} (whole groups per micro-batch)")
     torch.set_num_threads(args.threads)
     info_start = machine()
-    from expstream.infra import LocalRedis
+    from expstream.localservers import LocalRedis
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-advantage-"))
     redis = LocalRedis(tmp / "redis", appendonly=False)

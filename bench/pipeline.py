@@ -67,7 +67,7 @@ from common import (
     write_prompts,
 )
 
-from expstream.feeder import prompt_batches, read_prompts
+from expstream.prompts import prompt_batches, read_prompts
 from expstream.topology import Topology, load_topology
 from schemas import decode, encode
 from stages.local import LocalChain
@@ -221,7 +221,8 @@ def measure_hops(topo: Topology, hops: list[tuple[str, str, list]], per_hop: int
     from kafka.structs import OffsetAndMetadata
 
     from expstream.bus import make_consumer, make_producer, send_all_and_confirm
-    from expstream.infra import LocalBroker, create_topics
+    from expstream.localservers import LocalBroker
+    from expstream.topics import create_topics
 
     cfg = topo.kafka
     tmp = Path(tempfile.mkdtemp(prefix="bench-hops-"))

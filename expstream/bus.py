@@ -95,7 +95,7 @@ class KafkaConfig:
     request_timeout_ms: int = 30000
     # Why 64 MiB: max_request_size is checked by the producer on the *uncompressed* record, and one
     # record carries a whole micro-batch (token ids, log-probs, values, multimodal tensors).
-    # Topics are created with max.message.bytes raised to match (expstream.infra.create_topics).
+    # Topics are created with max.message.bytes raised to match (expstream.topics.create_topics).
     max_request_size: int = 64 * MiB
     # Why 64 MiB: a fetch must be able to return at least one whole micro-batch.
     fetch_max_bytes: int = 64 * MiB

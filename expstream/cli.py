@@ -1,31 +1,24 @@
 """``expstream`` command line: run | stage | topics | models | dlq.
 
-Exit codes: 0 done, 1 the run failed (a stage could not be kept alive, or a timeout), 2 a
-configuration error (the message names the field and the fix), 130 interrupted by Ctrl-C after
-a clean shutdown.
+Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
+``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
+
+Exit codes (``expstream.errors``): 0 done, 1 the run failed (a stage could not be kept alive, or a
+timeout), 2 a configuration error (the message names the field and the fix), 130 interrupted by
+Ctrl-C after a clean shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
 import socket
 import sys
-import time
-import uuid
-from pathlib import Path
 
-import yaml
-
-from expstream.errors import ConfigError, ExpstreamError
+from expstream.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError
 from expstream.resolve import check_models, model_dir
-from expstream.topology import Topology, find_topology, load_topology
-
-log = logging.getLogger("expstream")
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+from expstream.topology import find_topology, load_topology
 
 
 def _setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001
@@ -81,12 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         topo = load_topology(find_topology(args.topology), args.overrides)
         if args.command == "run":
             check_models(topo)
-            from expstream.pipeline import run_pipeline
+            from expstream.run import run_pipeline
 
             return run_pipeline(topo, args)
         if args.command == "stage":
+            from expstream.stage import run_stage
+
             return run_stage(topo, args)
         if args.command == "topics":
+            from expstream.topics import topics_command
+
             return topics_command(topo, args)
         if args.command == "dlq":
             from expstream.dlq import dlq_command
@@ -101,85 +98,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expstream: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     return EXIT_FAILED
-
-
-def topics_command(topo: Topology, args: argparse.Namespace) -> int:
-    from expstream.infra import create_topics
-
-    if not args.bootstrap_servers:
-        raise ConfigError("--bootstrap-servers: needed to create topics, e.g. --bootstrap-servers kafka:9092")
-    topics = topo.all_topics()
-    if args.action == "create":
-        create_topics(args.bootstrap_servers, topics, with_dlq=True)
-    for name, parts in topics.items():
-        print(f"{name}\t{parts} partitions (+ {name}.dlq)")
-    return EXIT_OK
-
-
-def run_stage(topo: Topology, args: argparse.Namespace) -> int:
-    """One stage replica: set up models, then the shared runner until SIGTERM."""
-    import torch
-
-    from stages import STAGES
-    from stages.context import StageContext
-    from stages.runner import StageRunner
-
-    if args.name not in STAGES:
-        raise ConfigError(f"stage {args.name!r}: unknown; stages are {', '.join(STAGES)}")
-    if not topo.stages[args.name].enabled:
-        raise ConfigError(f"stage {args.name}: switched off by this topology (e.g. critic is used by gae only)")
-    if not args.bootstrap_servers:
-        raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
-    torch.set_num_threads(topo.run.torch_threads)
-    from expstream.state import MemoryState, RedisState, State
-
-    state: State
-    if args.redis_url:
-        state = RedisState(args.redis_url, args.run_id)
-    else:
-        state = MemoryState(args.run_id)
-        log.warning("stage %s replica %s: no --redis-url, so its state (groups, moments, KL) is private to "
-                    "this process: run one replica per stage or pass --redis-url", args.name, args.replica_id)
-    module = STAGES[args.name]
-    ctx = StageContext(topology=topo, stage=topo.stages[args.name], state=state,
-                       log=logging.getLogger(f"expstream.stage.{args.name}"), run_id=args.run_id,
-                       replica_id=args.replica_id)
-    runner = StageRunner(ctx, module.process, args.bootstrap_servers)
-    runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
-    started = time.monotonic()
-    module.setup(ctx)
-    log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
-    if runner.stop_requested:
-        return EXIT_OK
-    try:
-        return runner.run()
-    except ExpstreamError as exc:
-        log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
-        return EXIT_FAILED
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
-
-
-def write_resolved_topology(topo: Topology, path: Path) -> None:
-    path.write_text(yaml.safe_dump(topo.raw, sort_keys=False))
-
-
-def install_interrupt_handler() -> dict[str, bool]:
-    flag = {"stop": False}
-
-    def _handler(signum: int, _frame) -> None:  # noqa: ANN001
-        flag["stop"] = True
-        print(f"\nexpstream: got signal {signum}; stopping every stage cleanly", file=sys.stderr)
-
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGTERM, _handler)
-    return flag
-
-
-def dump_json(obj: object, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ from expstream.letters import (
     redrive_attempt,
     redrive_headers,
 )
+from expstream.topics import DLQ_SUFFIX, dlq_topic
 
-DLQ_SUFFIX = ".dlq"
 #: Consumer group used by redrive, per dead-letter topic.
 REDRIVE_GROUP = "expstream.dlq-redrive.{topic}"
 # How long one inspect/redrive waits for the broker (topic metadata, reaching the end snapshot).
@@ -260,7 +260,7 @@ def _dlq_topics_of(bootstrap: str, cfg: KafkaConfig, topo: Any) -> list[str]:
         existing = set(admin.list_topics())
     finally:
         admin.close()
-    return [f"{t}{DLQ_SUFFIX}" for t in topo.all_topics() if f"{t}{DLQ_SUFFIX}" in existing]
+    return [dlq_topic(t) for t in topo.all_topics() if dlq_topic(t) in existing]
 
 
 def dlq_command(topo: Any, args: argparse.Namespace) -> int:

@@ -10,6 +10,9 @@ that single bit:
 
 An instance may override ``retriable`` when its cause says otherwise (for example a
 ``ProduceError`` caused by a record that is too large for the broker).
+
+The process exit codes live here too, so the command line, ``expstream run`` and the supervisor
+(which must not restart a configuration error) read them from one place.
 """
 
 from __future__ import annotations
@@ -27,7 +30,20 @@ __all__ = [
     "ProduceError",
     "ShutdownRequested",
     "unknown_key_error",
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_CONFIG",
+    "EXIT_INTERRUPTED",
 ]
+
+# --- exit codes of `expstream ...` and of every stage process -----------------------------------
+EXIT_OK = 0
+#: The run failed (a stage could not be kept alive, or a timeout), or a stage process gave up.
+EXIT_FAILED = 1
+#: A configuration error: the message names the field and the fix. Restarting cannot help.
+EXIT_CONFIG = 2
+#: Interrupted by Ctrl-C (128 + SIGINT, the shell's convention) after a clean shutdown.
+EXIT_INTERRUPTED = 130
 
 
 class ExpstreamError(Exception):

@@ -10,6 +10,9 @@ Fork safety: the server only *imports* modules; it loads no model and starts no 
 (torch's intra-op pool starts at the first parallel op, in the child). ``expstream stage`` run
 by hand or by docker-compose does not use this: it is the plain exec path.
 
+The caller names what a forked process runs (``entry``, ``"module:function"``, e.g.
+``"expstream.cli:main"``): this module does not import the command line that imports it.
+
 ``ForkedProcess`` offers the part of ``subprocess.Popen`` the supervisor uses (``pid``, ``poll``,
 ``send_signal``, ``kill``, ``wait``, ``returncode``), with the same exit-code convention
 (negative = killed by that signal).
@@ -17,13 +20,15 @@ by hand or by docker-compose does not use this: it is the plain exec path.
 
 from __future__ import annotations
 
-import ctypes
+import importlib
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from expstream.procs import die_with_parent, prepare_title
 
 # transformers imports model code lazily: name the modules a stage's first from_pretrained touches
 # (the Llama family of the built-in tiny models; other architectures import in the child).
@@ -32,7 +37,6 @@ PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers
            "transformers.tokenization_utils_fast", "transformers.models.llama.modeling_llama",
            "expstream.models", "expstream.numerics", "expstream.state", "expstream.bus", "stages",
            "stages.runner"]
-_PR_SET_PDEATHSIG = 1
 _CONTEXT: multiprocessing.context.BaseContext | None = None
 
 
@@ -53,25 +57,23 @@ def warm_up() -> None:
     forkserver.ensure_running()
 
 
-def _child_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
-    """Runs in the forked stage process: own session, output to its log, then `expstream ...`."""
+def _child_main(entry: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """Runs in the forked stage process: own session, output to its log, then ``entry(argv)``."""
     os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    die_with_parent()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    prepare_title()  # before the environment is swapped: the stage names itself later (expstream/stage.py)
     os.environ.clear()
     os.environ.update(env)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
-    from expstream.cli import main
-
+    module_name, _, func_name = entry.partition(":")
+    main = getattr(importlib.import_module(module_name), func_name)
     code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -79,10 +81,14 @@ def _child_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
 
 
 class ForkedProcess:
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
-        if argv[1:3] != ["-m", "expstream"]:
-            raise ValueError(f"fork spawn runs `python -m expstream ...` commands only, got {argv[:3]}")
-        self._proc = _context().Process(target=_child_main, args=(argv[3:], str(log_path), dict(env)),
+    """A forked child calling ``entry`` (``"module:function"``) with what ``argv`` passes after
+    ``python -m MODULE``: the same work an exec of ``argv`` would do, without the interpreter start."""
+
+    def __init__(self, entry: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+        if len(argv) < 3 or argv[1] != "-m" or ":" not in entry:
+            raise ValueError(f"fork spawn runs `python -m MODULE ...` commands with a 'module:function' entry, "
+                             f"got {argv[:3]} and {entry!r}")
+        self._proc = _context().Process(target=_child_main, args=(entry, argv[3:], str(log_path), dict(env)),
                                         daemon=False)
         self._proc.start()
         self.pid: int = self._proc.pid

@@ -18,7 +18,6 @@ replacement (a crash loop of k-1 records per life).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -27,6 +26,9 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from expstream.errors import EXIT_CONFIG
+from expstream.procs import die_with_parent
 
 log = logging.getLogger("expstream.supervisor")
 
@@ -38,17 +40,8 @@ RESTART_BACKOFF_MAX_S = 10.0
 HEALTHY_AFTER_S = 30.0
 # Why 20 s: a stage finishing a CPU forward pass on a busy 2-core machine needs a few seconds.
 STOP_GRACE_S = 20.0
-EXIT_CONFIG_ERROR = 2
-_PR_SET_PDEATHSIG = 1
 # The fault-injection variable read by stages/runner.py: "<stage>:<point>:<k>[,...]".
 FAULT_ENV = "EXPSTREAM_FAULT"
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -74,11 +67,22 @@ class SupervisorError(RuntimeError):
 
 
 class Supervisor:
+    """Starts, watches and stops the children added with :meth:`add`.
+
+    ``spawn="exec"`` runs each child's argv as a fresh interpreter; ``spawn="fork"`` forks it from
+    the fork server instead, where the process calls ``fork_entry`` (``"module:function"``, e.g.
+    ``"expstream.cli:main"``) with the arguments after ``python -m MODULE``. The caller names the
+    entry point, so neither this module nor the fork server imports the command line.
+    """
+
     def __init__(self, log_dir: Path, max_restarts: int = 5, env: dict[str, str] | None = None,
-                 spawn: str = "exec") -> None:
+                 spawn: str = "exec", fork_entry: str | None = None) -> None:
         if spawn not in ("exec", "fork"):
             raise ValueError(f"spawn: {spawn!r}; use exec (a fresh interpreter per stage) or fork (fork server)")
+        if spawn == "fork" and not fork_entry:
+            raise ValueError("spawn: fork needs fork_entry, the 'module:function' a forked child runs")
         self.spawn = spawn
+        self.fork_entry = fork_entry
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.max_restarts = max_restarts
@@ -108,7 +112,7 @@ class Supervisor:
         if self.spawn == "fork":
             from expstream.forkserver import ForkedProcess
 
-            child.proc = ForkedProcess(child.argv, child.log_path, self._child_env(child))
+            child.proc = ForkedProcess(self.fork_entry, child.argv, child.log_path, self._child_env(child))
             self._started(child)
             return
         out = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
@@ -116,7 +120,7 @@ class Supervisor:
             child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT,
                                           env=self._child_env(child),
                                           stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+                                          preexec_fn=die_with_parent)
         finally:
             out.close()
         self._started(child)
@@ -146,8 +150,8 @@ class Supervisor:
             child.exit_codes.append(code)
             child.proc = None
             self._write_pids()
-            if code == EXIT_CONFIG_ERROR:
-                raise SupervisorError(f"stage {child.label} exited with a configuration error (code 2); "
+            if code == EXIT_CONFIG:
+                raise SupervisorError(f"stage {child.label} exited with a configuration error (code {code}); "
                                       f"see {child.log_path}")
             if now - child.started_at > HEALTHY_AFTER_S:
                 child.failures_in_a_row = 0

@@ -80,6 +80,7 @@ from expstream.letters import (
     value_omitted_headers,
 )
 from expstream.retry import Attempt, Backoff, Policy, retry
+from expstream.topics import dlq_topic
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.codec import peek_header
 from schemas.errors import SchemaError
@@ -198,7 +199,7 @@ class StageRunner:
         self.stage = ctx.stage
         self.log = logging.getLogger(f"expstream.stage.{self.stage.name}")
         self.group_id = f"expstream.{ctx.run_id}.{self.stage.name}"
-        self.dlq_topic = f"{self.stage.input}.dlq"
+        self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = _fault_plan(self.stage.name)
         # counters (read by tests and the final log line)
         self.handled = 0

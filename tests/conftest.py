@@ -18,8 +18,9 @@ if str(_ROOT) not in sys.path:  # the project is installed editable later; until
     sys.path.insert(0, str(_ROOT))
 
 from expstream.bus import KafkaConfig  # noqa: E402
-from expstream.infra import LocalBroker, LocalRedis, create_topics  # noqa: E402
+from expstream.localservers import LocalBroker, LocalRedis  # noqa: E402
 from expstream.state import MemoryState, RedisState, State  # noqa: E402
+from expstream.topics import create_topics  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -47,9 +47,9 @@ import pytest
 
 from expstream import read_experiences
 from expstream.bus import read_topic
-from expstream.infra import LocalBroker, LocalRedis
+from expstream.localservers import LocalBroker, LocalRedis
+from expstream.procs import die_with_parent
 from expstream.state import RedisState
-from expstream.supervisor import _die_with_parent
 from schemas import decode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -180,7 +180,7 @@ class PipelineRun:
         self._log_fh = open(self.dir / "run.log", "wb")  # noqa: SIM115 - closed in close()
         self.started_at = time.time()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log_fh, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         return self
 
     @property

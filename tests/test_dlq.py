@@ -19,7 +19,7 @@ from expstream.bus import make_producer, read_topic
 from expstream.cli import main
 from expstream.dlq import REDRIVE_GROUP
 from expstream.errors import PoisonRecordError
-from expstream.infra import create_topics
+from expstream.topics import create_topics
 from expstream.topology import load_topology
 from schemas import PromptBatch, decode, encode
 from stages.context import make_context

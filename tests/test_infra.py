@@ -24,7 +24,8 @@ from expstream.bus import (
     send_and_confirm,
     topic_lag,
 )
-from expstream.infra import LocalBroker, LocalRedis, create_topics, free_port, port_is_open
+from expstream.localservers import LocalBroker, LocalRedis, free_port, port_is_open
+from expstream.topics import create_topics
 
 pytestmark = pytest.mark.integration
 

@@ -32,7 +32,7 @@ from expstream.bus import (
     topic_lag,
 )
 from expstream.errors import StateUnavailableError
-from expstream.infra import create_topics
+from expstream.topics import create_topics
 from expstream.topology import load_topology
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from schemas.codec import peek_header
@@ -520,7 +520,7 @@ OUTAGE_S = 4.0
 
 
 def test_broker_outage_is_retried_with_backoff_logged_and_survived(tmp_path):
-    from expstream.infra import LocalBroker
+    from expstream.localservers import LocalBroker
 
     log = LogCapture()
     stage_log = logging.getLogger("expstream.stage")

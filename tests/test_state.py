@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
-from expstream.infra import LocalRedis
+from expstream.localservers import LocalRedis
 from expstream.state import MemoryState, Moments, RedisState
 
 

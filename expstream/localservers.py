@@ -1,4 +1,4 @@
-"""Local infrastructure: an embedded Kafka-protocol broker (Tansu), a Redis server, topic creation.
+"""Local servers: an embedded Kafka-protocol broker (Tansu) and a Redis server on free loopback ports.
 
 Used by ``expstream run`` when no broker is configured, and by the tests. Real deployments use
 Apache Kafka and Redis from docker-compose; nothing here may rely on Tansu quirks beyond starting it.
@@ -11,7 +11,6 @@ holding ports), and with an ``atexit`` hook that stops whatever is still running
 from __future__ import annotations
 
 import atexit
-import ctypes
 import errno
 import functools
 import logging
@@ -20,13 +19,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import weakref
-from collections.abc import Mapping
 from pathlib import Path
 
 from expstream.errors import ConfigError, InfraError
+from expstream.procs import set_death_signal
 
 __all__ = [
     "free_port",
@@ -34,13 +32,9 @@ __all__ = [
     "port_is_open",
     "LocalBroker",
     "LocalRedis",
-    "create_topics",
-    "DLQ_SUFFIX",
-    "dlq_topic",
-    "DEFAULT_TOPIC_CONFIG",
 ]
 
-log = logging.getLogger("expstream.infra")
+log = logging.getLogger("expstream.localservers")
 
 # --- timing knobs ----------------------------------------------------------------------------
 # Why 20 s: Tansu on memory:// is ready in milliseconds; the bound only catches a binary that hangs.
@@ -52,17 +46,9 @@ REDIS_START_TIMEOUT_S = 10.0
 STOP_GRACE_S = 5.0
 # Why 20 ms: readiness probes are cheap local connects; a short interval keeps start() fast.
 PROBE_INTERVAL_S = 0.02
-# Why 50 ms: create_topics polls metadata until every partition has a leader; Tansu answers at
-# once, a KRaft cluster within a few hundred ms.
-METADATA_POLL_INTERVAL_S = 0.05
 # Why 3: free_port() returns a port that another process may grab before the server binds it;
 # start() then retries on a fresh port (only when the caller did not ask for a specific port).
 PORT_RACE_ATTEMPTS = 3
-
-DLQ_SUFFIX = ".dlq"
-# max.message.bytes is checked by Apache Kafka on the compressed batch (1 MiB default); raise it so
-# that a 64 MiB micro-batch (bus.KafkaConfig.max_request_size) is accepted. Tansu ignores it.
-DEFAULT_TOPIC_CONFIG: dict[str, str] = {"max.message.bytes": str(64 * 1024 * 1024)}
 
 # Environment variables Tansu reads as defaults for its flags: dropped from the child's
 # environment so that a stray variable in the caller's shell cannot change the broker.
@@ -74,13 +60,6 @@ _TANSU_ENV = (
     "SCHEMA_REGISTRY",
     "OTEL_EXPORTER_OTLP_ENDPOINT",
 )
-
-_PR_SET_PDEATHSIG = 1
-
-
-def dlq_topic(topic: str) -> str:
-    """The dead-letter twin of ``topic``."""
-    return topic + DLQ_SUFFIX
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -118,20 +97,6 @@ def wait_for_port(host: str, port: int, timeout_s: float, *, process: subprocess
         time.sleep(PROBE_INTERVAL_S)
 
 
-def _load_prctl():
-    # Resolved in the parent: between fork and exec the child should only make plain calls
-    # (dlopen in a forked child of a threaded process can deadlock on the loader lock).
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # pragma: no cover
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
 def _child_preexec(death_signal: int) -> None:  # pragma: no cover - runs in the child before exec
     # Own process group: a Ctrl-C to our terminal does not hit the server before we stop it
     # cleanly, and stop() can signal the whole group.
@@ -139,8 +104,7 @@ def _child_preexec(death_signal: int) -> None:  # pragma: no cover - runs in the
     # Die with the parent (Linux): signal the server when the *thread* that started it dies, so a
     # crashed or SIGKILLed parent leaves no server holding its port. Start servers from the main
     # thread (or another long-lived one): a short-lived starter thread would take them down.
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
+    set_death_signal(death_signal)
 
 
 _LIVE: weakref.WeakSet[_ServerProcess] = weakref.WeakSet()
@@ -584,120 +548,3 @@ def _wait_port_released(host: str, port: int, timeout_s: float) -> None:
                 if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
                     raise InfraError(f"{host}:{port} still in use after {timeout_s:.1f}s") from exc
         time.sleep(PROBE_INTERVAL_S)
-
-
-# --- topics ---------------------------------------------------------------------------------------
-
-# CreateTopics error codes that mean "the broker would not take these topic configs": retried
-# without them (brokers differ in which configs they accept; Tansu ignores them).
-_CONFIG_ERROR_CODES = {40, 44}  # INVALID_CONFIG, POLICY_VIOLATION
-_TOPIC_EXISTS = 36
-
-
-def create_topics(
-    bootstrap: str,
-    topics: Mapping[str, int],
-    *,
-    with_dlq: bool = True,
-    dlq_partitions: int = 1,
-    replication_factor: int = 1,
-    config: Mapping[str, str] | None = None,
-    timeout_s: float = 30.0,
-    kafka_config=None,
-) -> list[str]:
-    """Create ``topics`` (name -> partitions) and, with ``with_dlq``, a ``<topic>.dlq`` twin of each.
-
-    Idempotent: topics that exist are kept (TopicAlreadyExists is not an error), but an existing
-    topic with a different partition count is a ConfigError (partitions cannot be changed here).
-    ``config`` defaults to :data:`DEFAULT_TOPIC_CONFIG`; a broker that rejects the configs gets
-    the topics without them (logged). Returns every topic name ensured, DLQ twins included, once
-    metadata shows each with all its partitions led.
-    """
-    from kafka.errors import KafkaError
-
-    from expstream.bus import make_admin
-
-    wanted: dict[str, int] = {}
-    for name, parts in topics.items():
-        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-            raise ConfigError(
-                f"partition count must be a positive integer, got {parts!r}",
-                field=f"topics.{name}",
-                fix="give every topic 1 or more partitions",
-            )
-        wanted[name] = parts
-    if with_dlq:
-        for name in list(wanted):
-            if not name.endswith(DLQ_SUFFIX):
-                wanted.setdefault(dlq_topic(name), dlq_partitions)
-    configs = dict(DEFAULT_TOPIC_CONFIG if config is None else config)
-    deadline = time.monotonic() + timeout_s
-
-    admin = make_admin(bootstrap, kafka_config)
-    try:
-
-        def request(with_configs: bool) -> dict[str, tuple[int, str | None]]:
-            spec = {
-                name: {
-                    "num_partitions": n,
-                    "replication_factor": replication_factor,
-                    **({"configs": configs} if with_configs and configs else {}),
-                }
-                for name, n in wanted.items()
-            }
-            resp = admin.create_topics(
-                spec, timeout_ms=int(max(deadline - time.monotonic(), 1) * 1000), raise_errors=False
-            )
-            return {t["name"]: (t["error_code"], t.get("error_message")) for t in resp.get("topics", [])}
-
-        try:
-            results = request(with_configs=True)
-            if any(code in _CONFIG_ERROR_CODES for code, _ in results.values()):
-                log.warning(
-                    "broker rejected topic configs %s (%s); creating topics without them",
-                    configs,
-                    {n: m for n, (c, m) in results.items() if c in _CONFIG_ERROR_CODES},
-                )
-                results = request(with_configs=False)
-        except KafkaError as exc:
-            raise InfraError(f"create_topics on {bootstrap} failed: {exc!r}") from exc
-        bad = {n: (c, m) for n, (c, m) in results.items() if c not in (0, _TOPIC_EXISTS)}
-        if bad:
-            raise InfraError(f"broker refused to create topics: {bad}")
-
-        # Wait until metadata shows every topic with all its partitions led.
-        while True:
-            try:
-                described = {t["name"]: t for t in admin.describe_topics(list(wanted))}
-            except KafkaError as exc:
-                described, last = {}, exc
-            else:
-                last = None
-            missing = []
-            for name, n in wanted.items():
-                t = described.get(name)
-                if t is None or t.get("error_code", 0) != 0:
-                    missing.append(name)
-                    continue
-                parts = t.get("partitions") or []
-                if len(parts) != n and len(parts) > 0 and all(p.get("error_code", 0) == 0 for p in parts):
-                    if results.get(name, (0,))[0] == _TOPIC_EXISTS:
-                        raise ConfigError(
-                            f"topic {name!r} already exists with {len(parts)} partitions, {n} wanted",
-                            field=f"topics.{name}",
-                            fix="use the existing count, delete the topic, or start a fresh run with new topic names",
-                        )
-                if len(parts) != n or any(
-                    p.get("error_code", 0) != 0 or p.get("leader_id", -1) < 0 for p in parts
-                ):
-                    missing.append(name)
-            if not missing:
-                return list(wanted)
-            if time.monotonic() >= deadline:
-                raise InfraError(
-                    f"topics {missing} not ready in metadata within {timeout_s:.1f}s"
-                    + (f" (last error {last!r})" if last else "")
-                )
-            time.sleep(METADATA_POLL_INTERVAL_S)
-    finally:
-        admin.close()

@@ -15,28 +15,25 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import signal
 import sys
 import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from expstream.cli import (
-    EXIT_CONFIG,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    dump_json,
-    install_interrupt_handler,
-    new_run_id,
-    write_resolved_topology,
-)
-from expstream.errors import ConfigError
-from expstream.feeder import ExperienceCollector, feed_prompts, read_prompts
+import yaml
+
+from expstream.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
+from expstream.monitor import ExperienceCollector
+from expstream.prompts import feed_prompts, read_prompts
 from expstream.resolve import build_builtin_models
 from expstream.supervisor import Supervisor, SupervisorError
+from expstream.topics import create_topics, dlq_topic
 from expstream.topology import Topology
 
 if TYPE_CHECKING:
@@ -46,6 +43,33 @@ log = logging.getLogger("expstream.run")
 # Why 5 s: often enough to see progress in a CI log, rare enough not to flood it.
 PROGRESS_LOG_INTERVAL_S = 5.0
 MONITOR_POLL_MS = 300
+#: What a stage process forked from the fork server runs (the ``python -m expstream`` entry point):
+#: named here, so the fork server never imports the command line that imports this module.
+FORK_ENTRY = "expstream.cli:main"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def write_resolved_topology(topo: Topology, path: Path) -> None:
+    path.write_text(yaml.safe_dump(topo.raw, sort_keys=False))
+
+
+def install_interrupt_handler() -> dict[str, bool]:
+    flag = {"stop": False}
+
+    def _handler(signum: int, _frame) -> None:  # noqa: ANN001
+        flag["stop"] = True
+        print(f"\nexpstream: got signal {signum}; stopping every stage cleanly", file=sys.stderr)
+
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
+    return flag
+
+
+def dump_json(obj: object, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, redis_url: str, run_id: str) -> list[str]:
@@ -103,20 +127,19 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         bootstrap, redis_url = args.bootstrap_servers, args.redis_url
         if not bootstrap:
-            from expstream.infra import LocalBroker
+            from expstream.localservers import LocalBroker
 
             broker = LocalBroker(run_dir)
             bootstrap = broker.start()
             stack.callback(broker.stop)
             log.info("local broker at %s (log %s)", bootstrap, run_dir / "broker.log")
         if not redis_url:
-            from expstream.infra import LocalRedis
+            from expstream.localservers import LocalRedis
 
             redis = LocalRedis(run_dir)
             redis_url = redis.start()
             stack.callback(redis.stop)
             log.info("local redis at %s", redis_url)
-        from expstream.infra import create_topics
         from expstream.state import RedisState
 
         services = {"bootstrap_servers": bootstrap, "redis_url": redis_url}
@@ -131,13 +154,13 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
-                         env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
+                         fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
                 sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, redis_url, run_id))
         sup.start()
         stack.callback(sup.stop)
-        dlqs = [f"{t}.dlq" for t in topo.all_topics()]
+        dlqs = [dlq_topic(t) for t in topo.all_topics()]
         collector = ExperienceCollector(bootstrap, topo.kafka, topo.output_topic,
                                         topo.generate.n_samples_per_prompt, dlq_topics=dlqs,
                                         group_mode=topo.is_group_estimator)

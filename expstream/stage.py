@@ -1,0 +1,61 @@
+"""``expstream stage NAME``: one stage replica process (what ``expstream run`` starts per replica,
+and what docker-compose runs per container).
+
+It names itself in ``ps`` first (``expstream stage reward[1] run=<id>``), installs the SIGTERM
+handler before the slow model load, then hands the stage's ``process`` to the shared runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
+from expstream.procs import set_stage_title
+from expstream.topology import Topology
+
+log = logging.getLogger("expstream")
+
+
+def run_stage(topo: Topology, args: argparse.Namespace) -> int:
+    """One stage replica: set up models, then the shared runner until SIGTERM."""
+    set_stage_title(args.name, args.replica_id, args.run_id)  # before the seconds of imports below
+    import torch
+
+    from stages import STAGES
+    from stages.context import StageContext
+    from stages.runner import StageRunner
+
+    if args.name not in STAGES:
+        raise ConfigError(f"stage {args.name!r}: unknown; stages are {', '.join(STAGES)}")
+    if not topo.stages[args.name].enabled:
+        raise ConfigError(f"stage {args.name}: switched off by this topology (e.g. critic is used by gae only)")
+    if not args.bootstrap_servers:
+        raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
+    torch.set_num_threads(topo.run.torch_threads)
+    from expstream.state import MemoryState, RedisState, State
+
+    state: State
+    if args.redis_url:
+        state = RedisState(args.redis_url, args.run_id)
+    else:
+        state = MemoryState(args.run_id)
+        log.warning("stage %s replica %s: no --redis-url, so its state (groups, moments, KL) is private to "
+                    "this process: run one replica per stage or pass --redis-url", args.name, args.replica_id)
+    module = STAGES[args.name]
+    ctx = StageContext(topology=topo, stage=topo.stages[args.name], state=state,
+                       log=logging.getLogger(f"expstream.stage.{args.name}"), run_id=args.run_id,
+                       replica_id=args.replica_id)
+    runner = StageRunner(ctx, module.process, args.bootstrap_servers)
+    runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
+    started = time.monotonic()
+    module.setup(ctx)
+    log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
+    if runner.stop_requested:
+        return EXIT_OK
+    try:
+        return runner.run()
+    except ExpstreamError as exc:
+        log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
+        return EXIT_FAILED

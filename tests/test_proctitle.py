@@ -1,0 +1,77 @@
+"""Every stage process names itself in ps/top: ``expstream stage reward[1] run=<id>``.
+
+Started the way ``expstream run`` starts them (the supervisor, with ``run.stage_argv``), on both
+spawn paths: a fresh interpreter (``exec``, as docker-compose does) and a fork of the fork server
+(``fork``, the default of ``expstream run``, whose processes otherwise show as
+``python -B -c from multiprocessing...``). The title is read from ``/proc/<pid>/cmdline``, as
+``ps`` does. No broker is needed: the title is set before the stage imports torch, so the test
+stops the process as soon as it shows its name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from expstream.localservers import free_port
+from expstream.procs import stage_title
+from expstream.run import FORK_ENTRY, stage_argv, write_resolved_topology
+from expstream.supervisor import Supervisor
+from expstream.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+# Why 120 s: the fork server imports torch and transformers before its first fork (seconds on a
+# busy 2-core machine); the exec path shows its title within a second of starting.
+TITLE_TIMEOUT_S = 120.0
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/cmdline")
+
+
+def cmdline(pid: int) -> str | None:
+    """What ``ps -o args`` shows for ``pid`` (setproctitle pads the old argv area with NULs)."""
+    try:
+        data = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return data.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def wait_for_title(pid: int, want: str, timeout_s: float = TITLE_TIMEOUT_S) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    seen = cmdline(pid)
+    while seen != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen = cmdline(pid)
+    return seen
+
+
+def test_the_title_names_stage_replica_and_run():
+    assert stage_title("reward", 1, "20250101-abc") == "expstream stage reward[1] run=20250101-abc"
+
+
+@pytest.mark.parametrize("spawn", ["exec", "fork"])
+def test_a_stage_process_shows_its_name(tmp_path, spawn):
+    run_id = f"title-{spawn}"
+    topo = load_topology(None, [f"models.cache_dir={tmp_path / 'models'}"])
+    topo_path = tmp_path / "topology.yaml"
+    write_resolved_topology(topo, topo_path)
+    # Nothing listens on these ports: the stage never gets past its setup, which is all we need.
+    argv = stage_argv(topo_path, "reward", 1, f"127.0.0.1:{free_port()}",
+                      f"redis://127.0.0.1:{free_port()}/0", run_id)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    sup = Supervisor(tmp_path / "logs", spawn=spawn, fork_entry=FORK_ENTRY if spawn == "fork" else None,
+                     env={"PYTHONPATH": path})
+    sup.add("reward", 1, argv)
+    sup.start()
+    try:
+        pid = sup.children[0].proc.pid
+        want = "expstream stage reward[1] run=" + run_id
+        seen = wait_for_title(pid, want)
+        log = (tmp_path / "logs" / "reward-1.log").read_text(errors="replace")[-2000:]
+        assert seen == want, f"pid {pid} shows {seen!r}; log:\n{log}"
+    finally:
+        sup.stop(grace_s=5)
