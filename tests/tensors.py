@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 
 def moments_std(count: float, m2: float) -> float:
     """Unbiased (Bessel) std of all samples merged so far: ``sqrt(M2 / (count − 1))`` (docs/numerics.md §9).
@@ -21,3 +23,16 @@ def moments_std(count: float, m2: float) -> float:
     if count <= 1:
         return math.inf
     return math.sqrt(max(m2, 0.0) / (count - 1.0))
+
+
+# short constructors for hand-written tensors in tests
+def t(x, dtype=torch.float32):
+    return torch.tensor(x, dtype=dtype)
+
+
+def L(x):  # noqa: N802 - reads like a type tag in the tables
+    return torch.tensor(x, dtype=torch.long)
+
+
+def B(x):  # noqa: N802
+    return torch.tensor(x, dtype=torch.bool)

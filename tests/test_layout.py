@@ -12,21 +12,22 @@ from hypothesis import strategies as st
 
 from expstream import layout as lo
 from schemas import Ragged, SampleBatch
+from tests.tensors import B, L, t
 
 EOS, PAD = 9, 0
 SETTINGS = settings(max_examples=60, deadline=None)
-
-
-def t(x, dtype=torch.float32):
-    return torch.tensor(x, dtype=dtype)
-
-
-def L(x):
-    return torch.tensor(x, dtype=torch.long)
-
-
-def B(x):
-    return torch.tensor(x, dtype=torch.bool)
+# docs/numerics.md §1.2 worked example (eos=9, pad=0, prompt [1, 2, 3]): the sequences after the EOS
+# repair and their attention masks, written out by hand from the formulas.
+WORKED_SEQUENCES = [
+    [1, 2, 3, 7, 8, 9, 0, 0],
+    [1, 2, 3, 7, 7, 7, 7, 9],
+    [1, 2, 3, 3, 9, 0, 0, 0],
+]
+WORKED_ATTENTION = [
+    [1, 1, 1, 1, 1, 1, 0, 0],
+    [1, 1, 1, 1, 1, 1, 1, 1],
+    [1, 1, 1, 1, 1, 0, 0, 0],
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,17 +46,9 @@ def test_padded_layout_worked_table():
     # normal: [7,8,9,0,0] unchanged; last valid = 8 at col 4 -> eos at col 5 (already 9)
     # truncated: last valid at L-1=7 -> eos_b = L-1, the last 7 is overwritten by 9
     # no EOS returned: [3,0,0,0,0] -> last valid at col 3 -> eos at col 4 -> [3,9,0,0,0]
-    assert lay.sequences.tolist() == [
-        [1, 2, 3, 7, 8, 9, 0, 0],
-        [1, 2, 3, 7, 7, 7, 7, 9],
-        [1, 2, 3, 3, 9, 0, 0, 0],
-    ]
+    assert lay.sequences.tolist() == WORKED_SEQUENCES
     # attention: first valid = 0, through eos_b (5, 7, 4)
-    assert lay.attention_mask.tolist() == [
-        [1, 1, 1, 1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 1, 0, 0, 0],
-    ]
+    assert lay.attention_mask.tolist() == WORKED_ATTENTION
     # action t valid iff the state token seq[P-1+t] is not eos/pad; [:,0] forced
     assert lay.action_mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     assert lay.response_length.tolist() == [3.0, 5.0, 2.0]
@@ -137,16 +130,8 @@ def test_rebuild_padded_from_worked_table():
     masks = [B([1, 1, 1]), B([1, 1, 1, 1, 1]), B([1, 1])]
     lay = lo.rebuild_padded(prompts, actions, masks, PAD, eos_id=EOS)
     assert lay.prompt_width == 3 and lay.num_actions == 5
-    assert lay.sequences.tolist() == [
-        [1, 2, 3, 7, 8, 9, 0, 0],
-        [1, 2, 3, 7, 7, 7, 7, 9],
-        [1, 2, 3, 3, 9, 0, 0, 0],
-    ]
-    assert lay.attention_mask.tolist() == [
-        [1, 1, 1, 1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 1, 0, 0, 0],
-    ]
+    assert lay.sequences.tolist() == WORKED_SEQUENCES
+    assert lay.attention_mask.tolist() == WORKED_ATTENTION
     assert lay.action_mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
 
 

@@ -13,19 +13,7 @@ import torch
 from expstream import numerics as nx
 from expstream import running
 from expstream.errors import ConfigError
-from tests.tensors import moments_std
-
-
-def t(x, dtype=torch.float32):
-    return torch.tensor(x, dtype=dtype)
-
-
-def L(x):
-    return torch.tensor(x, dtype=torch.long)
-
-
-def B(x):
-    return torch.tensor(x, dtype=torch.bool)
+from tests.tensors import B, moments_std, t
 
 
 def close(a, b, atol=1e-6):
