@@ -53,9 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--replica-id", default=os.environ.get("EXPSTREAM_REPLICA_ID") or socket.gethostname(),
                        help="names this replica in heartbeats (default: $EXPSTREAM_REPLICA_ID or the host name)")
 
-    topics = sub.add_parser("topics", help="create the topology's topics (and .dlq twins)")
-    topics.add_argument("action", choices=["create", "list"])
+    topics = sub.add_parser("topics", help="create or list the topology's topics (and .dlq twins); tail one")
+    topics.add_argument("action", choices=["create", "list", "tail"])
+    topics.add_argument("topic", nargs="?", help="tail: the topic to print, e.g. experiences or batches.dlq")
     _add_topology_args(topics)
+    from expstream.tail import add_tail_args
+
+    add_tail_args(topics)
 
     models = sub.add_parser("models", help="build the built-in tiny offline models")
     models.add_argument("action", choices=["build"])
