@@ -15,7 +15,7 @@ appendonly file (its moments, KL state and per-stage stats). :func:`claim_run_di
    * something, no flag: refuse, naming the previous run (``summary.json from run X``);
    * ``--force``: delete it (only when it looks like an expstream run directory, so a mistyped
      ``--output ~`` deletes nothing) and start fresh;
-   * ``--resume``: not supported yet (refused with the reason; see docs/operations.md).
+   * ``--resume``: not supported yet (refused with the reason; see README.md, Options).
 5. The caller keeps the returned :class:`RunDirLock` for the life of the run and releases it last.
 """
 
