@@ -11,10 +11,10 @@ Each kind is followed by a good record, which must come out: the partition is ne
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
-import contextlib
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
