@@ -22,10 +22,13 @@ resumed; the commit is made only if the record's partition is still ours, and if
 changed meanwhile, the fetch position of the partition is set past the record so that it is not
 fetched a second time from the (older) committed offset.
 
-Bad input goes to ``<input topic>.dlq`` and the partition moves on: undecodable bytes, an unknown
-schema or version, missing/mistyped/inconsistent fields or non-finite floats (all ``SchemaError``),
-a record over ``max_record_bytes``, a ``PoisonRecordError`` or any other non-retriable exception
-from ``process``. A letter carries the original bytes and the headers listed in expstream/letters.py.
+Bad input goes to ``<input topic>.dlq`` and the partition moves on: a record with no value (a
+tombstone), undecodable bytes, an unknown schema or version, missing/mistyped/inconsistent fields or
+non-finite floats (all ``SchemaError``), a record over ``max_record_bytes``, a ``PoisonRecordError``
+or any other non-retriable exception from ``process``. A letter carries the original bytes and key
+and the headers listed in expstream/letters.py; when the broker refuses it, it is sent again with
+the record's own headers left out, then without the value (``_deliver``), so no record a stage
+cannot handle stops the partition. ``ShutdownRequested`` is never dead-lettered.
 
 Splitting. When ``process`` fails with a non-retriable error on a micro-batch of B > 1 samples
 (a SampleBatch, or a PromptBatch of several prompts), the batch is bisected: each half is
