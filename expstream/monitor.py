@@ -9,9 +9,11 @@ The collector validates like a stage does and never raises on a record:
 1. a record it cannot decode, of the wrong schema (a ``PromptBatch``), or a ``SampleBatch`` that is
    not an experience (no advantages, ...) is *rejected*: counted, named ``topic[partition]@offset``
    with a reason, and its raw bytes appended to ``rejected.msgpack`` in the run's output directory;
-2. samples of groups this run did not feed (:meth:`ExperienceCollector.expect_groups`) are
-   *foreign*: counted, never towards completion, never written to ``experiences.msgpack`` (a record
-   holding only foreign samples is rejected as well, so its bytes are kept aside);
+2. samples of groups this run did not feed (:meth:`ExperienceCollector.expect_groups`), and every
+   sample of a record that was on the topic before the collector started (a reused broker's
+   previous run, with the same prompt ids) are *foreign*: counted, never towards completion, never
+   written to ``experiences.msgpack`` (a record holding only foreign samples is rejected as well,
+   so its bytes are kept aside); dead letters from before the run are counted, not losses;
 3. everything else is deduped by sample id and kept.
 
 ``rejected.msgpack`` is a stream of msgpack maps, one per rejected record:
@@ -88,6 +90,7 @@ class ExperienceCollector:
     rejected_count: int = 0
     rejected: list[dict] = field(default_factory=list)  # the first REJECTED_LIST_CAP: {where, reason}
     dead_reasons: dict[str, str] = field(default_factory=dict)  # group id -> first dead letter's reason
+    dead_letters_before_run: int = 0  # on the dead-letter topics before this run started: not its losses
 
     def __post_init__(self) -> None:
         self.consumer = make_consumer(self.bootstrap, None, self.cfg)
@@ -97,6 +100,9 @@ class ExperienceCollector:
                 parts.append(TopicPartition(t, p))
         self.consumer.assign(parts)
         self.consumer.seek_to_beginning(*parts)
+        # What is on the topics now was written before this run fed anything (another run on a
+        # reused broker, or an injection): read, validated and counted, never this run's samples.
+        self.start_offsets: dict[TopicPartition, int] = dict(self.consumer.end_offsets(parts)) if parts else {}
 
     def expect_groups(self, group_ids: Iterable[str]) -> None:
         """Groups fed in this run (call before feeding them): only these count towards completion."""
@@ -111,16 +117,19 @@ class ExperienceCollector:
         new = 0
         for tp, recs in self.consumer.poll(timeout_ms=timeout_ms).items():
             for rec in recs:
+                before_run = rec.offset < self.start_offsets.get(tp, 0)
                 try:
                     if tp.topic == self.topic:
-                        new += self._experience(rec)
+                        new += self._experience(rec, before_run)
+                    elif before_run:
+                        self.dead_letters_before_run += 1
                     else:
                         self._dead_letter(rec)
                 except Exception as exc:  # noqa: BLE001 - a record is data: kept aside, never fatal
                     self._reject(rec, f"unreadable ({type(exc).__name__}: {exc})")
         return new
 
-    def _experience(self, rec: Any) -> int:  # noqa: ANN401 - a kafka ConsumerRecord
+    def _experience(self, rec: Any, before_run: bool = False) -> int:  # noqa: ANN401 - a ConsumerRecord
         try:
             batch = decode(rec.value)
         except SchemaError as exc:
@@ -135,7 +144,7 @@ class ExperienceCollector:
         fresh: list[int] = []
         foreign = 0
         for row, (sid, gid) in enumerate(zip(batch.sample_ids(), batch.group_id, strict=True)):
-            if gid not in self.fed_groups:
+            if before_run or gid not in self.fed_groups:
                 foreign += 1
                 continue
             if sid in self.samples:
@@ -147,8 +156,9 @@ class ExperienceCollector:
         if foreign:
             self.foreign_samples += foreign
             if foreign == len(batch):
-                self._reject(rec, f"foreign: {foreign} samples of groups this run did not feed "
-                                  f"(batch {batch.batch_id!r}, e.g. group {batch.group_id[0]!r})")
+                why = "written before this run started" if before_run else "of groups this run did not feed"
+                self._reject(rec, f"foreign: {foreign} samples {why} (batch {batch.batch_id!r}, e.g. group "
+                                  f"{batch.group_id[0]!r})")
             else:
                 log.warning("collector: %s batch=%s: %d samples of groups this run did not feed; kept out",
                             record_where(rec), batch.batch_id, foreign)

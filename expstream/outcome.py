@@ -132,6 +132,7 @@ class RunOutcome:
                                  "first": list(col.rejected) if col else [],
                                  "file": REJECTED_FILE if col and col.rejected_count else None},
             "dead_letters": col.dead_letters if col else [],
+            "dead_letters_before_run": col.dead_letters_before_run if col else 0,
             "stage_restarts": {c.label: c.restarts for c in self.supervisor.children if c.restarts}
             if self.supervisor is not None else {},
             "wall_s": round(wall, 3),

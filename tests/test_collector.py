@@ -65,31 +65,34 @@ def test_collector_counts_and_keeps_aside_what_is_not_an_experience_of_this_run(
         (encode(mixed), None),  # group c is ours, its last row (group yy) is not
     ]
     producer = make_producer(broker, kafka_cfg)
+    letter_headers = [("stage", b"reward"), ("error_class", b"TypeError"), ("error_message", b"boom\nsecond line")]
+    # before the run: an experience and a dead letter of groups with this run's ids (a previous run)
+    producer.send(topic, value=encode(exp_batch("g/a", "a", [0, 1, 2, 3])), key=b"old").get(timeout=30)
+    producer.send(dlq_topic(topic), value=encode(prompt_batch("p0", ["c"])), key=b"old", headers=letter_headers).get(30)
+    rejected_path = tmp_path / "rejected.msgpack"
+    col = ExperienceCollector(broker, kafka_cfg, topic, 4, dlq_topics=[dlq_topic(topic)], rejected_path=rejected_path)
+    col.expect_groups(["a", "b", "c", "d", "e"])
     for value, _ in experiences:
         producer.send(topic, value=value, key=b"k").get(timeout=30)
-    letter_headers = [("stage", b"reward"), ("error_class", b"TypeError"), ("error_message", b"boom\nsecond line")]
     producer.send(dlq_topic(topic), value=encode(prompt_batch("p2", ["d"])), key=b"d", headers=letter_headers).get(30)
     producer.send(dlq_topic(topic), value=encode(prompt_batch("p3", ["ww"])), key=b"w", headers=letter_headers).get(30)
     producer.send(dlq_topic(topic), value=GARBAGE, key=None, headers=[("stage", b"\xff\xfe")]).get(30)
     producer.close()
-
-    rejected_path = tmp_path / "rejected.msgpack"
-    col = ExperienceCollector(broker, kafka_cfg, topic, 4, dlq_topics=[dlq_topic(topic)], rejected_path=rejected_path)
-    col.expect_groups(["a", "b", "c", "d", "e"])
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (col.rejected_count < 5 or len(col.dead_letters) < 3
+        while time.monotonic() < deadline and (col.rejected_count < 6 or len(col.dead_letters) < 3
                                                or col.complete_groups < 3):
             col.poll(300)  # must never raise
     finally:
         col.close()
 
     reasons = {r["where"]: r["reason"] for r in col.rejected}
-    assert col.rejected_count == 5 and len(reasons) == 5
-    for offset, (_, kind) in enumerate(experiences):
+    assert col.rejected_count == 6 and len(reasons) == 6
+    assert reasons[f"{topic}[0]@0"].startswith("foreign: 4 samples written before this run started")
+    for offset, (_, kind) in enumerate(experiences, start=1):
         if kind is not None:
             assert reasons[f"{topic}[0]@{offset}"].startswith(kind), reasons
-    assert col.foreign_samples == 5  # four of group zz, one in the mixed record
+    assert col.foreign_samples == 9  # four from before the run, four of group zz, one in the mixed record
     assert col.complete_groups == 3 and col.group_counts == {"a": 4, "b": 4, "c": 4}
     assert col.duplicates == 2
     out = tmp_path / "experiences.msgpack"
@@ -98,12 +101,12 @@ def test_collector_counts_and_keeps_aside_what_is_not_an_experience_of_this_run(
     assert ids == sorted(f"{g}#{i}" for g in "abc" for i in range(4)), "foreign samples never reach the file"
 
     kept = list(msgpack.Unpacker(open(rejected_path, "rb"), raw=False))
-    assert [(k["topic"], k["offset"]) for k in kept] == [(topic, o) for o in (0, 1, 2, 3, 4)]
-    assert kept[0]["value"] == GARBAGE and kept[1]["value"] is None and kept[0]["key"] == b"k"
-    assert kept[2]["value"] == experiences[2][0], "the original bytes are kept"
+    assert [(k["topic"], k["offset"]) for k in kept] == [(topic, o) for o in (0, 1, 2, 3, 4, 5)]
+    assert kept[1]["value"] == GARBAGE and kept[2]["value"] is None and kept[1]["key"] == b"k"
+    assert kept[3]["value"] == experiences[2][0], "the original bytes are kept"
 
     assert col.dead_groups == {"d"}, "a dead letter of a group this run did not feed is not a loss of this run"
-    assert len(col.dead_letters) == 3
+    assert len(col.dead_letters) == 3 and col.dead_letters_before_run == 1
     assert col.lost_group_reasons(finished=True) == {"d": "dead letter from reward: TypeError: boom"}
     assert col.lost_group_reasons(finished=False) == {"d": "dead letter from reward: TypeError: boom",
                                                       "e": "never completed"}
