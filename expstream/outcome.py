@@ -59,6 +59,7 @@ def loss_verdict(lost: dict[str, str], fed: int, share: float) -> str | None:
 class RunOutcome:
     """What ``expstream run`` knows about itself; filled in as the run goes, written at the end."""
 
+    topo: Topology
     run_id: str
     out_dir: Path
     rows: int
@@ -74,14 +75,28 @@ class RunOutcome:
     fed: int = 0
     dropped: int = 0
     finished: bool = False  # the loop stopped because every fed group was accounted for or the target met
+    summary: dict | None = None  # once written
 
     def fail(self, error: str) -> None:
         """Mark the run failed; the first error is the one reported."""
         if self.status != EXIT_FAILED:
             self.status, self.error = EXIT_FAILED, error
 
-    def write(self, topo: Topology) -> dict:
+    def on_exit(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
+        """``ExitStack.push`` hook: an exception while setting up still writes the outputs; never swallows it."""
+        if self.summary is None:
+            if isinstance(exc, KeyboardInterrupt):
+                self.status = EXIT_INTERRUPTED
+            elif exc is not None:
+                self.fail(f"{type(exc).__name__}: {exc}")
+            self.write()
+        return False
+
+    def write(self) -> dict:
         """Write experiences.msgpack and summary.json (steps 1-4 of the module docstring); never raises."""
+        if self.summary is not None:
+            return self.summary
+        topo = self.topo
         problems: list[str] = []
         try:
             if self.progress is not None:
@@ -152,4 +167,5 @@ class RunOutcome:
             dump_json(summary, self.out_dir / "summary.json")
         except OSError as exc:
             log.error("run %s: cannot write summary.json: %s", self.run_id, exc)
+        self.summary = summary
         return summary

@@ -120,47 +120,47 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
     started = time.monotonic()
-    out = RunOutcome(run_id=run_id, out_dir=out_dir, rows=len(rows), started=started)
+    out = RunOutcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=started)
     with ExitStack() as stack:
+        stack.push(out.on_exit)  # outputs even when setting up fails (a no-op once written)
+        bootstrap, redis_url = args.bootstrap_servers, args.redis_url
+        if not bootstrap:
+            from expstream.localservers import LocalBroker
+
+            broker = LocalBroker(run_dir)
+            bootstrap = broker.start()
+            stack.callback(broker.stop)
+            log.info("local broker at %s (log %s)", bootstrap, run_dir / "broker.log")
+        out.bootstrap = bootstrap
+        if not redis_url:
+            from expstream.localservers import LocalRedis
+
+            redis = LocalRedis(run_dir)
+            redis_url = redis.start()
+            stack.callback(redis.stop)
+            log.info("local redis at %s", redis_url)
+        from expstream.state import RedisState
+
+        services = {"bootstrap_servers": bootstrap, "redis_url": redis_url}
+        if not args.bootstrap_servers:
+            services["broker_pid"] = broker.pid
+        if not args.redis_url:
+            services["redis_pid"] = redis.pid
+        dump_json(services, run_dir / "services.json")
+
+        create_topics(bootstrap, topo.all_topics(), with_dlq=True)
+        state = out.state = RedisState(redis_url, run_id)
+        topo_path = run_dir / "topology.yaml"
+        write_resolved_topology(topo, topo_path)
+        sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
+                         fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
+        for st in topo.enabled_stages():
+            for replica in range(st.replicas):
+                sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, redis_url, run_id))
+        out.supervisor = sup
+        sup.start()
+        stack.callback(sup.stop)
         try:
-            bootstrap, redis_url = args.bootstrap_servers, args.redis_url
-            if not bootstrap:
-                from expstream.localservers import LocalBroker
-
-                broker = LocalBroker(run_dir)
-                bootstrap = broker.start()
-                stack.callback(broker.stop)
-                log.info("local broker at %s (log %s)", bootstrap, run_dir / "broker.log")
-            out.bootstrap = bootstrap
-            if not redis_url:
-                from expstream.localservers import LocalRedis
-
-                redis = LocalRedis(run_dir)
-                redis_url = redis.start()
-                stack.callback(redis.stop)
-                log.info("local redis at %s", redis_url)
-            from expstream.state import RedisState
-
-            services = {"bootstrap_servers": bootstrap, "redis_url": redis_url}
-            if not args.bootstrap_servers:
-                services["broker_pid"] = broker.pid
-            if not args.redis_url:
-                services["redis_pid"] = redis.pid
-            dump_json(services, run_dir / "services.json")
-
-            create_topics(bootstrap, topo.all_topics(), with_dlq=True)
-            state = out.state = RedisState(redis_url, run_id)
-            topo_path = run_dir / "topology.yaml"
-            write_resolved_topology(topo, topo_path)
-            sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
-                             fork_entry=FORK_ENTRY,
-                             env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
-            for st in topo.enabled_stages():
-                for replica in range(st.replicas):
-                    sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, redis_url, run_id))
-            out.supervisor = sup
-            sup.start()
-            stack.callback(sup.stop)
             dlqs = [dlq_topic(t) for t in topo.all_topics()]
             collector = out.collector = ExperienceCollector(
                 bootstrap, topo.kafka, topo.output_topic, topo.generate.n_samples_per_prompt, dlq_topics=dlqs,
@@ -205,7 +205,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             log.exception("run %s: %s", run_id, exc)
             out.fail(f"{type(exc).__name__}: {exc}")
         finally:
-            summary = out.write(topo)  # experiences.msgpack and summary.json, whatever happened
+            summary = out.write()  # experiences.msgpack and summary.json, whatever happened
     print_summary(summary, out_dir)
     if out.error:
         print(f"expstream: run failed: {out.error}", file=sys.stderr)

@@ -135,13 +135,13 @@ def test_max_lost_group_share_is_a_share(bad):
 def test_outputs_are_written_when_the_run_failed_before_collecting(tmp_path: Path):
     """An exception before the collector existed (broker gone, ...) still leaves both files."""
     topo = load_topology(None, [])
-    out = RunOutcome(run_id="r1", out_dir=tmp_path, rows=3, started=time.monotonic())
-    out.fail("BrokerUnavailableError: no broker")
-    summary = out.write(topo)
+    out = RunOutcome(topo=topo, run_id="r1", out_dir=tmp_path, rows=3, started=time.monotonic())
+    assert out.on_exit(RuntimeError, RuntimeError("no broker"), None) is False, "the exception goes on"
+    summary = out.summary
     assert out.status == EXIT_FAILED
     assert (tmp_path / "experiences.msgpack").read_bytes() == b""
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk == summary and summary["status"] == "failed" and summary["error"].startswith("BrokerUnavailable")
+    assert on_disk == summary and summary["status"] == "failed" and summary["error"] == "RuntimeError: no broker"
     assert summary["rejected_records"]["count"] == 0 and summary["lost_groups"] == {}
-    ok = RunOutcome(run_id="r2", out_dir=tmp_path, rows=3, started=time.monotonic())
-    assert ok.write(topo)["status"] == "ok" and ok.status == EXIT_OK
+    ok = RunOutcome(topo=topo, run_id="r2", out_dir=tmp_path, rows=3, started=time.monotonic())
+    assert ok.write()["status"] == "ok" and ok.status == EXIT_OK
