@@ -25,6 +25,7 @@ from typing import Any
 
 from expstream.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
+from expstream.secrets import REDACTED
 from expstream.topology import Topology
 
 log = logging.getLogger("expstream.run")
@@ -67,6 +68,8 @@ class RunOutcome:
     status: int = EXIT_OK
     error: str | None = None
     bootstrap: str | None = None
+    redis_url: str | None = None  # redacted (expstream.secrets.redact_url): summary.json is shown
+    secret: str | None = None  # the Redis password, masked in any error text that reaches the summary
     state: Any = None  # expstream.state.RedisState once connected
     supervisor: Any = None  # expstream.supervisor.Supervisor once built
     collector: ExperienceCollector | None = None
@@ -78,8 +81,10 @@ class RunOutcome:
     summary: dict | None = None  # once written
 
     def fail(self, error: str) -> None:
-        """Mark the run failed; the first error is the one reported."""
+        """Mark the run failed; the first error is the one reported (a Redis password in it masked)."""
         if self.status != EXIT_FAILED:
+            if self.secret:
+                error = error.replace(self.secret, REDACTED)
             self.status, self.error = EXIT_FAILED, error
 
     def on_exit(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
@@ -161,6 +166,7 @@ class RunOutcome:
             "estimator": topo.algo.advantage_estimator,
             "n_samples_per_prompt": topo.generate.n_samples_per_prompt,
             "bootstrap_servers": self.bootstrap,
+            "redis_url": self.redis_url,
             "topology": topo.source,
         }
         try:

@@ -1,5 +1,7 @@
 """``expstream run``: the embedded default (or existing services), end to end.
 
+0. Lock the output directory (expstream.rundir): a second run on it, or a directory holding a
+   previous run without ``--force``, exits 2 before anything is started or written.
 1. Build the built-in tiny models once, before any stage starts (the reward function and the
    model directories were checked by expstream.resolve right after loading the topology).
 2. Start a local broker and redis-server on free loopback ports unless addresses were given.
@@ -33,6 +35,8 @@ from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import RunOutcome, dump_json
 from expstream.prompts import feed_prompts, read_prompts
 from expstream.resolve import build_builtin_models
+from expstream.rundir import claim_run_dir
+from expstream.secrets import REDIS_URL_ENV, redact_url, url_password
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.topics import create_topics, dlq_topic
 from expstream.topology import Topology
@@ -69,10 +73,16 @@ def install_interrupt_handler() -> dict[str, bool]:
     return flag
 
 
-def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, redis_url: str, run_id: str) -> list[str]:
+def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, run_id: str) -> list[str]:
+    """A stage's command line. No Redis URL here (it may hold a password, and every user can read
+    ``/proc/<pid>/cmdline``): stages get it from :func:`stage_env`."""
     return [sys.executable, "-m", "expstream", "stage", name, "--topology", str(topo_path),
-            "--bootstrap-servers", bootstrap, "--redis-url", redis_url, "--run-id", run_id,
-            "--replica-id", str(replica)]
+            "--bootstrap-servers", bootstrap, "--run-id", run_id, "--replica-id", str(replica)]
+
+
+def stage_env(redis_url: str) -> dict[str, str]:
+    """What a stage's environment adds: the real Redis URL (``/proc/<pid>/environ`` is owner-only)."""
+    return {REDIS_URL_ENV: redis_url}
 
 
 class Progress:
@@ -109,19 +119,22 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot read the prompt file {args.prompts!r} ({exc.strerror or exc})", field="--prompts",
                           fix="give an existing JSON-lines file, e.g. --prompts examples/prompts.jsonl") from exc
+    run_id = args.run_id or new_run_id()
+    out_dir = Path(args.output or f"runs/{run_id}")
+    # Held until the summary is written (released last by the ExitStack below, or at process exit).
+    run_lock = claim_run_dir(out_dir, force=args.force, resume=args.resume)
     build_builtin_models(topo)
     if topo.run.spawn == "fork":
         from expstream.forkserver import warm_up
 
         warm_up()  # imports torch/transformers once, while the broker and redis start
-    run_id = args.run_id or new_run_id()
-    out_dir = Path(args.output or f"runs/{run_id}")
     run_dir = out_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
     started = time.monotonic()
     out = RunOutcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=started)
     with ExitStack() as stack:
+        stack.callback(run_lock.release)
         stack.push(out.on_exit)  # outputs even when setting up fails (a no-op once written)
         bootstrap, redis_url = args.bootstrap_servers, args.redis_url
         if not bootstrap:
@@ -138,10 +151,12 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             redis = LocalRedis(run_dir)
             redis_url = redis.start()
             stack.callback(redis.stop)
-            log.info("local redis at %s", redis_url)
+            log.info("local redis at %s", redact_url(redis_url))
         from expstream.state import RedisState
 
-        services = {"bootstrap_servers": bootstrap, "redis_url": redis_url}
+        out.redis_url, out.secret = redact_url(redis_url), url_password(redis_url)
+        # Shown, so redacted: whoever resumes or inspects the run passes the password again.
+        services = {"run_id": run_id, "bootstrap_servers": bootstrap, "redis_url": redact_url(redis_url)}
         if not args.bootstrap_servers:
             services["broker_pid"] = broker.pid
         if not args.redis_url:
@@ -153,10 +168,11 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
-                         fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
+                         fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
+                                                     **stage_env(redis_url)})
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
-                sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, redis_url, run_id))
+                sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))
         out.supervisor = sup
         sup.start()
         stack.callback(sup.stop)
