@@ -36,7 +36,7 @@ from expstream.outcome import RunOutcome, dump_json
 from expstream.prompts import feed_prompts, read_prompts
 from expstream.resolve import build_builtin_models
 from expstream.rundir import claim_run_dir
-from expstream.secrets import REDIS_URL_ENV, redact_url, url_password
+from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.topics import create_topics, dlq_topic
 from expstream.topology import Topology
@@ -218,7 +218,12 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             out.status = EXIT_INTERRUPTED
         except Exception as exc:  # noqa: BLE001 - whatever broke, what was collected is written below
-            log.exception("run %s: %s", run_id, exc)
+            text = f"{type(exc).__name__}: {exc}"
+            # The traceback goes to the log only without a secret in it (a Redis URL in the text).
+            if out.secret and out.secret in text:
+                log.error("run %s: %s", run_id, text.replace(out.secret, REDACTED))
+            else:
+                log.exception("run %s: %s", run_id, exc)
             out.fail(f"{type(exc).__name__}: {exc}")
         finally:
             summary = out.write()  # experiences.msgpack and summary.json, whatever happened
