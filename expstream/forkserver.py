@@ -13,6 +13,19 @@ by hand or by docker-compose does not use this: it is the plain exec path.
 The caller names what a forked process runs (``entry``, ``"module:function"``, e.g.
 ``"expstream.cli:main"``): this module does not import the command line that imports it.
 
+Lifetimes (nothing outlives ``expstream run``, however it dies):
+
+1. :func:`warm_up` starts the server with ``EXPSTREAM_FORKSERVER_PARENT=<pid of the caller>`` in
+   its environment. This module is the first one the server preloads: seeing the variable, it sets
+   ``PDEATHSIG`` (:func:`expstream.procs.die_with`), so the server is SIGKILLed when the caller's
+   starting thread dies (start it from the main thread), and removes the variable.
+2. Every forked stage sets ``PDEATHSIG`` too (:func:`_child_main`), so it dies with the server.
+3. A forked stage closes the server's "alive" pipe end that multiprocessing hands every child. While
+   any process holds it, the server never sees EOF on it and so never exits on its own: with the
+   stages holding it, the server and the stages kept each other alive after a ``kill -9`` of the run.
+4. multiprocessing's resource tracker exits when the last holder of its pipe (the run, the server,
+   the stages) is gone, which 1-2 guarantee.
+
 ``ForkedProcess`` offers the part of ``subprocess.Popen`` the supervisor uses (``pid``, ``poll``,
 ``send_signal``, ``kill``, ``wait``, ``returncode``), with the same exit-code convention
 (negative = killed by that signal).
@@ -28,16 +41,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-from expstream.procs import die_with_parent, prepare_title
+from expstream.procs import die_with, die_with_parent, prepare_title
 
 # transformers imports model code lazily: name the modules a stage's first from_pretrained touches
 # (the Llama family of the built-in tiny models; other architectures import in the child).
-PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
+PRELOAD = ["expstream.forkserver", "torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast", "transformers.models.llama.modeling_llama",
            "expstream.models", "expstream.numerics", "expstream.state", "expstream.bus", "stages",
            "stages.runner"]
 _CONTEXT: multiprocessing.context.BaseContext | None = None
+#: Set (to the starting process's pid) only in the environment the fork server starts with.
+PARENT_ENV = "EXPSTREAM_FORKSERVER_PARENT"
+#: In the fork server and its children: the server's pid (None elsewhere).
+SERVER_PID: int | None = None
+
+
+def _guard_server() -> None:
+    """At import: in the fork server (step 1 of the module docstring), die with the process that started it."""
+    global SERVER_PID
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or parent == str(os.getpid()):
+        return
+    die_with(int(parent))
+    SERVER_PID = os.getpid()
+
+
+_guard_server()
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -50,17 +80,29 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def warm_up() -> None:
-    """Start the fork server now (it imports PRELOAD in the background of the caller's work)."""
+    """Start the fork server now (it imports PRELOAD in the background of the caller's work).
+
+    Call from the main thread: the server dies when the thread that started it ends (PDEATHSIG).
+    Idempotent; :class:`ForkedProcess` calls it too.
+    """
     from multiprocessing import forkserver
 
     _context()
-    forkserver.ensure_running()
+    os.environ[PARENT_ENV] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(PARENT_ENV, None)
 
 
 def _child_main(entry: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
     """Runs in the forked stage process: own session, output to its log, then ``entry(argv)``."""
     os.setsid()
-    die_with_parent()
+    if SERVER_PID is not None:
+        die_with(SERVER_PID)  # step 2; exits at once if the server died since the fork
+    else:  # pragma: no cover - a server started without warm_up()
+        die_with_parent()
+    _close_alive_pipe()  # step 3
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -80,6 +122,22 @@ def _child_main(entry: str, argv: list[str], log_path: str, env: dict[str, str])
     os._exit(code)
 
 
+def _close_alive_pipe() -> None:
+    """Step 3 of the module docstring: drop this child's copy of the server's "alive" pipe end.
+
+    A stage never starts processes through the fork server itself, so it has no use for it.
+    """
+    from multiprocessing import forkserver
+
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:  # pragma: no cover - already closed
+            pass
+        forkserver._forkserver._forkserver_alive_fd = None
+
+
 class ForkedProcess:
     """A forked child calling ``entry`` (``"module:function"``) with what ``argv`` passes after
     ``python -m MODULE``: the same work an exec of ``argv`` would do, without the interpreter start."""
@@ -88,6 +146,7 @@ class ForkedProcess:
         if len(argv) < 3 or argv[1] != "-m" or ":" not in entry:
             raise ValueError(f"fork spawn runs `python -m MODULE ...` commands with a 'module:function' entry, "
                              f"got {argv[:3]} and {entry!r}")
+        warm_up()
         self._proc = _context().Process(target=_child_main, args=(entry, argv[3:], str(log_path), dict(env)),
                                         daemon=False)
         self._proc.start()

@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from expstream.errors import ShutdownRequested  # noqa: E402
 from expstream.layout import position_ids_from_attention  # noqa: E402
 
 __all__ = [
@@ -461,6 +462,7 @@ class TransformersGenerator:
         min_new_tokens: int = 1,
         seed: int | None = None,
         ignore_eos: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[list[int]]:
         """Generate ``n`` samples per prompt; returns ``len(prompts) * n`` token lists.
 
@@ -469,8 +471,13 @@ class TransformersGenerator:
         ``temperature == 0`` is greedy; ``top_k = -1`` (or 0) is off. ``seed`` makes the sampling
         deterministic without touching the global RNG. ``ignore_eos`` does not stop at EOS: stop
         tokens are suppressed, so every output has exactly ``max_new_tokens`` tokens.
+
+        ``should_stop`` is called before every decoding step; once it returns True the generation
+        is abandoned with :class:`~expstream.errors.ShutdownRequested` (nothing is returned, so a
+        stage never emits a cut-short response). A stop therefore waits for at most one forward
+        pass (the prompt's prefill, or one token), not for ``max_new_tokens`` of them.
         """
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -514,6 +521,19 @@ class TransformersGenerator:
             use_cache=True,
         )
 
+        criteria = None
+        if should_stop is not None:
+            class _AbandonOnStop(StoppingCriteria):
+                def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+                    if should_stop():
+                        raise ShutdownRequested(f"stop requested after {input_ids.shape[1] - width} of "
+                                                f"max_new_tokens={max_new_tokens} tokens; generation abandoned")
+                    return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+            criteria = StoppingCriteriaList([_AbandonOnStop()])
+            if should_stop():
+                raise ShutdownRequested("stop requested before the generation started")
+
         rng: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if seed is not None:
             devices = [self.device] if self.device.type == "cuda" else []
@@ -525,6 +545,7 @@ class TransformersGenerator:
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=cfg,
+                stopping_criteria=criteria,
             )
         generated = out[:, width:].tolist()
 

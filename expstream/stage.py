@@ -3,24 +3,52 @@ and what docker-compose runs per container).
 
 It names itself in ``ps`` first (``expstream stage reward[1] run=<id>``), installs the SIGTERM
 handler before the slow model load, then hands the stage's ``process`` to the shared runner.
+
+Stopping. SIGTERM/SIGINT finish the micro-batch in hand and commit it, except a generation in
+progress: the generator checks ``ctx.should_stop`` between tokens and abandons the micro-batch
+uncommitted (it is redelivered), so a stop takes one decoding step, not a whole long generation.
+Started by the supervisor (``EXPSTREAM_EXIT_WITH_PARENT=1``), the process also stops itself when
+its parent is gone (SIGTERM to itself; ``os._exit`` after ``ORPHAN_EXIT_S`` if that hangs), the
+belt and braces behind ``PDEATHSIG`` (expstream/procs.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import threading
 import time
 
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
-from expstream.procs import set_stage_title
+from expstream.procs import set_stage_title, watch_parent
+from expstream.supervisor import EXIT_WITH_PARENT_ENV, STOP_GRACE_S
 from expstream.topology import Topology
 
 log = logging.getLogger("expstream")
+
+# Why the supervisor's grace: an orphaned stage gets the time a supervised stop would give it (one
+# forward pass, a producer flush against a broker that may be gone too) before it exits hard.
+ORPHAN_EXIT_S = STOP_GRACE_S
+
+
+def _stop_when_orphaned(label: str) -> None:
+    """The parent is gone: stop like on SIGTERM, and exit hard if that has not ended us in ORPHAN_EXIT_S."""
+
+    def on_orphan(parent: int) -> None:
+        log.error("stage %s: parent process %d is gone (now %d); stopping", label, parent, os.getppid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Timer(ORPHAN_EXIT_S, os._exit, args=(EXIT_FAILED,)).start()
+
+    watch_parent(on_orphan)
 
 
 def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     """One stage replica: set up models, then the shared runner until SIGTERM."""
     set_stage_title(args.name, args.replica_id, args.run_id)  # before the seconds of imports below
+    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
+        _stop_when_orphaned(f"{args.name}[{args.replica_id}]")
     import torch
 
     from stages import STAGES
@@ -48,6 +76,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
                        log=logging.getLogger(f"expstream.stage.{args.name}"), run_id=args.run_id,
                        replica_id=args.replica_id)
     runner = StageRunner(ctx, module.process, args.bootstrap_servers)
+    ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
     runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
     started = time.monotonic()
     module.setup(ctx)

@@ -3,8 +3,15 @@
 A child that exits on its own (crash, SIGKILL, OOM) is restarted after a backoff that doubles
 per consecutive failure of that replica; each restart is logged with the exit code. A child
 that exits with code 2 (a configuration error) is not restarted: the same error would recur.
-``stop()`` sends SIGTERM to every child (each finishes its micro-batch and commits), waits,
-then SIGKILLs stragglers, so no orphan survives the run.
+``stop()`` sends SIGTERM to every child (each finishes its micro-batch and commits, or abandons a
+generation in progress between two tokens, uncommitted), waits up to ``STOP_GRACE_S``, then
+SIGKILLs stragglers, so no orphan survives the run.
+
+If the supervisor's process dies instead (``kill -9``, OOM), every child still goes with it: each
+one is started with ``PDEATHSIG`` (exec: here; fork: the fork server dies with this process and the
+stages with the fork server, see expstream/forkserver.py), and a child started with
+``EXPSTREAM_EXIT_WITH_PARENT=1`` (every one started here) also stops on its own once it sees its
+parent gone (expstream/stage.py).
 
 ``pids.json`` (beside the log directory) maps every live replica's label to its pid; it is rewritten
 on every start, every death noticed by :meth:`Supervisor.poll` and at stop, so a kill test never
@@ -18,6 +25,7 @@ replacement (a crash loop of k-1 records per life).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -28,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expstream.errors import EXIT_CONFIG
-from expstream.procs import die_with_parent
+from expstream.procs import die_with
 
 log = logging.getLogger("expstream.supervisor")
 
@@ -38,10 +46,15 @@ RESTART_BACKOFF_START_S = 0.5
 RESTART_BACKOFF_MAX_S = 10.0
 # A replica that ran this long before dying is considered healthy again: its backoff resets.
 HEALTHY_AFTER_S = 30.0
-# Why 20 s: a stage finishing a CPU forward pass on a busy 2-core machine needs a few seconds.
+# Why 20 s between SIGTERM and SIGKILL: a stopping stage finishes at most one forward pass (a
+# generation stops between tokens), then flushes its producer (at most 10 s, stages/runner.py)
+# and leaves the group; on a busy 2-core machine that takes a few seconds. After 20 s the stage
+# is stuck: SIGKILL loses nothing, its uncommitted micro-batch is redelivered.
 STOP_GRACE_S = 20.0
 # The fault-injection variable read by stages/runner.py: "<stage>:<point>:<k>[,...]".
 FAULT_ENV = "EXPSTREAM_FAULT"
+# Set to "1" for every child: read by expstream/stage.py, which then stops when its parent is gone.
+EXIT_WITH_PARENT_ENV = "EXPSTREAM_EXIT_WITH_PARENT"
 
 
 @dataclass
@@ -86,7 +99,7 @@ class Supervisor:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.max_restarts = max_restarts
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, **(env or {}), EXIT_WITH_PARENT_ENV: "1"}
         self.children: list[Child] = []
         self.stopping = False
 
@@ -120,7 +133,7 @@ class Supervisor:
             child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT,
                                           env=self._child_env(child),
                                           stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=die_with_parent)
+                                          preexec_fn=functools.partial(die_with, os.getpid()))
         finally:
             out.close()
         self._started(child)

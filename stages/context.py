@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,9 @@ class StageContext:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("expstream.stage"))
     run_id: str = "local"
     replica_id: str = "0"
+    # True once the process was asked to stop (SIGTERM): long work (a generation) checks it and
+    # raises expstream.errors.ShutdownRequested, abandoning the micro-batch uncommitted.
+    should_stop: Callable[[], bool] = lambda: False
 
 
 def make_context(topology: Topology, stage_name: str, state: State | None = None, run_id: str = "local",

@@ -61,6 +61,7 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
         seed=batch_seed(ctx.topology.run.seed, batch.batch_id),
+        should_stop=ctx.should_stop,  # SIGTERM abandons a long generation between tokens (uncommitted)
     )
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
     version = ctx.state.policy_version()
