@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -112,12 +113,12 @@ def test_kill_9_of_the_run_leaves_no_process_behind(tmp_path, cache):
         proc.stderr.close()
     killed = time.monotonic()
     while time.monotonic() - killed < ORPHANS_GONE_S:
-        left = {name: pid for name, pid in started.items() if alive(pid)}
-        left.update({f"{cmdline(pid)[:80]} pid {pid}": pid for pid in with_run_id(run_id)})
+        left = {pid: name for name, pid in started.items() if alive(pid)}
+        left.update({pid: f"{cmdline(pid)[:80]} pid {pid}" for pid in with_run_id(run_id) if pid not in left})
         if not left:
             break
         time.sleep(0.2)
-    assert left == {}, f"{len(left)} of {len(started)} processes outlived the run's main process: {sorted(left)}"
+    assert left == {}, f"{len(left)} of {len(started)} processes outlived the run's main process: {sorted(left.values())}"
 
 
 def test_a_child_whose_parent_is_already_gone_exits_at_once():
@@ -125,6 +126,31 @@ def test_a_child_whose_parent_is_already_gone_exits_at_once():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                             preexec_fn=functools.partial(die_with, 2 ** 22 + 1))
     assert proc.wait(timeout=10) == ORPHAN_EXIT_CODE
+
+
+def test_watch_parent_notices_that_the_parent_is_gone(tmp_path):
+    """The belt and braces behind PDEATHSIG: a process sees its parent pid change and is told."""
+    marker = tmp_path / "orphaned"
+    grandchild = (f"import time\nfrom expstream.procs import watch_parent\n"
+                  f"watch_parent(lambda old: open({str(marker)!r}, 'w').write(str(old)), interval_s=0.1)\n"
+                  f"time.sleep(60)\n")
+    middle = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
+                               f"print(subprocess.Popen([sys.executable, '-c', {grandchild!r}]).pid, flush=True)\n"
+                               f"time.sleep(60)\n"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pid = int(middle.stdout.readline())
+    try:
+        time.sleep(1)  # the watch has started
+        assert not marker.exists()
+        middle.kill()
+        middle.wait()
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists() and marker.read_text() == str(middle.pid)
+    finally:
+        middle.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_generator_stops_between_tokens(cache):
