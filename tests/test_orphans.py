@@ -182,11 +182,12 @@ def test_sigterm_mid_generation_exits_promptly_and_leaves_the_batch_uncommitted(
     src, dst = f"in-{uuid.uuid4().hex[:10]}", f"out-{uuid.uuid4().hex[:10]}"
     create_topics(broker, {src: 1, dst: 1}, with_dlq=True)
     sets = [f"topics.input={src}", f"stages.generate.output={dst}", f"models.cache_dir={cache}",
-            "generate.n_samples_per_prompt=4", "generate.max_new_tokens=4000", "generate.min_new_tokens=4000"]
+            "generate.n_samples_per_prompt=2", "generate.max_new_tokens=4000", "generate.min_new_tokens=4000"]
     run_id = f"stop-{uuid.uuid4().hex[:6]}"
     producer = make_producer(broker)
-    value = encode(PromptBatch(batch_id="p-long", prompt_id=["long-0"], prompt=["Tell me everything"], label=[""],
-                               reference=[""]))
+    # two prompts: an abandoned batch of several must not be split and dead-lettered as if it were poisoned
+    value = encode(PromptBatch(batch_id="p-long", prompt_id=["long-0", "long-1"],
+                               prompt=["Tell me everything", "And more"], label=["", ""], reference=["", ""]))
     producer.send(src, value=value, key=b"p-long").get(timeout=30)
     producer.close()
     log_path = tmp_path / "generate.log"
@@ -216,7 +217,8 @@ def test_sigterm_mid_generation_exits_promptly_and_leaves_the_batch_uncommitted(
     assert code == 0, text[-3000:]
     assert seconds < STOP_EXIT_S, f"the stage took {seconds:.1f}s to honour SIGTERM\n{text[-3000:]}"
     assert "generation abandoned" in text and "not committing it" in text, text[-3000:]
-    assert f"{src}.dlq" not in text.split("still in hand", 1)[1]  # abandoned, not dead-lettered
+    after = text.split("still in hand", 1)[1]
+    assert "splitting" not in after and "(0 dead letters, 0 batches split" in after, after  # abandoned only
 
     # The micro-batch was not committed: the next consumer of the group reads it again.
     seen = []
