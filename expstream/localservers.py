@@ -22,6 +22,7 @@ import subprocess
 import time
 import weakref
 from pathlib import Path
+from urllib.parse import quote
 
 from expstream.errors import ConfigError, InfraError
 from expstream.procs import set_death_signal
@@ -456,10 +457,13 @@ class LocalRedis(_ServerProcess):
         *,
         appendonly: bool = True,
         binary: str | None = None,
+        password: str | None = None,
     ) -> None:
         super().__init__(run_dir, port)
         self.appendonly = appendonly
         self._binary = binary
+        # requirepass goes into a 0600 config file, never onto the command line (visible in ps).
+        self.password = password
 
     def _argv(self, port: int) -> list[str]:
         binary = self._binary or shutil.which("redis-server")
@@ -468,8 +472,17 @@ class LocalRedis(_ServerProcess):
                 "redis-server not found on PATH: install it: apt-get install -y redis-server "
                 "(make setup does this)"
             )
+        conf: list[str] = []
+        if self.password is not None:
+            path = self.run_dir / "redis-auth.conf"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                escaped = self.password.replace("\\", "\\\\").replace('"', '\\"')
+                fh.write(f'requirepass "{escaped}"\n')
+            conf = [str(path.resolve())]
         return [
             binary,
+            *conf,
             "--port",
             str(port),
             "--bind",
@@ -491,7 +504,8 @@ class LocalRedis(_ServerProcess):
     def _ready(self, deadline: float) -> None:
         import redis
 
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=1, socket_timeout=1)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_connect_timeout=1,
+                             socket_timeout=1)
         last: Exception | None = None
         try:
             while time.monotonic() < deadline:
@@ -508,11 +522,12 @@ class LocalRedis(_ServerProcess):
         raise InfraError(f"redis-server did not answer PING: {last!r}")
 
     def address(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def url(self) -> str:
-        """``"redis://127.0.0.1:PORT/0"`` (valid once started)."""
+        """``"redis://127.0.0.1:PORT/0"`` (``redis://:PASSWORD@...`` with a password; valid once started)."""
         return self.address()
 
     def start(self, timeout_s: float = REDIS_START_TIMEOUT_S) -> str:

@@ -30,6 +30,7 @@ import yaml
 
 from expstream.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from expstream.monitor import ExperienceCollector
+from expstream.preflight import check_output_dir, check_services
 from expstream.prompts import feed_prompts, read_prompts
 from expstream.resolve import build_builtin_models
 from expstream.supervisor import Supervisor, SupervisorError
@@ -112,13 +113,17 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot read the prompt file {args.prompts!r} ({exc.strerror or exc})", field="--prompts",
                           fix="give an existing JSON-lines file, e.g. --prompts examples/prompts.jsonl") from exc
+    run_id = args.run_id or new_run_id()
+    out_dir = Path(args.output or f"runs/{run_id}")
+    # The outside world next, still before anything slow: a writable --output, and the broker and
+    # Redis given on the command line answer (one line and exit 2, not 34 s of retries).
+    check_output_dir(out_dir)
+    check_services(args.bootstrap_servers, args.redis_url, topo.kafka)
     build_builtin_models(topo)
     if topo.run.spawn == "fork":
         from expstream.forkserver import warm_up
 
         warm_up()  # imports torch/transformers once, while the broker and redis start
-    run_id = args.run_id or new_run_id()
-    out_dir = Path(args.output or f"runs/{run_id}")
     run_dir = out_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
