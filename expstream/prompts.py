@@ -48,6 +48,20 @@ def _parse_line(path: str | Path, lineno: int, raw: bytes) -> dict | None:
     return obj
 
 
+def _shown(value: object) -> str:
+    """``value`` as the JSON it was written as (numbers back from :class:`_JsonNumber`), for messages."""
+    def plain(v: object) -> object:
+        if isinstance(v, _JsonNumber):
+            return json.loads(v)
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(plain(value))[:60]
+
+
 def _text_field(path: str | Path, lineno: int, obj: dict, key: str) -> str:
     """``label``/``reference``: a string as is, a number as the text written, absent or null -> ""."""
     value = obj.get(key)
@@ -56,7 +70,7 @@ def _text_field(path: str | Path, lineno: int, obj: dict, key: str) -> str:
     if isinstance(value, str):  # a string, or a number kept as its text (_JsonNumber)
         return str(value)
     kind = "" if isinstance(value, bool) else f" (a {'list' if isinstance(value, list) else 'JSON object'})"
-    raise ConfigError(f'{path}:{lineno}: "{key}" is {json.dumps(value)[:60]}{kind}; it must be a string or a number',
+    raise ConfigError(f'{path}:{lineno}: "{key}" is {_shown(value)}{kind}; it must be a string or a number',
                       field="--prompts", fix=f'write it as text, e.g. "{key}": "4"')
 
 
@@ -68,7 +82,7 @@ def _prompt_id(path: str | Path, lineno: int, obj: dict) -> str:
     value = obj["id"]
     if isinstance(value, str) and value != "":
         return str(value)
-    shown = "null" if value is None else json.dumps(value)[:60]
+    shown = _shown(value)
     raise ConfigError(f'{path}:{lineno}: "id" is {shown}; it must be a non-empty string or a number',
                       field="--prompts", fix='give every line its own id, or leave "id" out to use the line number')
 
