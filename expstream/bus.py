@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,21 @@ _ACKS = (0, 1, -1, "all")
 _COMPRESSION = (None, "gzip", "snappy", "lz4", "zstd")
 _OFFSET_RESET = ("earliest", "latest")
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+#: Where the SASL user name is read from when the topology names none.
+USERNAME_ENV = "EXPSTREAM_KAFKA_USERNAME"
+
+
+def _refuse_passwords(d: Mapping[str, Any], where: str) -> None:
+    """A password in a topology is a ConfigError: it would be copied into run dirs, logs and images."""
+    for key in d:
+        if "password" in str(key) and str(key) != "sasl_password_env":
+            raise ConfigError(
+                "passwords are not read from the topology (it is copied into run directories and images)",
+                field=f"{where}.{key}",
+                fix="put the password in the environment ($EXPSTREAM_KAFKA_PASSWORD, or the variable "
+                "named by kafka.sasl_password_env); docker-compose reads it from .env",
+            )
 
 
 @dataclass
@@ -129,7 +145,16 @@ class KafkaConfig:
     bootstrap_timeout_ms: int = 30000
 
     # --- security ------------------------------------------------------------------------------
+    # PLAINTEXT suits the embedded broker and a compose network; SASL_PLAINTEXT / SASL_SSL with
+    # sasl_mechanism authenticate (docs/deploy.md: docker-compose's host listener wants SCRAM-SHA-512).
     security_protocol: str = "PLAINTEXT"
+    # PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (others, e.g. OAUTHBEARER, through `extra`); needed by SASL_*.
+    sasl_mechanism: str | None = None
+    # The SASL user name; None: read $EXPSTREAM_KAFKA_USERNAME when a SASL protocol is used.
+    sasl_plain_username: str | None = None
+    # The *name* of the environment variable holding the SASL password. The password itself is never
+    # a topology value: topologies are copied into run directories, logs and images.
+    sasl_password_env: str = "EXPSTREAM_KAFKA_PASSWORD"
     # Extra kafka-python arguments per role (ssl_cafile, sasl_*, client_id, ...), passed verbatim:
     # {"producer": {...}, "consumer": {...}, "admin": {...}, "all": {...}}.
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -159,6 +184,7 @@ class KafkaConfig:
                 field=where,
                 fix="write the kafka block as key: value pairs",
             )
+        _refuse_passwords(d, where)
         valid = cls.field_names()
         for key in d:
             if key not in valid:
@@ -237,6 +263,50 @@ class KafkaConfig:
                 field="kafka.extra",
                 fix="map 'producer', 'consumer', 'admin' or 'all' to kafka-python arguments",
             )
+        for role, kw in self.extra.items():
+            _refuse_passwords(kw, f"kafka.extra.{role}")
+        sasl = self.security_protocol.startswith("SASL_")
+        if sasl and self.sasl_mechanism is None and not any("sasl_mechanism" in kw for kw in self.extra.values()):
+            raise ConfigError(
+                f"security_protocol {self.security_protocol} needs a SASL mechanism",
+                field="kafka.sasl_mechanism",
+                fix=f"set it to one of {', '.join(_MECHANISMS)} (docker-compose's host listener: SCRAM-SHA-512)",
+            )
+        if self.sasl_mechanism is not None and self.sasl_mechanism not in _MECHANISMS:
+            raise ConfigError(
+                f"unknown sasl_mechanism {self.sasl_mechanism!r}",
+                field="kafka.sasl_mechanism",
+                fix=f"use one of {', '.join(_MECHANISMS)}, or pass others through kafka.extra.all",
+            )
+        if self.sasl_mechanism is not None and not sasl:
+            raise ConfigError(
+                f"sasl_mechanism {self.sasl_mechanism} is set but security_protocol is {self.security_protocol}",
+                field="kafka.security_protocol",
+                fix="use SASL_PLAINTEXT (or SASL_SSL), or remove sasl_mechanism",
+            )
+
+    def sasl_kwargs(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """kafka-python's SASL arguments: user from the topology or $EXPSTREAM_KAFKA_USERNAME, password
+        from ``$<sasl_password_env>`` (read when a client is made, never stored in the topology)."""
+        if self.sasl_mechanism is None:
+            return {}
+        env = os.environ if environ is None else environ
+        user = self.sasl_plain_username or env.get(USERNAME_ENV)
+        password = env.get(self.sasl_password_env)
+        if not user:
+            raise ConfigError(
+                f"SASL {self.sasl_mechanism} needs a user name",
+                field="kafka.sasl_plain_username",
+                fix=f"set kafka.sasl_plain_username or export {USERNAME_ENV}",
+            )
+        if not password:
+            raise ConfigError(
+                f"SASL {self.sasl_mechanism} needs a password and ${self.sasl_password_env} is empty",
+                field=self.sasl_password_env,
+                fix=f"export {self.sasl_password_env}=... (docker-compose: from .env), never in the topology",
+            )
+        return {"sasl_mechanism": self.sasl_mechanism, "sasl_plain_username": user,
+                "sasl_plain_password": password}
 
     # --- mapping to kafka-python ---------------------------------------------------------------
     def client_kwargs(self, role: str) -> dict[str, Any]:
@@ -281,6 +351,7 @@ class KafkaConfig:
             kw = dict(common)
         # Responses carry whole micro-batches: allow them through the client's frame size check.
         kw["receive_message_max_bytes"] = max(100_000_000, self.fetch_max_bytes + MiB)
+        kw.update(self.sasl_kwargs())
         kw.update(self.extra.get("all", {}))
         kw.update(self.extra.get(role, {}))
         return kw

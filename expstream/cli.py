@@ -18,6 +18,7 @@ import sys
 
 from expstream.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError
 from expstream.resolve import check_models, model_dir
+from expstream.secrets import REDIS_URL_ENV, env_redis_url
 from expstream.topology import find_topology, load_topology
 
 
@@ -32,7 +33,8 @@ def _add_topology_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
                    help="override a topology value; repeatable")
     p.add_argument("--bootstrap-servers", help="Kafka HOST:PORT; default: start a local broker")
-    p.add_argument("--redis-url", help="redis://HOST:PORT/DB; default: start a local redis-server")
+    p.add_argument("--redis-url", help=f"redis://[:PASSWORD@]HOST:PORT/DB; default: ${REDIS_URL_ENV}, else start a local "
+                   f"redis-server (put a password in ${REDIS_URL_ENV}, not on the command line: `ps` shows it)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts", required=True, help="JSON-lines prompt file")
     run.add_argument("--output", help="output directory (default runs/<run id>)")
     run.add_argument("--run-id", help="names consumer groups and Redis keys (default: fresh)")
+    reuse = run.add_mutually_exclusive_group()
+    reuse.add_argument("--force", action="store_true",
+                       help="--output holds a previous run: delete it and start fresh")
+    reuse.add_argument("--resume", action="store_true",
+                       help="--output holds a previous run: continue it (not supported yet: refused with the reason)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     stage = sub.add_parser("stage", help="run one stage replica (what `run` starts per stage)")
@@ -53,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--replica-id", default=os.environ.get("EXPSTREAM_REPLICA_ID") or socket.gethostname(),
                        help="names this replica in heartbeats (default: $EXPSTREAM_REPLICA_ID or the host name)")
 
-    topics = sub.add_parser("topics", help="create the topology's topics (and .dlq twins)")
-    topics.add_argument("action", choices=["create", "list"])
+    topics = sub.add_parser("topics", help="create or list the topology's topics (and .dlq twins); tail one")
+    topics.add_argument("action", choices=["create", "list", "tail"])
+    topics.add_argument("topic", nargs="?", help="tail: the topic to print, e.g. experiences or batches.dlq")
     _add_topology_args(topics)
+    from expstream.tail import add_tail_args
+
+    add_tail_args(topics)
 
     models = sub.add_parser("models", help="build the built-in tiny offline models")
     models.add_argument("action", choices=["build"])
@@ -69,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "redis_url", "absent") is None:  # the flag wins; a password need not be typed on it
+        args.redis_url = env_redis_url()
     _setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
     try:
         topo = load_topology(find_topology(args.topology), args.overrides)

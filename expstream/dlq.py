@@ -6,7 +6,12 @@ they hold and how they are built and read are in expstream/letters.py, shared wi
 
 ``redrive`` re-publishes each letter's value to its ``original_topic`` with the original record's
 own headers and ``redrive_attempt`` incremented; a letter already at ``--max-attempts`` is skipped
-and reported. It reads the DLQ as consumer group ``expstream.dlq-redrive.<dlq topic>`` and commits
+and reported. Headers are data anyone who can write to the dead-letter topic can forge, so the
+target is checked, never trusted: a letter of ``T.dlq`` goes back only to ``T``, and only when ``T``
+is a topic of the topology (``Topology.all_topics()``, as loaded with ``--topology``/``--set``).
+``--to TOPIC`` sends every letter to ``TOPIC`` instead (a topology topic, or any existing topic with
+``--allow-any-topic``). A letter naming another topic is refused: counted, reported with its
+position, never published (the command then exits 1 so that a script notices). It reads the DLQ as consumer group ``expstream.dlq-redrive.<dlq topic>`` and commits
 after every confirmed re-publish, so running it twice does not send the same letter twice.
 """
 
@@ -16,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -176,31 +182,72 @@ class RedriveReport:
     redriven: list[str] = field(default_factory=list)  # "dlq[p]@o -> topic (attempt k)"
     skipped_max_attempts: list[str] = field(default_factory=list)
     skipped_other: list[str] = field(default_factory=list)  # no original topic, value omitted
+    refused: list[str] = field(default_factory=list)  # original_topic not this DLQ's topology topic
     dry_run: bool = False
 
     def lines(self) -> list[str]:
         verb = "would redrive" if self.dry_run else "redrove"
         out = [f"{self.topic}: {verb} {len(self.redriven)}, skipped {len(self.skipped_max_attempts)} at max "
-               f"attempts, {len(self.skipped_other)} not redrivable"]
+               f"attempts, {len(self.skipped_other)} not redrivable, {len(self.refused)} refused (target topic "
+               "not allowed)"]
         out += [f"  {verb}: {x}" for x in self.redriven]
         out += [f"  skipped (max attempts): {x}" for x in self.skipped_max_attempts]
         out += [f"  skipped: {x}" for x in self.skipped_other]
+        out += [f"  refused: {x}" for x in self.refused]
         return out
 
 
+@dataclass(frozen=True)
+class Targets:
+    """Where the letters of one dead-letter topic may be re-published (see the module doc)."""
+
+    allowed: frozenset[str]  # the topology's topics
+    to: str | None = None  # --to: every letter goes there
+
+    def check(self, letter: DeadLetter) -> tuple[str | None, str]:
+        """``(target, "")`` or ``(None, why not)``."""
+        if self.to is not None:
+            return self.to, ""
+        target = letter.original_topic
+        if not target:
+            return None, "no original_topic header"
+        twin = letter.topic[: -len(DLQ_SUFFIX)]
+        if target != twin:
+            return None, (f"original_topic header names {target!r}, but letters of {letter.topic} come from "
+                          f"{twin!r} (forged or copied header?); not published. Use --to {twin} to send it back "
+                          "there anyway")
+        if target not in self.allowed:
+            return None, (f"original_topic {target!r} is not a topic of the topology ({', '.join(sorted(self.allowed))})"
+                          "; not published. Pass the run's --topology/--set, or --to TOPIC")
+        return target, ""
+
+
 def redrive(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, max_attempts: int = 3, dry_run: bool = False,
-            timeout_s: float = READ_TIMEOUT_S) -> RedriveReport:
-    """Re-publish the letters of ``topic`` not yet redriven by an earlier call (see the module doc)."""
+            timeout_s: float = READ_TIMEOUT_S, allowed_topics: Iterable[str] = (), to: str | None = None,
+            allow_any_topic: bool = False) -> RedriveReport:
+    """Re-publish the letters of ``topic`` not yet redriven by an earlier call (see the module doc): each to
+    its ``original_topic`` when that is ``topic``'s twin and one of ``allowed_topics``, or all to ``to``."""
     if not topic.endswith(DLQ_SUFFIX):
         raise ConfigError(f"{topic!r} is not a dead-letter topic", field="--topic",
                           fix=f"name a topic ending in {DLQ_SUFFIX}, e.g. batches.dlq")
     if max_attempts < 1:
         raise ConfigError(f"must be >= 1, got {max_attempts}", field="--max-attempts", fix="use e.g. 3")
+    allowed = frozenset(allowed_topics)
+    if allow_any_topic and to is None:
+        raise ConfigError("only applies to a topic named with --to", field="--allow-any-topic",
+                          fix="add --to TOPIC, or leave --allow-any-topic out")
+    if to is not None and to not in allowed and not allow_any_topic:
+        raise ConfigError(f"{to!r} is not a topic of the topology ({', '.join(sorted(allowed))})", field="--to",
+                          fix="name one of them, pass the run's --topology/--set, or add --allow-any-topic")
+    targets = Targets(allowed, to)
     cfg = cfg or KafkaConfig()
     report = RedriveReport(topic, dry_run=dry_run)
     consumer = make_consumer(bootstrap, REDRIVE_GROUP.format(topic=topic), cfg, max_poll_records=100)
     producer = None if dry_run else make_producer(bootstrap, cfg)
     try:
+        if to is not None and to not in consumer.topics():  # never create a topic by publishing to it
+            raise ConfigError(f"topic {to!r} does not exist on the broker", field="--to",
+                              fix="create it first (`expstream topics create`), or name an existing topic")
         tps = _partitions(consumer, topic, timeout_s)
         if not tps:
             return report
@@ -222,7 +269,7 @@ def redrive(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, max_attempts
                 for rec in recs:
                     if rec.offset >= ends[tp]:
                         continue
-                    _redrive_one(DeadLetter.from_record(rec), producer, cfg, max_attempts, report)
+                    _redrive_one(DeadLetter.from_record(rec), producer, cfg, max_attempts, targets, report)
                     if not dry_run:  # progress is stored only once the re-publish is confirmed
                         consumer.commit({tp: OffsetAndMetadata(rec.offset + 1, "", -1)})
             remaining = {tp for tp in remaining if consumer.position(tp) < ends[tp]}
@@ -233,16 +280,16 @@ def redrive(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, max_attempts
         consumer.close(autocommit=False)
 
 
-def _redrive_one(letter: DeadLetter, producer: Any, cfg: KafkaConfig, max_attempts: int,
+def _redrive_one(letter: DeadLetter, producer: Any, cfg: KafkaConfig, max_attempts: int, targets: Targets,
                  report: RedriveReport) -> None:
     where = f"{letter.topic}[{letter.partition}]@{letter.offset} (from {letter.origin}, " \
             f"batch {letter.headers.get(H_BATCH_ID)}, {letter.headers.get(H_ERROR_CLASS)})"
     if letter.attempt >= max_attempts:
         report.skipped_max_attempts.append(f"{where}: already redriven {letter.attempt} time(s)")
         return
-    target = letter.original_topic
-    if not target:
-        report.skipped_other.append(f"{where}: no original_topic header")
+    target, why_not = targets.check(letter)
+    if target is None:
+        (report.skipped_other if not letter.original_topic else report.refused).append(f"{where}: {why_not}")
         return
     if letter.headers.get(H_VALUE_OMITTED) or letter.value is None:
         report.skipped_other.append(f"{where}: value omitted ({letter.headers.get(H_VALUE_OMITTED)}); "
@@ -285,10 +332,11 @@ def _dlq_action(args: argparse.Namespace, cfg: KafkaConfig, topo: Any) -> int:
         topics = [args.topic] if args.topic else _dlq_topics_of(args.bootstrap_servers, cfg, topo)
         inspect(args.bootstrap_servers, cfg, topics, limit=args.limit, as_json=args.json)
         return 0
-    report = redrive(args.bootstrap_servers, cfg, args.topic, max_attempts=args.max_attempts, dry_run=args.dry_run)
+    report = redrive(args.bootstrap_servers, cfg, args.topic, max_attempts=args.max_attempts, dry_run=args.dry_run,
+                     allowed_topics=topo.all_topics(), to=args.to, allow_any_topic=args.allow_any_topic)
     for line in report.lines():
         print(line)
-    return 0
+    return 1 if report.refused else 0
 
 
 def add_dlq_parser(sub: Any, add_topology_args: Any) -> None:
@@ -307,3 +355,7 @@ def add_dlq_parser(sub: Any, add_topology_args: Any) -> None:
     red.add_argument("--max-attempts", type=int, default=3,
                      help="skip letters already redriven this many times (default 3)")
     red.add_argument("--dry-run", action="store_true", help="report what would be sent; send and commit nothing")
+    red.add_argument("--to", default=None, metavar="TOPIC",
+                     help="send every letter to TOPIC (a topic of the topology) instead of its original_topic")
+    red.add_argument("--allow-any-topic", action="store_true",
+                     help="let --to name an existing topic outside the topology")

@@ -16,10 +16,17 @@ the record came from:
 ``size``            bytes of the original record value
 ``split_from``      only on a 1-row letter cut out of a failed micro-batch: that batch's id
 ``sample_ids``      the sample ids (prompt ids for a PromptBatch) in the letter, comma separated
-``value_omitted``   only when the original was too large even for the dead-letter topic: the value
-                    is empty and the original stays at original_topic[partition]@offset
+``value_omitted``   only when the original value cannot travel (too large even for the dead-letter
+                    topic, or a tombstone: no value at all): the letter's value is empty and the
+                    original stays at original_topic[partition]@offset
+``headers_omitted`` only when the original record's own headers made the letter too large: they are
+                    dropped (this header says which and why), the value is kept
 ``redrive_attempt`` how many times ``expstream dlq redrive`` has re-published it (absent: 0)
 ==================  =================================================================================
+
+The original record's own headers are copied byte for byte, except that a null header value (allowed
+by the protocol, refused by kafka-python's producer) travels as an empty one, and headers named like
+the ones above are replaced, never duplicated: a forged ``original_topic`` cannot survive a letter.
 
 The writer is stages/runner.py (through :func:`letter_headers`), the reader is ``expstream dlq``
 (expstream/dlq.py, through :func:`decode_headers` and :func:`redrive_headers`): one module, so the
@@ -37,12 +44,13 @@ H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE = "stage", "replica", "error_
 H_TOPIC, H_PARTITION, H_OFFSET = "original_topic", "original_partition", "original_offset"
 H_SCHEMA, H_VERSION, H_BATCH_ID, H_SIZE = "schema", "schema_version", "batch_id", "size"
 H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED = "split_from", "sample_ids", "value_omitted"
+H_HEADERS_OMITTED = "headers_omitted"
 H_ATTEMPT = "redrive_attempt"
 #: Headers that describe one dead-lettering: replaced (never duplicated) when a redriven record
 #: fails again, and stripped when redrive re-publishes a letter to its original topic.
 RUNNER_HEADERS: tuple[str, ...] = (
     H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE, H_TOPIC, H_PARTITION, H_OFFSET, H_SCHEMA,
-    H_VERSION, H_BATCH_ID, H_SIZE, H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED,
+    H_VERSION, H_BATCH_ID, H_SIZE, H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED, H_HEADERS_OMITTED,
 )  # fmt: skip
 # Header values are truncated so one enormous error message cannot make the DLQ record oversized.
 MAX_HEADER_CHARS = 2000
@@ -64,7 +72,7 @@ def header_value(headers: Headers | None, name: str) -> str:
     """The text of header ``name`` (the first one), or ``""``."""
     for k, v in headers or []:
         if k == name:
-            return v.decode(errors="replace")
+            return (v or b"").decode(errors="replace")
     return ""
 
 
@@ -81,7 +89,7 @@ def letter_headers(record: Any, *, stage: str, replica: str, error_class: str, e
     schema, version, batch_id = peek_header(value) if value else (None, None, None)
     if schema is None and original is not None and value is original:
         schema, version, batch_id = peek_header(original)
-    kept = [(k, v) for k, v in (record.headers or []) if k not in RUNNER_HEADERS]
+    kept = [(k, v if v is not None else b"") for k, v in (record.headers or []) if k not in RUNNER_HEADERS]
     return kept + encode_headers(**{
         H_STAGE: stage,
         H_REPLICA: replica,
@@ -104,9 +112,14 @@ def value_omitted_headers(headers: Headers | None, reason: str) -> Headers:
     return [*(headers or []), *encode_headers(**{H_VALUE_OMITTED: reason})]
 
 
+def headers_omitted_headers(headers: Headers | None, reason: str) -> Headers:
+    """``headers`` plus ``headers_omitted``: the original record's own headers did not fit in the letter."""
+    return [*(headers or []), *encode_headers(**{H_HEADERS_OMITTED: reason})]
+
+
 def redrive_headers(raw: Iterable[tuple[str, bytes]], attempt: int) -> Headers:
     """The original record's own headers plus ``redrive_attempt`` = ``attempt`` + 1."""
-    kept = [(k, v) for k, v in raw if k not in RUNNER_HEADERS and k != H_ATTEMPT]
+    kept = [(k, v if v is not None else b"") for k, v in raw if k not in RUNNER_HEADERS and k != H_ATTEMPT]
     return [*kept, (H_ATTEMPT, str(attempt + 1).encode())]
 
 

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 from expstream.errors import ConfigError, InfraError
 from expstream.procs import set_death_signal
+from expstream.secrets import redact_url, write_private
 
 __all__ = [
     "free_port",
@@ -228,7 +229,7 @@ class _ServerProcess:
         log.info(
             "%s ready at %s (pid %d) in %.3fs",
             self.name,
-            self.address(),
+            redact_url(self.address()),
             self._proc.pid,
             time.monotonic() - t0,
         )
@@ -446,6 +447,9 @@ class LocalRedis(_ServerProcess):
     ``--save ''`` (no RDB snapshots); with appendonly the AOF lives in ``run_dir/appendonlydir`` and
     is fsynced on SIGTERM, so a stop/start on the same dir keeps every key. Log in
     ``run_dir/redis.log``, pid in ``run_dir/redis.pid``.
+
+    ``password`` sets ``requirepass`` through ``run_dir/redis.conf``, written mode 0600, never on
+    the server's command line; :attr:`url` then carries it (``redis://:PASS@127.0.0.1:PORT/0``).
     """
 
     name = "redis"
@@ -462,8 +466,11 @@ class LocalRedis(_ServerProcess):
         super().__init__(run_dir, port)
         self.appendonly = appendonly
         self._binary = binary
-        # requirepass goes into a 0600 config file, never onto the command line (visible in ps).
         self.password = password
+
+    @property
+    def conf_path(self) -> Path:
+        return self.run_dir / "redis.conf"
 
     def _argv(self, port: int) -> list[str]:
         binary = self._binary or shutil.which("redis-server")
@@ -473,13 +480,12 @@ class LocalRedis(_ServerProcess):
                 "(make setup does this)"
             )
         conf: list[str] = []
-        if self.password is not None:
-            path = self.run_dir / "redis-auth.conf"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                escaped = self.password.replace("\\", "\\\\").replace('"', '\\"')
-                fh.write(f'requirepass "{escaped}"\n')
-            conf = [str(path.resolve())]
+        if self.password:
+            if any(c.isspace() or c == '"' for c in self.password):
+                raise ConfigError("LocalRedis password: whitespace and quotes are not supported", field="password",
+                                  fix="use a password of letters, digits and punctuation")
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            conf = [str(write_private(self.conf_path, f"requirepass {self.password}\n").resolve())]
         return [
             binary,
             *conf,
@@ -522,12 +528,12 @@ class LocalRedis(_ServerProcess):
         raise InfraError(f"redis-server did not answer PING: {last!r}")
 
     def address(self) -> str:
-        auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def url(self) -> str:
-        """``"redis://127.0.0.1:PORT/0"`` (``redis://:PASSWORD@...`` with a password; valid once started)."""
+        """``"redis://127.0.0.1:PORT/0"`` (valid once started; with ``:PASS@`` when a password is set)."""
         return self.address()
 
     def start(self, timeout_s: float = REDIS_START_TIMEOUT_S) -> str:

@@ -23,12 +23,12 @@ import logging
 import os
 import socket
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from expstream.bus import KafkaConfig
 from expstream.errors import AuthError, ConfigError
+from expstream.secrets import redact_url
 
-__all__ = ["PREFLIGHT_TIMEOUT_S", "check_output_dir", "check_kafka", "check_redis", "check_services", "redact_url"]
+__all__ = ["PREFLIGHT_TIMEOUT_S", "check_output_dir", "check_kafka", "check_redis", "check_services"]
 
 log = logging.getLogger("expstream.preflight")
 
@@ -39,19 +39,6 @@ PREFLIGHT_TIMEOUT_S = 5.0
 
 _KAFKA_FIX = "check --bootstrap-servers (HOST:PORT of a running broker), or leave it out to start a local one"
 _REDIS_FIX = "check --redis-url (redis://[:PASSWORD@]HOST:PORT/DB), or leave it out to start a local redis-server"
-
-
-def redact_url(url: str) -> str:
-    """``redis://:secret@host:6379/0`` -> ``redis://:***@host:6379/0`` (for messages)."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.netloc.rpartition("@")[2]
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-    except ValueError:
-        return "<unparseable URL>"
 
 
 def check_output_dir(path: str | Path, flag: str = "--output") -> None:

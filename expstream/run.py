@@ -1,5 +1,7 @@
 """``expstream run``: the embedded default (or existing services), end to end.
 
+0. Lock the output directory (expstream.rundir): a second run on it, or a directory holding a
+   previous run without ``--force``, exits 2 before anything is started or written.
 1. Build the built-in tiny models once, before any stage starts (the reward function and the
    model directories were checked by expstream.resolve right after loading the topology).
 2. Start a local broker and redis-server on free loopback ports unless addresses were given.
@@ -9,13 +11,13 @@
 6. Collect experiences (deduped by sample id) until every prompt group is accounted for:
    emitted complete, dropped by dynamic sampling, or dead-lettered.
 7. Stop stages (SIGTERM, then SIGKILL after a grace period), then redis and the broker.
-8. Write ``experiences.msgpack`` and ``summary.json``; print the summary.
+8. Write ``experiences.msgpack`` and ``summary.json`` whatever happened (expstream.outcome: a run
+   that lost more than ``run.max_lost_group_share`` of its fed groups fails); print the summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import signal
@@ -28,11 +30,14 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from expstream.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError
-from expstream.monitor import ExperienceCollector
+from expstream.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
+from expstream.monitor import REJECTED_FILE, ExperienceCollector
+from expstream.outcome import RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
 from expstream.prompts import feed_prompts, read_prompts
 from expstream.resolve import build_builtin_models
+from expstream.rundir import claim_run_dir
+from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.topics import create_topics, dlq_topic
 from expstream.topology import Topology
@@ -69,14 +74,16 @@ def install_interrupt_handler() -> dict[str, bool]:
     return flag
 
 
-def dump_json(obj: object, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, redis_url: str, run_id: str) -> list[str]:
+def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, run_id: str) -> list[str]:
+    """A stage's command line. No Redis URL here (it may hold a password, and every user can read
+    ``/proc/<pid>/cmdline``): stages get it from :func:`stage_env`."""
     return [sys.executable, "-m", "expstream", "stage", name, "--topology", str(topo_path),
-            "--bootstrap-servers", bootstrap, "--redis-url", redis_url, "--run-id", run_id,
-            "--replica-id", str(replica)]
+            "--bootstrap-servers", bootstrap, "--run-id", run_id, "--replica-id", str(replica)]
+
+
+def stage_env(redis_url: str) -> dict[str, str]:
+    """What a stage's environment adds: the real Redis URL (``/proc/<pid>/environ`` is owner-only)."""
+    return {REDIS_URL_ENV: redis_url}
 
 
 class Progress:
@@ -119,6 +126,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     # Redis given on the command line answer (one line and exit 2, not 34 s of retries).
     check_output_dir(out_dir)
     check_services(args.bootstrap_servers, args.redis_url, topo.kafka)
+    # Held until the summary is written (released last by the ExitStack below, or at process exit).
+    run_lock = claim_run_dir(out_dir, force=args.force, resume=args.resume)
     build_builtin_models(topo)
     if topo.run.spawn == "fork":
         from expstream.forkserver import warm_up
@@ -128,8 +137,10 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
     started = time.monotonic()
-    status, error = EXIT_OK, None
+    out = RunOutcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=started)
     with ExitStack() as stack:
+        stack.callback(run_lock.release)
+        stack.push(out.on_exit)  # outputs even when setting up fails (a no-op once written)
         bootstrap, redis_url = args.bootstrap_servers, args.redis_url
         if not bootstrap:
             from expstream.localservers import LocalBroker
@@ -138,16 +149,19 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             bootstrap = broker.start()
             stack.callback(broker.stop)
             log.info("local broker at %s (log %s)", bootstrap, run_dir / "broker.log")
+        out.bootstrap = bootstrap
         if not redis_url:
             from expstream.localservers import LocalRedis
 
             redis = LocalRedis(run_dir)
             redis_url = redis.start()
             stack.callback(redis.stop)
-            log.info("local redis at %s", redis_url)
+            log.info("local redis at %s", redact_url(redis_url))
         from expstream.state import RedisState
 
-        services = {"bootstrap_servers": bootstrap, "redis_url": redis_url}
+        out.redis_url, out.secret = redact_url(redis_url), url_password(redis_url)
+        # Shown, so redacted: whoever resumes or inspects the run passes the password again.
+        services = {"run_id": run_id, "bootstrap_servers": bootstrap, "redis_url": redact_url(redis_url)}
         if not args.bootstrap_servers:
             services["broker_pid"] = broker.pid
         if not args.redis_url:
@@ -155,92 +169,73 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         dump_json(services, run_dir / "services.json")
 
         create_topics(bootstrap, topo.all_topics(), with_dlq=True)
-        state = RedisState(redis_url, run_id)
+        state = out.state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
-                         fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false"})
+                         fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
+                                                     **stage_env(redis_url)})
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
-                sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, redis_url, run_id))
+                sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))
+        out.supervisor = sup
         sup.start()
         stack.callback(sup.stop)
-        dlqs = [dlq_topic(t) for t in topo.all_topics()]
-        collector = ExperienceCollector(bootstrap, topo.kafka, topo.output_topic,
-                                        topo.generate.n_samples_per_prompt, dlq_topics=dlqs,
-                                        group_mode=topo.is_group_estimator)
-        stack.callback(collector.close)
-        plan = FeedPlan(topo, len(rows))
-        fed, records = 0, 0
-        progress = Progress(plan.target, enabled=not args.no_progress)
-        last_new = time.monotonic()
-        dropped = 0
         try:
+            dlqs = [dlq_topic(t) for t in topo.all_topics()]
+            collector = out.collector = ExperienceCollector(
+                bootstrap, topo.kafka, topo.output_topic, topo.generate.n_samples_per_prompt, dlq_topics=dlqs,
+                group_mode=topo.is_group_estimator, rejected_path=out_dir / REJECTED_FILE)
+            stack.callback(collector.close)
+            plan = out.plan = FeedPlan(topo, len(rows))
+            fed, records = 0, 0
+            progress = out.progress = Progress(plan.target, enabled=not args.no_progress)
+            last_new = time.monotonic()
             while True:
                 if stop["stop"]:
-                    status = EXIT_INTERRUPTED
+                    out.status = EXIT_INTERRUPTED
                     break
-                lost = dropped + len(collector.lost_groups())
+                lost = out.dropped + len(collector.lost_groups())
                 if plan.wanted(lost) > fed:  # first feed, or a top-up for groups dynamic sampling dropped
                     want = plan.wanted(lost)
+                    collector.expect_groups(r.prompt_id for r in rows[fed:want])  # before they can come out
                     records += feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows[fed:want],
                                             topo.run.prompt_batch_size, first_index=records)
                     log.info("run %s: fed prompts %d..%d to %s", run_id, fed, want - 1, topo.topics.input)
-                    fed = want
+                    fed = out.fed = want
                 if collector.poll(MONITOR_POLL_MS):
                     last_new = time.monotonic()
                 sup.poll()
-                dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
-                flush_last_window(topo, state, collector, fed, dropped, bootstrap)
+                out.dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
+                flush_last_window(topo, state, collector, fed, out.dropped, bootstrap)
                 done = collector.complete_groups + lost
                 progress.update(min(collector.complete_groups, plan.target), len(collector.samples))
                 if collector.complete_groups >= plan.target or (fed == len(rows) and done >= fed):
                     progress.update(min(collector.complete_groups, plan.target), len(collector.samples), force=True)
+                    out.finished = True
                     break
                 if time.monotonic() - last_new > topo.run.timeout_s:
-                    error = f"no experience arrived for {topo.run.timeout_s:.0f}s (run.timeout_s); see {run_dir}/logs"
-                    status = EXIT_FAILED
+                    out.fail(f"no experience arrived for {topo.run.timeout_s:.0f}s (run.timeout_s); "
+                             f"see {run_dir}/logs")
                     break
         except SupervisorError as exc:
-            error, status = str(exc), EXIT_FAILED
+            out.fail(str(exc))
+        except KeyboardInterrupt:
+            out.status = EXIT_INTERRUPTED
+        except Exception as exc:  # noqa: BLE001 - whatever broke, what was collected is written below
+            text = f"{type(exc).__name__}: {exc}"
+            # The traceback goes to the log only without a secret in it (a Redis URL in the text).
+            if out.secret and out.secret in text:
+                log.error("run %s: %s", run_id, text.replace(out.secret, REDACTED))
+            else:
+                log.exception("run %s: %s", run_id, exc)
+            out.fail(f"{type(exc).__name__}: {exc}")
         finally:
-            progress.close()
-        wall = time.monotonic() - started
-        stage_stats = state.stage_stats()
-        (out_dir / "experiences.msgpack").write_bytes(b"".join(collector.records))
-        summary = {
-            "run_id": run_id,
-            "status": "ok" if status == EXIT_OK else ("interrupted" if status == EXIT_INTERRUPTED else "failed"),
-            "error": error,
-            "prompts": len(rows),
-            "prompts_fed": fed,
-            "target_groups": plan.target,
-            "groups_complete": collector.complete_groups,
-            "groups_dropped_dynamic_sampling": dropped,
-            "groups_dead_lettered": sorted(collector.lost_groups()),
-            "samples": len(collector.samples),
-            "experience_records": len(collector.records),
-            "duplicate_samples_dropped": collector.duplicates,
-            "dead_letters": collector.dead_letters,
-            "stage_restarts": {c.label: c.restarts for c in sup.children if c.restarts},
-            "wall_s": round(wall, 3),
-            "samples_per_s": round(len(collector.samples) / wall, 4) if wall > 0 else 0.0,
-            "steady_samples_per_s": round(rate, 4) if (rate := collector.steady_rate()) is not None else None,
-            "first_experience_after_s": round(collector.first_at - started, 3) if collector.first_at else None,
-            "stages": {
-                name: {**s, "ms_per_batch": round(1000 * s["seconds"] / s["batches"], 3) if s["batches"] else None}
-                for name, s in stage_stats.items()
-            },
-            "estimator": topo.algo.advantage_estimator,
-            "n_samples_per_prompt": topo.generate.n_samples_per_prompt,
-            "bootstrap_servers": bootstrap,
-            "topology": topo.source,
-        }
-        dump_json(summary, out_dir / "summary.json")
+            summary = out.write()  # experiences.msgpack and summary.json, whatever happened
     print_summary(summary, out_dir)
-    if error:
-        print(f"expstream: run failed: {error}", file=sys.stderr)
-    return status
+    if out.error:
+        print(f"expstream: run failed: {out.error}", file=sys.stderr)
+    return out.status
 
 
 class FeedPlan:
@@ -298,6 +293,11 @@ def print_summary(summary: dict, out_dir: Path) -> None:
     print(f"  prompts {summary['prompts']}, groups complete {summary['groups_complete']}, "
           f"samples {summary['samples']}, dropped (dynamic sampling) {summary['groups_dropped_dynamic_sampling']}, "
           f"dead letters {len(summary['dead_letters'])}")
+    if summary["lost_groups"] or summary["foreign_samples"] or summary["rejected_records"]["count"]:
+        print(f"  lost groups {len(summary['lost_groups'])} of {summary['prompts_fed']} fed "
+              f"(allowed share {summary['max_lost_group_share']:g}), foreign samples {summary['foreign_samples']}, "
+              f"rejected records {summary['rejected_records']['count']}"
+              + (f" (kept in {out_dir / REJECTED_FILE})" if summary["rejected_records"]["count"] else ""))
     steady = summary["steady_samples_per_s"]
     print(f"  first experience after {summary['first_experience_after_s']}s; steady state "
           + (f"{steady:.2f} samples/s" if steady is not None else "n/a (arrivals spanned under a second)"))

@@ -3,7 +3,8 @@
 The dead-letter twin of topic ``T`` is ``T.dlq`` (:func:`dlq_topic`); the runner writes to it,
 ``expstream run`` watches it, ``expstream dlq`` reads and redrives it, and :func:`create_topics`
 creates it beside ``T``. ``expstream topics create|list`` (:func:`topics_command`) is the
-same creation for a deployment (docker-compose's init-topics).
+same creation for a deployment (docker-compose's init-topics); ``expstream topics tail TOPIC``
+prints a topic's records (expstream/tail.py).
 """
 
 from __future__ import annotations
@@ -151,12 +152,16 @@ def create_topics(
 
 
 def topics_command(topo: Topology, args: argparse.Namespace) -> int:
-    """``expstream topics create|list``: the topology's topics and their ``.dlq`` twins."""
+    """``expstream topics create|list``: the topology's topics and their ``.dlq`` twins; ``tail``: one topic."""
+    if args.action == "tail":
+        from expstream.tail import tail_command
+
+        return tail_command(topo, args)
     if not args.bootstrap_servers:
         raise ConfigError("--bootstrap-servers: needed to create topics, e.g. --bootstrap-servers kafka:9092")
     topics = topo.all_topics()
     if args.action == "create":
-        create_topics(args.bootstrap_servers, topics, with_dlq=True)
+        create_topics(args.bootstrap_servers, topics, with_dlq=True, kafka_config=topo.kafka)
     for name, parts in topics.items():
         print(f"{name}\t{parts} partitions (+ {dlq_topic(name)})")
     return EXIT_OK

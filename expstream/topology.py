@@ -67,8 +67,14 @@ class RunConfig:
     max_restarts: int = 5
     spawn: str = "fork"
     target_groups: int | None = None
+    max_lost_group_share: float = 0.0
 
     def __post_init__(self) -> None:
+        share = self.max_lost_group_share
+        if not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0.0 <= share <= 1.0):
+            raise ConfigError(f"run.max_lost_group_share: got {share!r}; give a number from 0 to 1",
+                              field="run.max_lost_group_share",
+                              fix="0 fails the run when any fed prompt group is lost, 1 never fails it for losses")
         _check(self.spawn in ("fork", "exec"), "run.spawn",
                f"got {self.spawn!r}; use fork (stages forked from a preloaded server) or exec")
         _check(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")

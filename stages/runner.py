@@ -22,10 +22,13 @@ resumed; the commit is made only if the record's partition is still ours, and if
 changed meanwhile, the fetch position of the partition is set past the record so that it is not
 fetched a second time from the (older) committed offset.
 
-Bad input goes to ``<input topic>.dlq`` and the partition moves on: undecodable bytes, an unknown
-schema or version, missing/mistyped/inconsistent fields or non-finite floats (all ``SchemaError``),
-a record over ``max_record_bytes``, a ``PoisonRecordError`` or any other non-retriable exception
-from ``process``. A letter carries the original bytes and the headers listed in expstream/letters.py.
+Bad input goes to ``<input topic>.dlq`` and the partition moves on: a record with no value (a
+tombstone), undecodable bytes, an unknown schema or version, missing/mistyped/inconsistent fields or
+non-finite floats (all ``SchemaError``), a record over ``max_record_bytes``, a ``PoisonRecordError``
+or any other non-retriable exception from ``process``. A letter carries the original bytes and key
+and the headers listed in expstream/letters.py; when the broker refuses it, it is sent again with
+the record's own headers left out, then without the value (``_deliver``), so no record a stage
+cannot handle stops the partition. ``ShutdownRequested`` is never dead-lettered.
 
 Splitting. When ``process`` fails with a non-retriable error on a micro-batch of B > 1 samples
 (a SampleBatch, or a PromptBatch of several prompts), the batch is bisected: each half is
@@ -75,7 +78,10 @@ from expstream.letters import (
     H_ERROR_CLASS,
     H_ERROR_MESSAGE,
     H_SAMPLE_IDS,
+    H_SPLIT_FROM,
+    RUNNER_HEADERS,
     header_value,
+    headers_omitted_headers,
     letter_headers,
     value_omitted_headers,
 )
@@ -135,6 +141,10 @@ def _fault_plan(stage: str) -> tuple[str, int] | None:
 
 class RecordTooLargeError(PoisonRecordError):
     """A record over the runner's ``max_record_bytes``: dead-lettered before decoding."""
+
+
+class TombstoneRecordError(PoisonRecordError):
+    """A record with no value (a tombstone): dead-lettered with ``value_omitted``, nothing to decode."""
 
 
 class _RevocationTracker(ConsumerRebalanceListener):
@@ -397,8 +407,13 @@ class StageRunner:
         size = len(value) if value is not None else 0
         batch = None
         outputs: list[_Out] = []
-        if size > self.max_record_bytes:
-            exc: Exception = RecordTooLargeError(
+        if value is None:
+            exc: Exception = TombstoneRecordError(
+                "record has no value (a Kafka tombstone, value=None); there is nothing to decode. Stage input "
+                "topics carry one message per record: find the writer of null values")
+            letters = [self._letter(record, exc)]
+        elif size > self.max_record_bytes:
+            exc = RecordTooLargeError(
                 f"record is {size} bytes, over max_record_bytes={self.max_record_bytes}; not decoded. Split the "
                 "micro-batch upstream (smaller algo.micro_rollout_batch_size) or raise the limit")
             letters = [self._letter(record, exc)]
@@ -478,8 +493,8 @@ class StageRunner:
         try:
             return self._run_process(batch), []
         except Exception as exc:
-            if _retriable(exc):
-                raise
+            if _retriable(exc) or isinstance(exc, ShutdownRequested):
+                raise  # a stop request (e.g. a generation abandoned on SIGTERM) is never a bad record
             first = exc
         n = len(batch) if isinstance(batch, (SampleBatch, PromptBatch)) else 0
         if n <= 1:
@@ -518,7 +533,7 @@ class StageRunner:
             try:
                 good.extend(self._run_process(sub))
             except Exception as exc:
-                if _retriable(exc):
+                if _retriable(exc) or isinstance(exc, ShutdownRequested):
                     raise
                 if b - a == 1:
                     bad.append((sub, exc))
@@ -533,6 +548,9 @@ class StageRunner:
             record, stage=self.stage.name, replica=self.ctx.replica_id, error_class=_error_class(exc),
             error_message=str(exc), value=value, sample_ids=_sample_ids(batch) if batch is not None else None,
             split_from=split_from)
+        if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted
+            return _Out(self.dlq_topic, b"", record.key, value_omitted_headers(
+                headers, "the record had no value (a tombstone); there is nothing to carry or redrive"))
         return _Out(self.dlq_topic, value, record.key, headers)
 
     def _send(self, items: list[_Out], what: str) -> None:
@@ -552,29 +570,79 @@ class StageRunner:
             time.monotonic() - started))
 
     def _deliver(self, record: Any, where: str, outputs: list[_Out], letters: list[_Out], batch: Any) -> None:
+        """Send the outputs and letters of one record; when the broker refuses one (non-retriable), fall
+        back step by step, so that a record always leaves as a letter and the partition moves on:
+
+        1. everything as computed;
+        2. the input record whole as one letter (the outputs dropped), with the refusal as the reason
+           unless the record already was a single whole-record letter (its own reason is kept);
+        3. that letter without the record's own headers (``headers_omitted``), the value kept;
+        4. with the headers but without the value (``value_omitted``: the original stays at its
+           topic[partition]@offset), then 5. without both.
+
+        A stop request (ShutdownRequested) is never a refusal: it propagates, the record stays uncommitted.
+        """
         what = f"{where} batch={batch.batch_id if batch is not None else peek_header(record.value)[2]}"
         try:
             self._send(outputs + letters, what)
+        except ShutdownRequested:
+            raise
         except ExpstreamError as exc:  # non-retriable: the broker refuses a record (e.g. too large)
-            self.log.error("stage %s %s: the broker refused an output or letter (%s); dead-lettering the input "
-                           "record whole", self.stage.name, what, exc)
-            letters[:] = [self._letter(record, exc, batch=batch)]
+            if exc.retriable:  # still failing after RETRY_GIVE_UP_S: the stage fails, the record is redelivered
+                raise
+            whole = len(letters) == 1 and not outputs and _header(letters[0], H_SPLIT_FROM) == ""
+            self.log.error("stage %s %s: the broker refused %s (%s); dead-lettering the input record whole%s",
+                           self.stage.name, what, "the letter" if whole else "an output or letter", exc,
+                           "" if whole else " instead")
+            first = letters[0] if whole else self._letter(record, exc, batch=batch)
             outputs[:] = []
-            try:
-                self._send(letters, what)
-            except ExpstreamError as exc2:
-                if exc2.retriable:
-                    raise
-                # Even the original is too large for the dead-letter topic: send its position only.
-                letters[0].value = b""
-                letters[0].headers = value_omitted_headers(
-                    letters[0].headers, f"the broker refused the original value ({exc2}); read it at {where}")
-                self._send(letters, what)
+            letters[:] = [self._send_letter_somehow(first, where, what, exc, tried=whole)]
         for letter in letters:
             self.dead_lettered += 1
             self.log.error("stage %s %s batch=%s: dead-lettered %s to %s: %s: %s", self.stage.name, where,
                            _header(letter, H_BATCH_ID) or "?", _header(letter, H_SAMPLE_IDS) or "the record",
                            self.dlq_topic, _header(letter, H_ERROR_CLASS), _first_line(_header(letter, H_ERROR_MESSAGE)))
+
+    def _send_letter_somehow(self, letter: _Out, where: str, what: str, refusal: Exception, *,
+                             tried: bool) -> _Out:
+        """Steps 2-4 of :meth:`_deliver`: ``letter`` (unless ``tried`` already), then without the record's
+        own headers, then without the value, then without both; returns the one the broker took."""
+        own = _own_headers(letter)
+        runner_only = [(k, v) for k, v in letter.headers or [] if k in RUNNER_HEADERS]
+
+        def no_headers(out: _Out, exc: Exception) -> _Out:
+            return dataclasses.replace(out, headers=headers_omitted_headers(
+                [(k, v) for k, v in out.headers or [] if k in RUNNER_HEADERS],
+                f"{len(own)} header(s) of the original record dropped ({', '.join(sorted({k for k, _ in own}))[:200]}): "
+                f"the broker refused them ({exc}); read them at {where}"))
+
+        def no_value(out: _Out, exc: Exception) -> _Out:
+            return dataclasses.replace(out, value=b"", headers=value_omitted_headers(
+                out.headers, f"the broker refused the original value ({exc}); read it at {where}"))
+
+        steps: list[Callable[[Exception], _Out]] = [] if tried else [lambda exc: letter]
+        if own:
+            steps.append(lambda exc: no_headers(letter, exc))
+        if letter.value:
+            steps.append(lambda exc: no_value(letter, exc))
+            if own:
+                steps.append(lambda exc: no_value(no_headers(dataclasses.replace(letter, headers=runner_only), exc),
+                                                  exc))
+        last = refusal
+        for step in steps:
+            candidate = step(last)
+            try:
+                self._send([candidate], what)
+                return candidate
+            except ShutdownRequested:
+                raise
+            except ExpstreamError as exc:
+                if exc.retriable:
+                    raise
+                self.log.error("stage %s %s: the broker refused the letter too (%s); trying it with less in it",
+                               self.stage.name, what, _first_line(exc))
+                last = exc
+        raise last  # even the smallest letter is refused (a broken dead-letter topic): the stage fails
 
     def _maybe_fault(self, point: str) -> None:
         if self.fault is not None and self.fault[0] == point and self.handled + 1 >= self.fault[1]:
@@ -660,6 +728,11 @@ def _first_line(exc: BaseException | str) -> str:
 
 def _header(out: _Out, name: str) -> str:
     return header_value(out.headers, name)
+
+
+def _own_headers(out: _Out) -> list[tuple[str, bytes]]:
+    """The headers of a letter that came from the original record (not written by the runner)."""
+    return [(k, v) for k, v in out.headers or [] if k not in RUNNER_HEADERS]
 
 
 def _sample_ids(batch: Any) -> list[str]:

@@ -22,3 +22,8 @@ def constant_for_arithmetic(queries, prompts, labels):
 def nan_for_poison(queries, prompts, labels):
     """NaN (a poisoned sample) for prompts that mention poison, 1.0 otherwise."""
     return [float("nan") if "poison" in p else 1.0 for p in prompts]
+
+
+def wrong_signature(queries):
+    """Takes one argument where reward functions take three: every call raises TypeError."""
+    return [1.0 for _ in queries]

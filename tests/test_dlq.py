@@ -115,7 +115,8 @@ def test_inspect_shows_each_letter(broker, dead_letters, capsys):
 
 def test_redrive_republishes_caps_attempts_and_never_sends_twice(broker, dead_letters, capsys):
     dlq, src, runner = dead_letters["dlq"], dead_letters["src"], dead_letters["runner"]
-    args = ["dlq", "redrive", "--bootstrap-servers", broker, "--topic", dlq, "--max-attempts", "1"]
+    args = ["dlq", "redrive", "--bootstrap-servers", broker, "--topic", dlq, "--max-attempts", "1",
+            "--topology", dead_letters["topology"]]  # redrive only sends to topics of the topology
 
     rc, out = cli(capsys, *args, "--dry-run")
     assert rc == 0 and "would redrive 3" in out
@@ -151,3 +152,52 @@ def test_redrive_republishes_caps_attempts_and_never_sends_twice(broker, dead_le
 def test_redrive_refuses_a_topic_that_is_not_a_dlq(broker, capsys):
     rc = main(["dlq", "redrive", "--bootstrap-servers", broker, "--topic", "prompts"])
     assert rc == 2 and "--topic" in capsys.readouterr().err
+
+
+def test_redrive_publishes_only_to_the_letters_own_topology_topic(broker, tmp_path, capsys):
+    """Letter headers can be forged by anyone who can write to a .dlq topic: redrive sends a letter of
+    T.dlq back to T only (a topology topic), or where --to says; anything else is refused and reported."""
+    src, dst, outside = (f"{p}-{uuid.uuid4().hex[:10]}" for p in ("in", "out", "outside"))
+    create_topics(broker, {src: 1, dst: 1, outside: 1}, with_dlq=True)
+    topo_path = tmp_path / "topology.yaml"
+    topo_path.write_text(yaml.safe_dump({"stages": {"generate": {"output": src}, "shard-preprocess": {"output": dst}}}))
+    dlq = f"{src}.dlq"
+
+    def forge(*letters: tuple[bytes, str]) -> None:
+        producer = make_producer(broker)
+        for value, original_topic in letters:
+            producer.send(dlq, value=value, headers=[("original_topic", original_topic.encode()),
+                                                      ("error_class", b"DecodeError"), ("trace", b"t")])
+        producer.flush()
+        producer.close()
+
+    forge((b"genuine", src), (b"to-outside", outside), (b"to-another-topology-topic", dst))
+    base = ["dlq", "redrive", "--bootstrap-servers", broker, "--topic", dlq, "--topology", str(topo_path)]
+
+    rc, out = cli(capsys, *base, "--dry-run")
+    assert rc == 1 and "would redrive 1, skipped 0 at max attempts, 0 not redrivable, 2 refused" in out, out
+    # bad option combinations are refused before anything is read
+    assert main([*base, "--to", outside]) == 2 and "--to" in capsys.readouterr().err
+    assert main([*base, "--allow-any-topic"]) == 2 and "--allow-any-topic" in capsys.readouterr().err
+    assert main([*base, "--to", "no-such-topic", "--allow-any-topic"]) == 2 and "does not exist" in (
+        capsys.readouterr().err)
+
+    rc, out = cli(capsys, *base)
+    assert rc == 1, out
+    assert "redrove 1, skipped 0 at max attempts, 0 not redrivable, 2 refused" in out, out
+    refused = [line for line in out.splitlines() if line.startswith("  refused:")]
+    assert len(refused) == 2 and f"{dlq}[0]@1" in refused[0] and f"names {outside!r}" in refused[0], refused
+    assert f"{dlq}[0]@2" in refused[1] and f"names {dst!r}" in refused[1], refused
+    assert list(read_topic(broker, None, outside, timeout_s=5)) == [], "a forged header redirected a record"
+    assert list(read_topic(broker, None, dst, timeout_s=5)) == [], "a forged header redirected a record"
+    assert [r.value for r in read_topic(broker, None, src)] == [b"genuine"]
+
+    # --to: the operator names the target (a topology topic; outside it only with --allow-any-topic)
+    forge((b"again", outside))
+    rc, out = cli(capsys, *base, "--to", src)
+    assert rc == 0 and "redrove 1," in out and f"-> {src} " in out, out
+    forge((b"elsewhere", src))
+    rc, out = cli(capsys, *base, "--to", outside, "--allow-any-topic")
+    assert rc == 0 and "redrove 1," in out, out
+    assert [r.value for r in read_topic(broker, None, src)] == [b"genuine", b"again"]
+    assert [r.value for r in read_topic(broker, None, outside)] == [b"elsewhere"]

@@ -127,11 +127,15 @@ def test_dead_lettered_samples_do_not_stall_the_run(tmp_path, cache, estimator):
         [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out), "--no-progress",
          "--set", f"models.cache_dir={cache}", "--set", "generate.max_new_tokens=4", "--set", "models.reward=null",
          "--set", "models.reward_fn=tests.rewardfns:nan_for_poison", "--set", f"algo.advantage_estimator={estimator}",
-         "--set", "run.timeout_s=120", "--set", "run.prompt_batch_size=5"],
+         "--set", "run.timeout_s=120", "--set", "run.prompt_batch_size=5",
+         "--set", "run.max_lost_group_share=0.5"],  # 2 of 5 groups are lost on purpose; the default fails on any
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["groups_complete"] == 3 and summary["groups_dead_lettered"] == ["bad", "empty"]
+    assert summary["status"] == "ok" and set(summary["lost_groups"]) == {"bad", "empty"}
+    assert summary["lost_groups"]["bad"].startswith("dead letter from reward: ")
+    assert summary["lost_groups"]["empty"].startswith("dead letter from generate: ")
     stages = {d["stage"] for d in summary["dead_letters"]}
     assert stages == {"generate", "reward"}
     exps = read_experiences(out / "experiences.msgpack")

@@ -19,7 +19,7 @@ import pytest
 
 from expstream.localservers import free_port
 from expstream.procs import stage_title
-from expstream.run import FORK_ENTRY, stage_argv, write_resolved_topology
+from expstream.run import FORK_ENTRY, stage_argv, stage_env, write_resolved_topology
 from expstream.supervisor import Supervisor
 from expstream.topology import load_topology
 
@@ -60,11 +60,10 @@ def test_a_stage_process_shows_its_name(tmp_path, spawn):
     topo_path = tmp_path / "topology.yaml"
     write_resolved_topology(topo, topo_path)
     # Nothing listens on these ports: the stage never gets past its setup, which is all we need.
-    argv = stage_argv(topo_path, "reward", 1, f"127.0.0.1:{free_port()}",
-                      f"redis://127.0.0.1:{free_port()}/0", run_id)
+    argv = stage_argv(topo_path, "reward", 1, f"127.0.0.1:{free_port()}", run_id)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     sup = Supervisor(tmp_path / "logs", spawn=spawn, fork_entry=FORK_ENTRY if spawn == "fork" else None,
-                     env={"PYTHONPATH": path})
+                     env={"PYTHONPATH": path, **stage_env(f"redis://127.0.0.1:{free_port()}/0")})
     sup.add("reward", 1, argv)
     sup.start()
     try:

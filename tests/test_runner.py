@@ -6,6 +6,7 @@ test function), except the SIGTERM test, which needs a process of its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -565,3 +566,54 @@ def test_broker_outage_is_retried_with_backoff_logged_and_survived(tmp_path):
     retries = [line for line in log.lines if "retriable ProduceError" in line]
     assert retries and all(f"{st.input}[0]@0 batch=outage" in line for line in retries), log.lines
     assert any("sent after" in line and "broker reachable again" in line for line in log.lines), log.lines
+
+
+# ---------------------------------------------------------------------------------------------
+# a stop request in the middle of a record is never a bad record
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["process", "send"])
+def test_stop_request_mid_record_leaves_it_uncommitted_and_never_dead_letters_it(broker, tmp_path, where):
+    """SIGTERM (the handler sets stop_requested) arrives while a record is in hand, and the record is
+    abandoned: ``process`` gives up (a generation stopped between tokens raises ShutdownRequested), or
+    the send of its output is being retried because the broker stopped answering. Either way the record
+    must stay uncommitted for the next replica, and must not go to the dead-letter topic as a
+    ``ShutdownRequested`` "bad record" (the broker is back by the time a letter would be sent)."""
+    from expstream.errors import ShutdownRequested
+    from expstream.localservers import LocalBroker
+
+    with contextlib.ExitStack() as stack:
+        if where == "send":  # not the session broker: this one gets SIGSTOPped
+            own = stack.enter_context(LocalBroker(tmp_path))
+            broker = own.bootstrap
+        topo = stage_topology(broker, "shard-preprocess", f"kafka.produce_timeout_s={STOP_SEND_TIMEOUT_S}",
+                              "kafka.request_timeout_ms=3000", "kafka.reconnect_backoff_max_ms=500")
+        src = topo.stages["shard-preprocess"].input
+        calls: list[str] = []
+
+        def process(batch, ctx):
+            calls.append(batch.batch_id)
+            runner.stop_requested = True  # what the SIGTERM handler does
+            if where == "process":
+                raise ShutdownRequested("stopped between tokens (test)")
+            own.pause()  # the output send times out; the broker is back before a letter could go
+            threading.Timer(1.5 * STOP_SEND_TIMEOUT_S, own.resume).start()
+            return [batch]
+
+        produce(broker, src, [encode(PromptBatch(batch_id="p0", prompt_id=["p0"], prompt=["x"], label=[""],
+                                                 reference=[""]))])
+        runner = StageRunner(make_context(topo, "shard-preprocess", run_id=f"t{uuid.uuid4().hex[:6]}"), process,
+                             broker)
+        running = Running(runner)
+        running.thread.join(60)
+        assert not running.thread.is_alive(), "the runner did not stop"
+        assert running.error is None, repr(running.error)
+        time.sleep(2 * STOP_SEND_TIMEOUT_S if where == "send" else 0)  # the broker is back
+        assert calls == ["p0"]
+        assert runner.dead_lettered == 0, "a stop request was dead-lettered"
+        assert list(read_topic(broker, topo.kafka, f"{src}.dlq", timeout_s=5)) == [], "a stop was dead-lettered"
+        assert runner.handled == 0
+        assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 1}, "the abandoned record was committed"
+
+
+# Why 2 s: the output send must time out (broker paused) well before the broker is resumed at 1.5x this.
+STOP_SEND_TIMEOUT_S = 2.0

@@ -55,6 +55,7 @@ from redis.retry import Retry
 from expstream.errors import AuthError, ConfigError, PoisonRecordError, StateUnavailableError
 from expstream.retry import Attempt, Policy, retry
 from expstream.running import batch_moments, check_kl_update
+from expstream.secrets import redact_url
 from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
     Moments,
@@ -329,7 +330,7 @@ class RedisState:
         """Run ``fn`` retrying connection errors/timeouts with bounded exponential backoff."""
 
         def give_up(a: Attempt) -> T:
-            raise StateUnavailableError(f"Redis at {self.url} unavailable for {what} after {a.number} attempts "
+            raise StateUnavailableError(f"Redis at {redact_url(self.url)} unavailable for {what} after {a.number} attempts "
                                         f"({self.retry_deadline_s:.1f}s): {a.exc!r}") from a.exc
 
         transient = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
