@@ -27,6 +27,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.producer.future import RecordMetadata
 
 from expstream.errors import BrokerUnavailableError, ConfigError, ProduceError, unknown_key_error
+from expstream.fieldtypes import check_fields
 
 __all__ = [
     "MiB",
@@ -188,7 +189,7 @@ class KafkaConfig:
         for key in d:
             if key not in valid:
                 raise unknown_key_error(where, key, valid)
-        return cls(**dict(d))
+        return cls(**check_fields(cls, d, where))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 __all__ = [
     "ExpstreamError",
     "ConfigError",
+    "AuthError",
     "PoisonRecordError",
     "InfraError",
     "BrokerUnavailableError",
@@ -73,6 +74,14 @@ class ConfigError(ExpstreamError):
         if fix:
             text = f"{text} (fix: {fix})"
         super().__init__(text)
+
+
+class AuthError(ConfigError):
+    """A service refused our credentials (a wrong Redis password, NOAUTH/WRONGPASS; a Kafka SASL
+    failure). Not retriable: the same password fails again however long one waits, so it is
+    reported at once, as a configuration error (exit code 2, never restarted by the supervisor)."""
+
+    retriable = False
 
 
 class PoisonRecordError(ExpstreamError):

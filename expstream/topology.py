@@ -21,6 +21,7 @@ import yaml
 from expstream.bus import KafkaConfig
 from expstream.errors import ConfigError, unknown_key_error
 from expstream.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
+from expstream.fieldtypes import check_block, check_fields
 
 STAGE_ORDER: tuple[str, ...] = (
     "generate",
@@ -42,13 +43,14 @@ log = logging.getLogger("expstream.topology")
 
 
 def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys with a suggestion."""
-    data = dict(data or {})
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys with a suggestion and values
+    of the wrong type with the expected one (expstream.fieldtypes)."""
+    data = check_block(data, where)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
             raise unknown_key_error(where, key, sorted(names))
-    return cls(**data)
+    return cls(**check_fields(cls, data, where))
 
 
 def _check(cond: bool, field_name: str, msg: str) -> None:
@@ -338,13 +340,13 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
 
 
 def build_topology(raw: dict[str, Any]) -> Topology:
-    stages_raw = raw.get("stages") or {}
+    stages_raw = check_block(raw.get("stages"), "stages")
     for name in stages_raw:
         if name not in STAGE_ORDER:
             raise unknown_key_error("stages", name, STAGE_ORDER, what="stage")
     topo = Topology(
         run=_from_dict(RunConfig, raw.get("run"), "run"),
-        kafka=KafkaConfig.from_dict(raw.get("kafka") or {}),
+        kafka=KafkaConfig.from_dict(raw.get("kafka")),
         redis=_from_dict(RedisConfig, raw.get("redis"), "redis"),
         models=_from_dict(ModelsConfig, raw.get("models"), "models"),
         generate=_from_dict(GenerateConfig, raw.get("generate"), "generate"),
@@ -353,7 +355,7 @@ def build_topology(raw: dict[str, Any]) -> Topology:
         raw=raw,
     )
     for name in STAGE_ORDER:
-        st = dict(stages_raw.get(name) or {})
+        st = check_block(stages_raw.get(name), f"stages.{name}")
         for key in ("name", "input"):
             if key in st:
                 raise ConfigError(f"stages.{name}.{key}: set by the loader; remove it from the topology")

@@ -52,7 +52,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
+from expstream.errors import AuthError, ConfigError, PoisonRecordError, StateUnavailableError
 from expstream.retry import Attempt, Policy, retry
 from expstream.running import batch_moments, check_kl_update
 from expstream.secrets import redact_url
@@ -334,11 +334,23 @@ class RedisState:
                                         f"({self.retry_deadline_s:.1f}s): {a.exc!r}") from a.exc
 
         transient = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
-        return retry(lambda: fn(*args, **kwargs), retriable=lambda exc: isinstance(exc, transient),
-                     policy=Policy(RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S, self.retry_deadline_s, clip_to_give_up=True),
-                     on_retry=lambda a: log.warning("redis %s failed (%r); retry %d in %.2fs", what, a.exc, a.number,
-                                                    a.delay_s),
-                     on_give_up=give_up)
+        try:
+            return retry(lambda: fn(*args, **kwargs),
+                         # redis-py's AuthenticationError is a ConnectionError: a wrong password is not an outage
+                         retriable=lambda exc: isinstance(exc, transient) and not is_auth_error(exc),
+                         policy=Policy(RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S, self.retry_deadline_s,
+                                       clip_to_give_up=True),
+                         on_retry=lambda a: log.warning("redis %s failed (%r); retry %d in %.2fs", what, a.exc,
+                                                        a.number, a.delay_s),
+                         on_give_up=give_up)
+        except redis.RedisError as exc:
+            if is_auth_error(exc):
+                kw = self._r.connection_pool.connection_kwargs
+                where = f"{kw.get('host', '?')}:{kw.get('port', '?')}" if "host" in kw else kw.get("path", "?")
+                what = "refused the password" if kw.get("password") else "requires a password and the URL has none"
+                raise AuthError(f"Redis at {where} {what} ({exc})", field="--redis-url",
+                                fix="put the server's password in the URL: redis://:PASSWORD@HOST:PORT/DB") from exc
+            raise
 
     def _pipeline(self, what: str, fill: Callable[[redis.client.Pipeline], None], *, transaction: bool) -> list:
         """Run a pipeline of reads with :meth:`_call`'s retries, building it afresh for every attempt:
@@ -560,6 +572,16 @@ class RedisState:
     def counters(self) -> dict[str, float]:
         raw = self._call("counters", self._r.hgetall, self.key("counters"))
         return {k.decode(): float(v) for k, v in raw.items()}
+
+
+def is_auth_error(exc: BaseException) -> bool:
+    """True for Redis refusing the credentials: a wrong password (WRONGPASS), none given (NOAUTH),
+    or a password given to a server without one. Never retriable."""
+    if isinstance(exc, redis.AuthenticationError):
+        return True
+    text = str(exc)
+    return isinstance(exc, redis.ResponseError) and (text.startswith(("WRONGPASS", "NOAUTH"))
+                                                     or "AUTH <password> called without" in text)
 
 
 def _window_taken(res: list) -> WindowTaken | None:
