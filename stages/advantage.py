@@ -6,8 +6,10 @@
   dynamic sampling park each sample in its group's buffer in ctx.state (atomic add-and-take); the call
   that completes a group — on whichever replica and partition — gets all n members back and
   emits the whole group once, as batch ``g/<group_id>``. A redelivery of that completing record
-  emits the same group again with the same ids; readers dedupe by sample id. In-process
-  (LocalChain, replay) the same happens on a MemoryState, so split groups complete there too.
+  emits the same group again with the same ids; readers dedupe by sample id. A group wholly
+  inside one micro-batch (the common case) is emitted at once, without the buffer round trip
+  (the same bytes). In-process (LocalChain, replay) the same happens on a MemoryState, so split
+  groups complete there too.
 * Dynamic sampling drops groups whose processed rewards are all equal and counts them in ctx.state.
 * Optionally, the seed's cross-batch normalisation over a window or running moments (ctx.state).
 """
@@ -130,13 +132,21 @@ def _advantages(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     if not ctx.topology.is_group_estimator:
         return [compute(batch, ctx)]
     out = []
+    n = batch.n_samples_per_prompt
     for group_id, rows in _groups(batch).items():
-        members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
-                   for i in rows}
-        payloads = ctx.state.park_group(group_id, batch.n_samples_per_prompt, batch.batch_id, members)
-        if payloads is None:
-            continue
-        group = SampleBatch.concat([decode(p) for p in payloads], batch_id=f"g/{group_id}")
+        rows = sorted(rows, key=lambda i: int(batch.sample_index[i]))
+        if [int(batch.sample_index[i]) for i in rows] == list(range(n)):
+            # The whole group is in this micro-batch: nothing to wait for, so no buffer round trip.
+            # The same group as the buffer would hand out (members in sample_index order, same id),
+            # and a redelivery of this record emits it again, as a completer's redelivery does.
+            group = batch.select(rows, batch_id=f"g/{group_id}")
+        else:
+            members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
+                       for i in rows}
+            payloads = ctx.state.park_group(group_id, n, batch.batch_id, members)
+            if payloads is None:
+                continue
+            group = SampleBatch.concat([decode(p) for p in payloads], batch_id=f"g/{group_id}")
         emitted = complete_group(group, ctx)
         if emitted is not None:
             out.append(emitted)
