@@ -523,12 +523,17 @@ class TransformersGenerator:
 
         criteria = None
         if should_stop is not None:
+            not_done: dict[tuple, Tensor] = {}  # one all-False answer per (rows, device), reused every step
+
             class _AbandonOnStop(StoppingCriteria):
                 def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
                     if should_stop():
                         raise ShutdownRequested(f"stop requested after {input_ids.shape[1] - width} of "
                                                 f"max_new_tokens={max_new_tokens} tokens; generation abandoned")
-                    return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+                    key = (input_ids.shape[0], input_ids.device)
+                    if key not in not_done:
+                        not_done[key] = torch.zeros(key[0], dtype=torch.bool, device=key[1])
+                    return not_done[key]
 
             criteria = StoppingCriteriaList([_AbandonOnStop()])
             if should_stop():
