@@ -6,10 +6,9 @@
   dynamic sampling park each sample in its group's buffer in ctx.state (atomic add-and-take); the call
   that completes a group — on whichever replica and partition — gets all n members back and
   emits the whole group once, as batch ``g/<group_id>``. A redelivery of that completing record
-  emits the same group again with the same ids; readers dedupe by sample id. A group wholly
-  inside one micro-batch (the common case) is emitted at once, without the buffer round trip
-  (the same bytes). In-process (LocalChain, replay) the same happens on a MemoryState, so split
-  groups complete there too.
+  emits the same group again with the same ids; readers dedupe by sample id. In-process
+  (LocalChain, replay) the same happens on a MemoryState, so split groups complete there too; a
+  group wholly inside one micro-batch is emitted there without the buffer round trip (same bytes).
 * Dynamic sampling drops groups whose processed rewards are all equal and counts them in ctx.state.
 * Optionally, the seed's cross-batch normalisation over a window or running moments (ctx.state).
 """
@@ -135,10 +134,10 @@ def _advantages(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     n = batch.n_samples_per_prompt
     for group_id, rows in _groups(batch).items():
         rows = sorted(rows, key=lambda i: int(batch.sample_index[i]))
-        if [int(batch.sample_index[i]) for i in rows] == list(range(n)):
-            # The whole group is in this micro-batch: nothing to wait for, so no buffer round trip.
-            # The same group as the buffer would hand out (members in sample_index order, same id),
-            # and a redelivery of this record emits it again, as a completer's redelivery does.
+        if not ctx.state.shared and [int(batch.sample_index[i]) for i in rows] == list(range(n)):
+            # In one process (MemoryState) a group wholly inside this micro-batch has nothing to wait
+            # for and no other replica to meet: skip the buffer's encode/decode round trip. The same
+            # group as the buffer hands out (members in sample_index order, same id, same bytes).
             group = batch.select(rows, batch_id=f"g/{group_id}")
         else:
             members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))

@@ -86,6 +86,9 @@ class State(Protocol):
 
     run_id: str
     group_ttl_s: int
+    #: True when other processes (replicas) read and write the same state (RedisState). A stage may
+    #: skip a round trip that only matters between processes when it is False (MemoryState).
+    shared: bool
 
     # reward (and advantage) moments
     def merge_reward_moments(self, batch_id: str, values: np.ndarray, name: str = "reward") -> Moments: ...

@@ -63,6 +63,7 @@ class MemoryState:
     def __init__(self, run_id: str = "local", *, group_ttl_s: int = DEFAULT_GROUP_TTL_S) -> None:
         self.run_id = run_id
         self.group_ttl_s = int(group_ttl_s)
+        self.shared = False  # one process: no other replica reads these buffers
         self._lock = threading.RLock()
         self._moments: dict[str, tuple[int, float, float]] = {}
         self._moments_applied: dict[str, dict[str, str]] = {}

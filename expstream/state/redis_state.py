@@ -279,6 +279,7 @@ class RedisState:
             )
         self.url = url
         self.run_id = run_id
+        self.shared = True  # every replica of every stage reads and writes these keys
         self.prefix = f"expstream:{{{run_id}}}:"
         self.retry_deadline_s = float(retry_deadline_s)
         self.group_ttl_s = int(group_ttl_s)
