@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import msgpack
-import numpy as np
 import pytest
 
 from expstream import read_experiences
@@ -22,22 +21,10 @@ from expstream.monitor import ExperienceCollector
 from expstream.outcome import RunOutcome, loss_verdict
 from expstream.topics import dlq_topic
 from expstream.topology import load_topology
-from schemas import PromptBatch, Ragged, SampleBatch, encode
+from schemas import PromptBatch, SampleBatch, encode
+from tests.runners import exp_batch
 
 GARBAGE = b"\x93\xff\x00 not msgpack \xc1"
-
-
-def exp_batch(batch_id: str, group: str, indices: list[int]) -> SampleBatch:
-    """An experience (advantage stage output) of ``len(indices)`` samples of ``group``."""
-    b = len(indices)
-    rows = [np.array([7, 9], np.int32)] * b
-    f = Ragged.from_rows([np.array([0.5, -0.5], np.float32)] * b, "float32")
-    return SampleBatch(
-        batch_id=batch_id, policy_version=3, n_samples_per_prompt=4, eos_token_id=9, pad_token_id=0,
-        prompt_id=[group] * b, group_id=[group] * b, sample_index=indices, prompt=["p"] * b, label=[""] * b,
-        reference=[""] * b, response=["r"] * b, prompt_ids=Ragged.from_rows([np.array([5, 6], np.int32)] * b, "int32"),
-        response_ids=Ragged.from_rows(rows, "int32"), layout="padded", action_ids=Ragged.from_rows(rows, "int32"),
-        action_mask=Ragged.from_rows([np.ones(2, bool)] * b, "bool"), action_log_probs=f, advantages=f, returns=f)
 
 
 def prompt_batch(batch_id: str, groups: list[str]) -> PromptBatch:

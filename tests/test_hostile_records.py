@@ -12,10 +12,8 @@ Each kind is followed by a good record, which must come out: the partition is ne
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +25,7 @@ from expstream.topology import load_topology
 from schemas import PromptBatch, decode, encode
 from stages.context import make_context
 from stages.runner import StageRunner
+from tests.runners import Running
 
 pytestmark = pytest.mark.integration
 
@@ -69,34 +68,6 @@ KINDS: dict[str, tuple[bytes | None, bytes | None, list | None, str, bytes | Non
                                     b"\x00" * (MAX_RECORD_BYTES + 10)),
     "value over max_request_size": (b"\x01" * (MAX_REQUEST_SIZE + 10), b"k", None, "RecordTooLargeError", None),
 }
-
-
-class Running:
-    """StageRunner.run() on a daemon thread; whatever it raises is kept."""
-
-    def __init__(self, runner: StageRunner) -> None:
-        self.runner = runner
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        try:
-            self.runner.run()
-        except BaseException as exc:
-            self.error = exc
-
-    def wait(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            assert self.error is None, f"{self.runner.stage.name}: runner died: {self.error!r}"
-            assert self.thread.is_alive(), f"{self.runner.stage.name}: runner stopped"
-            assert time.monotonic() < deadline, f"{self.runner.stage.name}: timed out after {timeout_s}s: {what}"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.runner.stop_requested = True
-        self.thread.join(30)
 
 
 def stage_topology(broker: str, stage: str):
@@ -170,7 +141,7 @@ def hostile_run(broker):
             run.running.wait(lambda r=run: r.running.runner.handled >= len(r.offsets), 120, "every record handled")
     finally:
         for run in runs.values():
-            run.running.stop()
+            run.running.stop(reraise=False)
     for stage, run in runs.items():
         run.letters = list(read_topic(broker, run.topo.kafka, f"{run.src}.dlq"))
         run.outputs = list(read_topic(broker, run.topo.kafka, run.topo.stages[stage].output))

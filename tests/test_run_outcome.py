@@ -22,7 +22,8 @@ from expstream.bus import make_producer
 from expstream.localservers import LocalBroker
 from expstream.topics import create_topics
 from schemas import encode
-from tests.test_collector import GARBAGE, exp_batch, prompt_batch
+from tests.runners import exp_batch
+from tests.test_collector import GARBAGE, prompt_batch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,6 +40,7 @@ from schemas.tensors import encode_tensor
 from stages import generate, shard_preprocess
 from stages.context import make_context
 from stages.runner import StageRunner
+from tests.runners import Running
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,36 +57,6 @@ class LogCapture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
-
-
-class Running:
-    """A StageRunner.run() on a daemon thread."""
-
-    def __init__(self, runner: StageRunner) -> None:
-        self.runner = runner
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        try:
-            self.runner.run()
-        except BaseException as exc:  # surfaced by stop()
-            self.error = exc
-
-    def wait(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            assert self.error is None, f"runner died: {self.error!r}"
-            assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.runner.stop_requested = True
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "runner did not stop within 30s"
-        if self.error is not None:
-            raise self.error
 
 
 def new_topic(broker: str, partitions: int = 1, *, with_dlq: bool = False, prefix: str = "t") -> str:
