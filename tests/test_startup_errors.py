@@ -132,10 +132,11 @@ def _settable_fields() -> list[tuple[str, object]]:
     import dataclasses
     import typing
 
-    from expstream.topology import StageConfig, Topology, _valid_tree
+    from expstream.topology import BLOCK_ATTRS, StageConfig, Topology, _valid_tree
 
     hints_topo = typing.get_type_hints(Topology)
-    blocks: dict[str, type] = {name: hints_topo[name] for name in _valid_tree() if name != "stages"}
+    blocks: dict[str, type] = {name: hints_topo[BLOCK_ATTRS.get(name, name)] for name in _valid_tree()
+                               if name != "stages"}
     blocks["stages.reward"] = StageConfig
     assert {b.split(".")[0] for b in blocks} == set(_valid_tree())  # every block of the loader is covered
     out = []
