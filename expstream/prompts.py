@@ -2,6 +2,13 @@
 
 Record ids ``p{k:06d}`` are stable across runs (the idempotence keys downstream), and every send
 is confirmed before the run counts the prompts as fed.
+
+A continuous run (``expstream run --continuous``) feeds the file epoch after epoch through
+:class:`EpochFeeder`: epoch ``e`` visits the prompts in a permutation seeded by ``(run.seed, e)``,
+a prompt's id in epoch ``e`` is ``<id>@e<e>`` (unique per epoch, so groups, samples and the
+idempotence keys downstream never collide), and every record holds exactly
+``run.prompt_batch_size`` prompts (a record spans an epoch boundary when the file size is not a
+multiple of it).
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from expstream.bus import KafkaConfig, make_producer, send_all_and_confirm
 from expstream.errors import ConfigError
@@ -123,14 +132,85 @@ def prompt_batches(rows: list[PromptRow], batch_size: int, first_index: int = 0)
                           reference=[r.reference for r in chunk])
 
 
+def send_prompt_batches(producer: object, cfg: KafkaConfig, topic: str, batches: list[PromptBatch]) -> int:
+    """Send ``batches`` to ``topic`` (key = batch id) and confirm every send; returns the count."""
+    items = [(topic, encode(b), b.batch_id.encode(), None) for b in batches]
+    send_all_and_confirm(producer, items, cfg.produce_timeout_s)
+    return len(items)
+
+
 def feed_prompts(bootstrap: str, cfg: KafkaConfig, topic: str, rows: list[PromptRow], batch_size: int,
                  first_index: int = 0) -> int:
     """Publish the prompts and confirm every send; returns the number of records."""
     producer = make_producer(bootstrap, cfg)
     try:
-        items = [(topic, encode(b), b.batch_id.encode(), None)
-                 for b in prompt_batches(rows, batch_size, first_index)]
-        send_all_and_confirm(producer, items, cfg.produce_timeout_s)
-        return len(items)
+        return send_prompt_batches(producer, cfg, topic, list(prompt_batches(rows, batch_size, first_index)))
     finally:
         producer.close(timeout=10)
+
+
+#: What joins a prompt id and its epoch: ``arith-1@e0``, ``arith-1@e1``, ...
+EPOCH_SEPARATOR = "@e"
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order epoch ``epoch`` visits ``n`` prompts in: a permutation seeded by ``(seed, epoch)``
+    (numpy's SeedSequence, so the same on every machine and numpy version with PCG64)."""
+    if n < 1:
+        raise ValueError(f"epoch_order: n must be >= 1, got {n}")
+    return [int(i) for i in np.random.default_rng([int(seed), int(epoch)]).permutation(n)]
+
+
+def epoch_prompt_id(prompt_id: str, epoch: int) -> str:
+    """The id a prompt gets in ``epoch``: unique per epoch, the file's id still readable."""
+    return f"{prompt_id}{EPOCH_SEPARATOR}{epoch}"
+
+
+class EpochFeeder:
+    """Endless PromptBatch records over ``rows``, epoch after epoch, each epoch reshuffled.
+
+    ``next_batch()`` returns the next record (ids ``p{k:06d}`` counting on from ``first_index``)
+    with exactly ``batch_size`` prompts; :attr:`epoch` is the epoch the next prompt comes from and
+    :attr:`prompts_fed` how many prompts the records handed out so far hold. The sequence is a
+    pure function of ``(rows, batch_size, seed)``: the same arguments give the same records.
+    """
+
+    def __init__(self, rows: list[PromptRow], batch_size: int, seed: int, first_index: int = 0) -> None:
+        if not rows:
+            raise ValueError("EpochFeeder needs at least one prompt row")
+        if batch_size < 1:
+            raise ValueError(f"EpochFeeder: batch_size must be >= 1, got {batch_size}")
+        self.rows, self.batch_size, self.seed = rows, batch_size, seed
+        self.records_fed = 0
+        self.prompts_fed = 0
+        self._next_index = first_index
+        self.epoch = 0
+        self._order = epoch_order(len(rows), seed, 0)
+        self._pos = 0  # next position in self._order
+
+    def _next_row(self) -> PromptRow:
+        if self._pos == len(self._order):
+            self.epoch += 1
+            self._order, self._pos = epoch_order(len(self.rows), self.seed, self.epoch), 0
+        row = self.rows[self._order[self._pos]]
+        self._pos += 1
+        return PromptRow(epoch_prompt_id(row.prompt_id, self.epoch), row.prompt, row.label, row.reference)
+
+    def next_batch(self) -> PromptBatch:
+        chunk = [self._next_row() for _ in range(self.batch_size)]
+        batch = PromptBatch(batch_id=f"p{self._next_index:06d}", prompt_id=[r.prompt_id for r in chunk],
+                            prompt=[r.prompt for r in chunk], label=[r.label for r in chunk],
+                            reference=[r.reference for r in chunk])
+        self._next_index += 1
+        self.records_fed += 1
+        self.prompts_fed += len(chunk)
+        return batch
+
+    def batches(self, count: int) -> list[PromptBatch]:
+        """The next ``count`` records."""
+        return [self.next_batch() for _ in range(count)]
+
+    @property
+    def epochs_started(self) -> int:
+        """Epochs begun so far (1 while the first is being fed)."""
+        return self.epoch + 1 if self.prompts_fed else 0

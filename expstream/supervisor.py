@@ -3,6 +3,9 @@
 A child that exits on its own (crash, SIGKILL, OOM) is restarted after a backoff that doubles
 per consecutive failure of that replica; each restart is logged with the exit code. A child
 that exits with code 2 (a configuration error) is not restarted: the same error would recur.
+A *one-shot* child (``add(..., one_shot=True)``: the trainer of a continuous run) that exits 0 has
+finished its work: it is not restarted and not an error (:meth:`Supervisor.finished`); one that
+crashes is restarted like a stage (the trainer resumes from its checkpoint).
 ``stop()`` sends SIGTERM to every child (each finishes its micro-batch and commits, or abandons a
 generation in progress between two tokens, uncommitted), waits up to ``STOP_GRACE_S``, then
 SIGKILLs stragglers, so no orphan survives the run.
@@ -69,6 +72,9 @@ class Child:
     failures_in_a_row: int = 0
     next_start_at: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
+    one_shot: bool = False  # exit 0 = finished: not restarted
+    finished: bool = False  # a one-shot child that exited 0
+    kind: str = "stage"  # how log lines and errors name it ("stage", "process")
 
     @property
     def label(self) -> str:
@@ -103,10 +109,17 @@ class Supervisor:
         self.children: list[Child] = []
         self.stopping = False
 
-    def add(self, name: str, replica: int, argv: list[str]) -> Child:
-        child = Child(name, replica, argv, self.log_dir / f"{name}-{replica}.log")
+    def add(self, name: str, replica: int, argv: list[str], *, one_shot: bool = False) -> Child:
+        """Supervise ``argv`` as ``name[replica]``; ``one_shot``: an exit 0 means finished, not restarted."""
+        child = Child(name, replica, argv, self.log_dir / f"{name}-{replica}.log", one_shot=one_shot,
+                      kind="process" if one_shot else "stage")
         self.children.append(child)
         return child
+
+    def finished(self, name: str) -> bool:
+        """True when every replica of the one-shot child ``name`` exited 0 (False for unknown names)."""
+        mine = [c for c in self.children if c.name == name]
+        return bool(mine) and all(c.finished for c in mine)
 
     def _child_env(self, child: Child) -> dict[str, str]:
         """The environment of ``child``'s next process: fault injection only in its first one."""
@@ -154,7 +167,7 @@ class Supervisor:
         now = time.monotonic()
         for child in self.children:
             if child.proc is None:
-                if now >= child.next_start_at:
+                if not child.finished and now >= child.next_start_at:
                     self._spawn(child)
                 continue
             code = child.proc.poll()
@@ -163,19 +176,23 @@ class Supervisor:
             child.exit_codes.append(code)
             child.proc = None
             self._write_pids()
+            if code == 0 and child.one_shot:
+                child.finished = True
+                log.info("%s %s finished (exit 0); not restarted", child.kind, child.label)
+                continue
             if code == EXIT_CONFIG:
-                raise SupervisorError(f"stage {child.label} exited with a configuration error (code {code}); "
+                raise SupervisorError(f"{child.kind} {child.label} exited with a configuration error (code {code}); "
                                       f"see {child.log_path}")
             if now - child.started_at > HEALTHY_AFTER_S:
                 child.failures_in_a_row = 0
             child.failures_in_a_row += 1
             child.restarts += 1
             if child.restarts > self.max_restarts:
-                raise SupervisorError(f"stage {child.label} died {child.restarts} times (last exit code {code}); "
+                raise SupervisorError(f"{child.kind} {child.label} died {child.restarts} times (last exit code {code}); "
                                       f"giving up, see {child.log_path}")
             delay = min(RESTART_BACKOFF_START_S * 2 ** (child.failures_in_a_row - 1), RESTART_BACKOFF_MAX_S)
             child.next_start_at = now + delay
-            log.warning("stage %s exited with code %s; restart %d in %.1fs (log %s)", child.label, code,
+            log.warning("%s %s exited with code %s; restart %d in %.1fs (log %s)", child.kind, child.label, code,
                         child.restarts, delay, child.log_path)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
