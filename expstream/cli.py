@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     reuse.add_argument("--resume", action="store_true",
                        help="--output holds a previous run: continue it (not supported yet: refused with the reason)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--continuous", action="store_true",
+                     help="asynchronous RL: feed the prompts epoch after epoch and train on the experiences with "
+                          "`expstream train` until train.max_steps (= --set train.enabled=true; docs/async.md)")
 
     stage = sub.add_parser("stage", help="run one stage replica (what `run` starts per stage)")
     _add_topology_args(stage)
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         args.redis_url = env_redis_url()
     _setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
     try:
+        if getattr(args, "continuous", False):
+            args.overrides.append("train.enabled=true")  # last, so it wins over a --set train.enabled=false
         topo = load_topology(find_topology(args.topology), args.overrides)
         if args.command == "run":
             check_models(topo)

@@ -175,3 +175,84 @@ class RunOutcome:
             log.error("run %s: cannot write summary.json: %s", self.run_id, exc)
         self.summary = summary
         return summary
+
+
+@dataclass
+class ContinuousOutcome(RunOutcome):
+    """How ``expstream run --continuous`` ended; :meth:`write` writes ``summary.json`` only.
+
+    Nothing is collected in continuous mode (the trainer consumes ``experiences``), so there is no
+    ``experiences.msgpack`` and no lost-group verdict; the summary reports the training instead:
+    steps, final policy version, samples generated / trained, reward of the first and last step,
+    where ``train.jsonl`` and the final weights are. Call it after the trainer and the stages were
+    stopped, so the trainer's last lines are in (expstream.run does).
+    """
+
+    feeder: Any = None  # expstream.prompts.EpochFeeder once feeding
+    train_log: Any = None  # expstream.continuous.TrainLog once following train.jsonl
+
+    def write(self) -> dict:
+        if self.summary is not None:
+            return self.summary
+        from expstream.continuous import DONE_FILE, FINAL_DIR, TRAIN_LOG, TrainLog
+
+        topo, problems = self.topo, []
+        train_log = self.train_log or TrainLog(self.out_dir / TRAIN_LOG)
+        try:
+            train_log.read_new()
+        except OSError as exc:
+            problems.append(f"{TRAIN_LOG} not read: {exc}")
+        steps = train_log.steps
+        version, stage_stats, counters = None, {}, {}
+        try:
+            if self.state is not None:
+                version, stage_stats, counters = (self.state.policy_version(), self.state.stage_stats(),
+                                                  self.state.counters())
+        except Exception as exc:  # noqa: BLE001 - Redis may be what failed
+            problems.append(f"run state not read: {type(exc).__name__}: {exc}")
+        first, last = (steps[0], steps[-1]) if steps else ({}, {})
+        wall = time.monotonic() - self.started
+        final = self.out_dir / FINAL_DIR
+        feeder = self.feeder
+        summary = {
+            "mode": "continuous",
+            "run_id": self.run_id,
+            "status": STATUS_NAMES.get(self.status, "failed"),
+            "error": self.error,
+            "problems": problems,
+            "steps": len(steps),
+            "max_steps": topo.train.max_steps,
+            "trainer_done": (self.out_dir / DONE_FILE).exists(),
+            "final_policy_version": version,
+            "max_staleness": topo.async_.max_staleness,
+            "train_batch_size": topo.train.batch_size,
+            "prompts": self.rows,
+            "prompts_fed": feeder.prompts_fed if feeder else 0,
+            "records_fed": feeder.records_fed if feeder else 0,
+            "epochs_started": feeder.epochs_started if feeder else 0,
+            "samples_generated": int(stage_stats.get("generate", {}).get("samples", 0)),
+            "samples_trained": int(sum(s.get("samples", 0) for s in steps)),
+            "dropped_stale": int(sum(s.get("dropped_stale", 0) for s in steps)),
+            "reward_first_step": first.get("reward_mean"),
+            "reward_last_step": last.get("reward_mean"),
+            "wall_s": round(wall, 3),
+            "train_jsonl": str(self.out_dir / TRAIN_LOG),
+            "final_weights": str(final) if final.is_dir() else None,
+            "weight_store": topo.train.weight_store,
+            "stage_restarts": {c.label: c.restarts for c in self.supervisor.children if c.restarts}
+            if self.supervisor is not None else {},
+            "stages": {
+                name: {**s, "ms_per_batch": round(1000 * s["seconds"] / s["batches"], 3) if s["batches"] else None}
+                for name, s in stage_stats.items()
+            },
+            "counters": counters,
+            "bootstrap_servers": self.bootstrap,
+            "redis_url": self.redis_url,
+            "topology": topo.source,
+        }
+        try:
+            dump_json(summary, self.out_dir / "summary.json")
+        except OSError as exc:
+            log.error("run %s: cannot write summary.json: %s", self.run_id, exc)
+        self.summary = summary
+        return summary

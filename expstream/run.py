@@ -13,6 +13,11 @@
 7. Stop stages (SIGTERM, then SIGKILL after a grace period), then redis and the broker.
 8. Write ``experiences.msgpack`` and ``summary.json`` whatever happened (expstream.outcome: a run
    that lost more than ``run.max_lost_group_share`` of its fed groups fails); print the summary.
+
+With ``train.enabled`` (``--continuous``) steps 3-8 differ as expstream/continuous.py describes:
+the ``policy`` topic and the trainer process are added, the prompt file is fed epoch after epoch
+under flow control instead of step 5-6, and the run ends when the trainer finishes; the trainer
+and the stages are stopped before ``summary.json`` is written, and nothing is collected.
 """
 
 from __future__ import annotations
@@ -30,16 +35,17 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from expstream.continuous import TRAINER, resolve_weight_store, run_continuous, trainer_argv
 from expstream.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
-from expstream.outcome import RunOutcome, dump_json
+from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
 from expstream.prompts import feed_prompts, read_prompts
 from expstream.resolve import build_builtin_models
 from expstream.rundir import claim_run_dir
 from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
 from expstream.supervisor import Supervisor, SupervisorError
-from expstream.topics import create_topics, dlq_topic
+from expstream.topics import create_topics, dlq_topic, loop_topics
 from expstream.topology import Topology
 
 if TYPE_CHECKING:
@@ -137,7 +143,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
     started = time.monotonic()
-    out = RunOutcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=started)
+    continuous = topo.train.enabled
+    outcome = ContinuousOutcome if continuous else RunOutcome
+    out = outcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=started)
     with ExitStack() as stack:
         stack.callback(run_lock.release)
         stack.push(out.on_exit)  # outputs even when setting up fails (a no-op once written)
@@ -169,6 +177,10 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         dump_json(services, run_dir / "services.json")
 
         create_topics(bootstrap, topo.all_topics(), with_dlq=True)
+        if continuous:
+            create_topics(bootstrap, loop_topics(topo), with_dlq=False)
+            store = resolve_weight_store(topo, out_dir)  # before the topology the stages read is written
+            log.info("run %s: continuous; weight store %s, trainer output %s", run_id, store, out_dir)
         state = out.state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
@@ -178,46 +190,51 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
                 sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))
+        if continuous:
+            sup.add(TRAINER, 0, trainer_argv(topo_path, bootstrap, run_id, out_dir), one_shot=True)
         out.supervisor = sup
         sup.start()
         stack.callback(sup.stop)
         try:
-            dlqs = [dlq_topic(t) for t in topo.all_topics()]
-            collector = out.collector = ExperienceCollector(
-                bootstrap, topo.kafka, topo.output_topic, topo.generate.n_samples_per_prompt, dlq_topics=dlqs,
-                group_mode=topo.is_group_estimator, rejected_path=out_dir / REJECTED_FILE)
-            stack.callback(collector.close)
-            plan = out.plan = FeedPlan(topo, len(rows))
-            fed, records = 0, 0
-            progress = out.progress = Progress(plan.target, enabled=not args.no_progress)
-            last_new = time.monotonic()
-            while True:
-                if stop["stop"]:
-                    out.status = EXIT_INTERRUPTED
-                    break
-                lost = out.dropped + len(collector.lost_groups())
-                if plan.wanted(lost) > fed:  # first feed, or a top-up for groups dynamic sampling dropped
-                    want = plan.wanted(lost)
-                    collector.expect_groups(r.prompt_id for r in rows[fed:want])  # before they can come out
-                    records += feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows[fed:want],
-                                            topo.run.prompt_batch_size, first_index=records)
-                    log.info("run %s: fed prompts %d..%d to %s", run_id, fed, want - 1, topo.topics.input)
-                    fed = out.fed = want
-                if collector.poll(MONITOR_POLL_MS):
-                    last_new = time.monotonic()
-                sup.poll()
-                out.dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
-                flush_last_window(topo, state, collector, fed, out.dropped, bootstrap)
-                done = collector.complete_groups + lost
-                progress.update(min(collector.complete_groups, plan.target), len(collector.samples))
-                if collector.complete_groups >= plan.target or (fed == len(rows) and done >= fed):
-                    progress.update(min(collector.complete_groups, plan.target), len(collector.samples), force=True)
-                    out.finished = True
-                    break
-                if time.monotonic() - last_new > topo.run.timeout_s:
-                    out.fail(f"no experience arrived for {topo.run.timeout_s:.0f}s (run.timeout_s); "
-                             f"see {run_dir}/logs")
-                    break
+            if continuous:
+                run_continuous(topo, rows, out, sup, state, bootstrap, stop)
+            else:
+                dlqs = [dlq_topic(t) for t in topo.all_topics()]
+                collector = out.collector = ExperienceCollector(
+                    bootstrap, topo.kafka, topo.output_topic, topo.generate.n_samples_per_prompt, dlq_topics=dlqs,
+                    group_mode=topo.is_group_estimator, rejected_path=out_dir / REJECTED_FILE)
+                stack.callback(collector.close)
+                plan = out.plan = FeedPlan(topo, len(rows))
+                fed, records = 0, 0
+                progress = out.progress = Progress(plan.target, enabled=not args.no_progress)
+                last_new = time.monotonic()
+                while True:
+                    if stop["stop"]:
+                        out.status = EXIT_INTERRUPTED
+                        break
+                    lost = out.dropped + len(collector.lost_groups())
+                    if plan.wanted(lost) > fed:  # first feed, or a top-up for groups dynamic sampling dropped
+                        want = plan.wanted(lost)
+                        collector.expect_groups(r.prompt_id for r in rows[fed:want])  # before they can come out
+                        records += feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows[fed:want],
+                                                topo.run.prompt_batch_size, first_index=records)
+                        log.info("run %s: fed prompts %d..%d to %s", run_id, fed, want - 1, topo.topics.input)
+                        fed = out.fed = want
+                    if collector.poll(MONITOR_POLL_MS):
+                        last_new = time.monotonic()
+                    sup.poll()
+                    out.dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
+                    flush_last_window(topo, state, collector, fed, out.dropped, bootstrap)
+                    done = collector.complete_groups + lost
+                    progress.update(min(collector.complete_groups, plan.target), len(collector.samples))
+                    if collector.complete_groups >= plan.target or (fed == len(rows) and done >= fed):
+                        progress.update(min(collector.complete_groups, plan.target), len(collector.samples), force=True)
+                        out.finished = True
+                        break
+                    if time.monotonic() - last_new > topo.run.timeout_s:
+                        out.fail(f"no experience arrived for {topo.run.timeout_s:.0f}s (run.timeout_s); "
+                                 f"see {run_dir}/logs")
+                        break
         except SupervisorError as exc:
             out.fail(str(exc))
         except KeyboardInterrupt:
@@ -231,6 +248,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                 log.exception("run %s: %s", run_id, exc)
             out.fail(f"{type(exc).__name__}: {exc}")
         finally:
+            if continuous:
+                sup.stop()  # the trainer's last steps are in train.jsonl before the summary reads it
             summary = out.write()  # experiences.msgpack and summary.json, whatever happened
     print_summary(summary, out_dir)
     if out.error:
@@ -289,6 +308,9 @@ def flush_last_window(topo: Topology, state: State, collector: ExperienceCollect
 
 
 def print_summary(summary: dict, out_dir: Path) -> None:
+    if summary.get("mode") == "continuous":
+        print_continuous_summary(summary, out_dir)
+        return
     print(f"run {summary['run_id']}: {summary['status']}")
     print(f"  prompts {summary['prompts']}, groups complete {summary['groups_complete']}, "
           f"samples {summary['samples']}, dropped (dynamic sampling) {summary['groups_dropped_dynamic_sampling']}, "
@@ -306,6 +328,24 @@ def print_summary(summary: dict, out_dir: Path) -> None:
     for name, s in summary["stages"].items():
         print(f"  {name:<17} {s['batches']:>4} batches {s['samples']:>5} samples  {s['ms_per_batch']} ms/batch")
     print(f"  wrote {out_dir / 'experiences.msgpack'} and {out_dir / 'summary.json'}")
+
+
+
+def print_continuous_summary(summary: dict, out_dir: Path) -> None:
+    def reward(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.4f}"
+
+    print(f"run {summary['run_id']} (continuous): {summary['status']}")
+    print(f"  steps {summary['steps']}/{summary['max_steps']}, policy version {summary['final_policy_version']}, "
+          f"max staleness {summary['max_staleness']}, reward first step {reward(summary['reward_first_step'])} "
+          f"-> last step {reward(summary['reward_last_step'])}")
+    print(f"  prompts fed {summary['prompts_fed']} ({summary['epochs_started']} epochs begun), samples generated "
+          f"{summary['samples_generated']}, trained {summary['samples_trained']}, dropped stale "
+          f"{summary['dropped_stale']}, wall {summary['wall_s']:.1f}s, restarts {summary['stage_restarts'] or 0}")
+    for name, s in summary["stages"].items():
+        print(f"  {name:<17} {s['batches']:>4} batches {s['samples']:>5} samples  {s['ms_per_batch']} ms/batch")
+    print(f"  wrote {summary['train_jsonl']}, {out_dir / 'summary.json'}"
+          + (f", final weights {summary['final_weights']}" if summary["final_weights"] else ""))
 
 
 __all__ = ["run_pipeline", "EXIT_CONFIG", "ConfigError"]

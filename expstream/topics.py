@@ -17,12 +17,18 @@ from collections.abc import Mapping
 from expstream.errors import EXIT_OK, ConfigError, InfraError
 from expstream.topology import Topology
 
-__all__ = ["DLQ_SUFFIX", "dlq_topic", "DEFAULT_TOPIC_CONFIG", "create_topics", "topics_command"]
+__all__ = ["DLQ_SUFFIX", "dlq_topic", "DEFAULT_TOPIC_CONFIG", "POLICY_TOPIC", "loop_topics", "create_topics",
+           "topics_command"]
 
 log = logging.getLogger("expstream.topics")
 
 #: The suffix that names a topic's dead-letter twin.
 DLQ_SUFFIX = ".dlq"
+#: A continuous run's announcements: one record per published policy version, key = run id
+#: (expstream.weights.announce). No ``.dlq`` twin: no stage consumes it.
+POLICY_TOPIC = "policy"
+# Why 1 partition: versions are announced in order and read in order; one partition keeps it.
+POLICY_PARTITIONS = 1
 # max.message.bytes is checked by Apache Kafka on the compressed batch (1 MiB default); raise it so
 # that a 64 MiB micro-batch (bus.KafkaConfig.max_request_size) is accepted. Tansu ignores it.
 DEFAULT_TOPIC_CONFIG: dict[str, str] = {"max.message.bytes": str(64 * 1024 * 1024)}
@@ -34,6 +40,12 @@ METADATA_POLL_INTERVAL_S = 0.05
 def dlq_topic(topic: str) -> str:
     """The dead-letter twin of ``topic``."""
     return topic + DLQ_SUFFIX
+
+
+def loop_topics(topo: Topology) -> dict[str, int]:
+    """The topics a continuous run adds to the pipeline's (no ``.dlq`` twins): ``policy`` when
+    ``train.enabled``, else none."""
+    return {POLICY_TOPIC: POLICY_PARTITIONS} if topo.train.enabled else {}
 
 
 # CreateTopics error codes that mean "the broker would not take these topic configs": retried
@@ -162,6 +174,10 @@ def topics_command(topo: Topology, args: argparse.Namespace) -> int:
     topics = topo.all_topics()
     if args.action == "create":
         create_topics(args.bootstrap_servers, topics, with_dlq=True, kafka_config=topo.kafka)
+        if loop_topics(topo):
+            create_topics(args.bootstrap_servers, loop_topics(topo), with_dlq=False, kafka_config=topo.kafka)
     for name, parts in topics.items():
         print(f"{name}\t{parts} partitions (+ {dlq_topic(name)})")
+    for name, parts in loop_topics(topo).items():
+        print(f"{name}\t{parts} partitions")
     return EXIT_OK
