@@ -6,13 +6,18 @@ The feeder and the supervisor are tested on their own (no broker); the whole-run
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from expstream.continuous import TrainLog, feed_limit, records_to_feed, resolve_weight_store, step_line
 from expstream.prompts import EpochFeeder, PromptRow
+from expstream.run import write_resolved_topology
 from expstream.supervisor import Supervisor, SupervisorError
+from expstream.topology import load_topology
 
 ROWS = [PromptRow(f"q{i}", f"Question {i}?", label=str(i)) for i in range(5)]
 
@@ -118,3 +123,53 @@ def test_a_stage_that_exits_0_is_still_restarted_and_finished_is_per_name(tmp_pa
     assert not sup.finished("trainer") and not sup.finished("generate") and not sup.finished("nope")
     sup.stop(grace_s=5)
     assert sup.children[0].exit_codes == [0, 0]  # a stage's exit 0 is a death like any other
+
+
+# ---- flow control, the weight store path, train.jsonl --------------------------------------------------------
+def test_flow_control_keeps_k_plus_2_steps_of_prompts_ahead_of_the_trainer():
+    k, batch, record = 1, 16, 8  # 2 records per step
+    fed = 0
+    for version in range(5):  # the trainer published `version`: it has consumed version x batch samples
+        fed += records_to_feed(fed, record, feed_limit(version, k, batch, lost=0)) * record
+        assert fed - version * batch == (k + 2) * batch  # a plain statement of the brief's bound
+    # samples lost for good (dead letters, dynamic sampling) are made up for, record by record
+    assert records_to_feed(fed, record, feed_limit(4, k, batch, lost=8)) == 1
+    assert records_to_feed(fed, record, feed_limit(4, k, batch, lost=7)) == 0  # only whole records
+    assert records_to_feed(fed, record, feed_limit(2, k, batch, lost=0)) == 0  # never negative
+
+
+def test_the_weight_store_becomes_absolute_in_the_topology_the_stages_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    topo = load_topology(None, ["train.enabled=true"])
+    store = resolve_weight_store(topo, Path("out"))
+    assert store == tmp_path / "out" / "weights" and store.is_absolute()
+    path = tmp_path / "topology.yaml"
+    write_resolved_topology(topo, path)
+    again = load_topology(path)
+    assert again.train.enabled and again.train.weight_store == str(tmp_path / "out" / "weights")
+    given = load_topology(None, ["train.weight_store=shared/w"])
+    assert resolve_weight_store(given, Path("out")) == tmp_path / "shared" / "w"
+    assert (given.raw["train"]["weight_store"], given.raw["train"]["enabled"]) == (str(tmp_path / "shared" / "w"), True)
+
+
+def test_train_log_reads_complete_lines_once_and_refuses_garbage_with_a_log_line(tmp_path, caplog):
+    path = tmp_path / "train.jsonl"
+    follower = TrainLog(path)
+    assert follower.read_new() == []  # not written yet
+    path.write_text(json.dumps({"step": 0, "reward_mean": 0.5}) + "\n" + '{"step": 1, "rew')  # second half-written
+    assert [s["step"] for s in follower.read_new()] == [0]
+    with open(path, "a") as fh:
+        fh.write('ard_mean": 0.7}\n[1, 2]\n' + json.dumps({"step": 2}) + "\n")
+    caplog.set_level("ERROR", logger="expstream.run")
+    assert [s["step"] for s in follower.read_new()] == [1, 2]
+    assert follower.read_new() == []
+    assert [s["step"] for s in follower.steps] == [0, 1, 2]
+    assert any("train.jsonl:3: not a JSON object" in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_line_shows_reward_staleness_and_drops():
+    line = step_line({"step": 3, "policy_version": 4, "reward_mean": 0.25, "reward_std": 0.125, "loss": -0.5,
+                      "kl": 0.001, "staleness_hist": {"10": 1, "2": 3, "0": 4}, "dropped_stale": 2,
+                      "samples_per_s": 7.5})
+    assert "step    3  v4  reward 0.2500 ± 0.1250" in line
+    assert "staleness {0:4 2:3 10:1}" in line and "dropped stale 2" in line and "7.50 samples/s" in line
