@@ -7,11 +7,15 @@ The feeder and the supervisor are tested on their own (no broker); the whole-run
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
+import yaml
 
 from expstream.continuous import TrainLog, feed_limit, records_to_feed, resolve_weight_store, step_line
 from expstream.prompts import EpochFeeder, PromptRow
@@ -173,3 +177,108 @@ def test_a_step_line_shows_reward_staleness_and_drops():
                       "samples_per_s": 7.5})
     assert "step    3  v4  reward 0.2500 ± 0.1250" in line
     assert "staleness {0:4 2:3 10:1}" in line and "dropped stale 2" in line and "7.50 samples/s" in line
+
+
+# ---- whole continuous runs (real broker and redis-server; need `expstream train`) --------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+N_SAMPLES, PROMPTS_PER_RECORD = 2, 2  # 4 samples per record
+STEP = 8  # train.batch_size: 2 records per step
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def continuous_cmd(tmp_path: Path, cache: Path, *sets: str, bootstrap: str | None = None) -> tuple[list[str], Path]:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {i}?"}) + "\n" for i in range(5)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "expstream", "run", "--continuous", "--prompts", str(prompts), "--output", str(out),
+           "--no-progress", "--run-id", f"cont-{tmp_path.name[-12:]}"]
+    if bootstrap:
+        cmd += ["--bootstrap-servers", bootstrap]
+    for s in (f"models.cache_dir={cache}", "generate.max_new_tokens=6", f"generate.n_samples_per_prompt={N_SAMPLES}",
+              f"run.prompt_batch_size={PROMPTS_PER_RECORD}", f"train.batch_size={STEP}", "run.timeout_s=120", *sets):
+        cmd += ["--set", s]
+    return cmd, out
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_a_continuous_run_with_two_generate_replicas_trains_max_steps_within_the_staleness_bound(tmp_path, cache):
+    from expstream.bus import read_topic
+    from expstream.localservers import LocalBroker
+    from expstream.topics import POLICY_TOPIC
+
+    steps, k = 6, 1
+    broker = LocalBroker(tmp_path / "broker")  # its own: the policy topic is read after the run
+    bootstrap = broker.start()
+    try:
+        cmd, out = continuous_cmd(tmp_path, cache, f"train.max_steps={steps}", f"async.max_staleness={k}",
+                                  "stages.generate.replicas=2", bootstrap=bootstrap)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == list(range(steps))
+        assert [x["policy_version"] for x in lines] == list(range(1, steps + 1))
+        for x in lines:  # no sample trained staler than k, and every step took a whole batch
+            assert max(int(s) for s in x["staleness_hist"]) <= k, x
+            assert sum(x["staleness_hist"].values()) == x["samples"] == STEP
+        run_id = cmd[cmd.index("--run-id") + 1]
+        announced = [msgpack.unpackb(r.value) for r in read_topic(bootstrap, None, POLICY_TOPIC)
+                     if r.key == run_id.encode()]
+        assert sorted(m["version"] for m in announced if m["role"] == "actor") == list(range(1, steps + 1))
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["mode"], summary["status"], summary["steps"], summary["final_policy_version"]) == \
+            ("continuous", "ok", steps, steps)
+        assert summary["samples_trained"] == steps * STEP <= summary["samples_generated"]
+        assert summary["reward_first_step"] == lines[0]["reward_mean"]
+        assert summary["reward_last_step"] == lines[-1]["reward_mean"]
+        assert summary["final_weights"] == str(out / "final") and (out / "final").is_dir()
+        # flow control: never more than (last version + k + 2) steps of prompts fed
+        assert summary["prompts_fed"] * N_SAMPLES <= (steps + k + 2) * STEP  # nothing is lost here
+        assert f"step    {steps - 1}  v{steps}" in proc.stdout  # reward per step printed
+        stored = yaml.safe_load((out / "run" / "topology.yaml").read_text())["train"]
+        assert stored["enabled"] is True and stored["weight_store"] == str((out / "weights").resolve())
+        assert not (out / "experiences.msgpack").exists()  # the trainer is the consumer
+        assert leftovers(out / "run", external_broker=True) == []
+    finally:
+        broker.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_ctrl_c_stops_the_trainer_and_the_stages_and_writes_the_summary(tmp_path, cache):
+    cmd, out = continuous_cmd(tmp_path, cache, "train.max_steps=1000")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        log = out / "train.jsonl"
+        while not (log.exists() and log.read_text().count("\n") >= 1):  # the loop has closed once
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "no trainer step within 240 s"
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["mode"], summary["status"]) == ("continuous", "interrupted")
+    assert 1 <= summary["steps"] < 1000 and summary["trainer_done"] is False
+    assert summary["steps"] == len((out / "train.jsonl").read_text().splitlines())  # read after the trainer stopped
+    assert leftovers(out / "run") == []
+
+
+def leftovers(run_dir: Path, external_broker: bool = False) -> list[str]:
+    from tests.test_lifecycle import alive, port_open
+
+    pids = json.loads((run_dir / "pids.json").read_text())
+    services = json.loads((run_dir / "services.json").read_text())
+    found = [f"{label} pid {pid}" for label, pid in pids.items() if alive(pid)]
+    found += [f"{k} {services[k]}" for k in ("broker_pid", "redis_pid") if k in services and alive(services[k])]
+    if not external_broker:
+        found += [f"port {services['bootstrap_servers']}"] if port_open(services["bootstrap_servers"]) else []
+    return found
