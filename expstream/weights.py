@@ -426,8 +426,9 @@ class PolicyFollower:
         t0 = time.perf_counter()
         try:
             tensors = self.store.load(self.role, target)
+            _check_fits(self.model, tensors)  # before load_state_dict, which may copy some tensors then raise
             self.model.load_state_dict(tensors, strict=True)
-        except (CorruptWeightsError, RuntimeError) as exc:  # RuntimeError: load_state_dict's key/shape mismatch
+        except (CorruptWeightsError, RuntimeError) as exc:
             self.refused = announced
             self.log.error("weights: refused %s v%d from %s, keeping v%d: %s", self.role, target,
                            self.store.describe(self.role, target), self.version, exc)
@@ -443,6 +444,20 @@ class PolicyFollower:
         self.log.info("weights: %s v%d -> v%d loaded in place from %s in %.3f s", self.role, previous, target,
                       self.store.describe(self.role, target), dt)
         return self.version
+
+
+def _check_fits(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse tensors that are not exactly the model's state dict (names and shapes), so that a
+    refused version leaves every weight untouched."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if own == got:
+        return
+    missing, extra = sorted(set(own) - set(got)), sorted(set(got) - set(own))
+    shapes = [f"{k}: {got[k]} != {own[k]}" for k in sorted(set(own) & set(got)) if own[k] != got[k]]
+    raise CorruptWeightsError(f"the tensors do not fit the stage's model (missing {missing[:3]}, unexpected "
+                              f"{extra[:3]}, shapes {shapes[:3]}); publish weights of the same architecture as "
+                              "models.actor / models.critic")
 
 
 def follower_for(ctx: Any, role: str, model: Any) -> PolicyFollower | None:

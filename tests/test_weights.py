@@ -175,6 +175,22 @@ def test_follower_keeps_previous_weights_on_a_corrupt_version_then_loads_the_nex
     assert redis_state.counters()["reloads:actor"] == 1
 
 
+def test_weights_of_another_shape_are_refused_leaving_every_weight(tmp_path, redis_state, caplog):
+    store = DirectoryWeightStore(tmp_path)
+    model = Small()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # the bias fits, the weight does not: nothing may be copied
+    store.publish("actor", 1, {"lin.weight": torch.ones(2, 4), "lin.bias": torch.ones(3)}, step=0, offsets={},
+                  run_id="r")
+    redis_state.set_policy_version(1)
+    follower = PolicyFollower(store, redis_state, "actor", model, logging.getLogger("test.shape"))
+    with caplog.at_level(logging.ERROR, logger="test.shape"):
+        assert follower.refresh() == 0
+    assert "lin.weight" in caplog.records[0].getMessage()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
 def test_announced_but_missing_actor_version_is_refused(tmp_path, redis_state, caplog):
     follower = PolicyFollower(DirectoryWeightStore(tmp_path), redis_state, "actor", Small(),
                               logging.getLogger("test.missing"))
