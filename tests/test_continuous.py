@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 import yaml
 
@@ -207,9 +206,9 @@ def continuous_cmd(tmp_path: Path, cache: Path, *sets: str, bootstrap: str | Non
 @pytest.mark.e2e
 @pytest.mark.integration
 def test_a_continuous_run_with_two_generate_replicas_trains_max_steps_within_the_staleness_bound(tmp_path, cache):
-    from expstream.bus import read_topic
     from expstream.localservers import LocalBroker
     from expstream.topics import POLICY_TOPIC
+    from expstream.weights import read_policy_log
 
     steps, k = 6, 1
     broker = LocalBroker(tmp_path / "broker")  # its own: the policy topic is read after the run
@@ -226,9 +225,8 @@ def test_a_continuous_run_with_two_generate_replicas_trains_max_steps_within_the
             assert max(int(s) for s in x["staleness_hist"]) <= k, x
             assert sum(x["staleness_hist"].values()) == x["samples"] == STEP
         run_id = cmd[cmd.index("--run-id") + 1]
-        announced = [msgpack.unpackb(r.value) for r in read_topic(bootstrap, None, POLICY_TOPIC)
-                     if r.key == run_id.encode()]
-        assert sorted(m["version"] for m in announced if m["role"] == "actor") == list(range(1, steps + 1))
+        announced = [m for m in read_policy_log(bootstrap, None, POLICY_TOPIC) if m.run_id == run_id]
+        assert sorted(m.version for m in announced if m.role == "actor") == list(range(1, steps + 1))
         summary = json.loads((out / "summary.json").read_text())
         assert (summary["mode"], summary["status"], summary["steps"], summary["final_policy_version"]) == \
             ("continuous", "ok", steps, steps)
@@ -282,3 +280,11 @@ def leftovers(run_dir: Path, external_broker: bool = False) -> list[str]:
     if not external_broker:
         found += [f"port {services['bootstrap_servers']}"] if port_open(services["bootstrap_servers"]) else []
     return found
+
+
+def test_the_run_creates_the_topic_the_trainer_announces_on():
+    from expstream import topics, weights
+
+    assert topics.POLICY_TOPIC == weights.POLICY_TOPIC  # topics.py stays free of torch, so it keeps a copy
+    assert topics.loop_topics(load_topology(None, ["train.enabled=true"])) == {topics.POLICY_TOPIC: 1}
+    assert topics.loop_topics(load_topology(None)) == {}
