@@ -1,0 +1,166 @@
+"""Asynchronous vs. synchronous RL: the same trainer steps at async.max_staleness 0, 1, 2, 4.
+
+Runs ``expstream run --continuous`` as a subprocess once per setting (each with its embedded
+broker and redis-server: a shared broker would hand one run's prompts to the next run's fresh
+consumer groups; the start-up cost is the same for every setting), with the same prompts, seed,
+models and ``train.max_steps``, and reports per setting:
+
+* wall: the whole command (what a user waits for) and the training span (the trainer's first
+  step to its last, from ``train.jsonl`` ``time``: start-up and model loads excluded), with the
+  ratio of k = 0's wall to each (> 1: faster than the synchronous shape);
+* reward per step (``train.jsonl`` ``reward_mean``) and the mean of the last steps;
+* the staleness histogram over the run (samples trained at each staleness u - v);
+* time blocked by backpressure per stage (Redis counters ``blocked_s:<stage>``);
+* weight reload time (counters ``reload_s:actor`` / ``reloads:actor``: generate and actor-logprob).
+
+Writes ``bench/results/async.json`` (the one-line summary) and, when matplotlib is installed,
+``bench/results/async-rewards.png`` (reward per step, one curve per k); otherwise says so.
+Nothing is asserted: the script reports; it exits non-zero only when a run fails.
+
+Usage: ``.venv/bin/python bench/async.py [--steps 20] [--ks 0,1,2,4] [--set key=value]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS_DIR, ROOT, fmt, machine, progress, ratio, save, table, write_prompts
+
+# Why 30 min: a setting of 20 steps takes a few minutes on 2 cores; a run 10x over that is stuck.
+RUN_TIMEOUT_S = 1800
+#: Steps averaged for "reward at the end" (the curves are noisy step by step).
+LAST_STEPS = 5
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="train.max_steps for every setting")
+    p.add_argument("--ks", default="0,1,2,4", help="async.max_staleness values, comma-separated (0 first: the baseline)")
+    p.add_argument("--prompts", type=Path, help="prompt file (default: 40 generated prompts)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                   help="topology override passed to every run; repeatable")
+    p.add_argument("--keep-runs", action="store_true", help="keep the runs' output directories")
+    return p.parse_args()
+
+
+def continuous_run(prompts: Path, k: int, steps: int, sets: list[str], out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "expstream", "run", "--continuous", "--prompts", str(prompts), "--output", str(out),
+           "--no-progress", "--set", f"train.max_steps={steps}", "--set", f"async.max_staleness={k}"]
+    for s in sets:
+        cmd += ["--set", s]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"k={k}: expstream run took over {RUN_TIMEOUT_S}s (output in {out})") from None
+    cmd_wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"k={k}: expstream run failed with exit code {proc.returncode} (output in {out})")
+    summary = json.loads((out / "summary.json").read_text())
+    lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines() if x.strip()]
+    hist: dict[int, int] = {}
+    for line in lines:
+        for s, n in (line.get("staleness_hist") or {}).items():
+            hist[int(s)] = hist.get(int(s), 0) + int(n)
+    times = [line["time"] for line in lines if isinstance(line.get("time"), int | float)]
+    counters = summary.get("counters", {})
+    reloads = counters.get("reloads:actor", 0)
+    return {
+        "k": k,
+        "steps": len(lines),
+        "cmd_wall_s": round(cmd_wall, 3),
+        "wall_s": summary["wall_s"],
+        "train_span_s": round(times[-1] - times[0], 3) if len(times) > 1 else None,
+        "samples_trained": summary["samples_trained"],
+        "samples_generated": summary["samples_generated"],
+        "reward": [line.get("reward_mean") for line in lines],
+        "reward_last": _mean([line.get("reward_mean") for line in lines[-LAST_STEPS:]]),
+        "staleness_hist": dict(sorted(hist.items())),
+        "dropped_stale": summary["dropped_stale"],
+        "blocked_s": {name.split(":", 1)[1]: round(v, 3) for name, v in counters.items() if name.startswith("blocked_s:")},
+        "reloads_actor": int(reloads),
+        "reload_s_mean": round(counters.get("reload_s:actor", 0.0) / reloads, 4) if reloads else None,
+    }
+
+
+def _mean(xs: list[Any]) -> float | None:
+    vals = [float(x) for x in xs if isinstance(x, int | float)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed in this environment: no PNG written (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        ax.plot(range(len(r["reward"])), r["reward"], marker=".", label=f"max_staleness={r['k']}")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward (mean over the step's samples)")
+    ax.set_title("reward per step, synchronous (k=0) vs asynchronous")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def main() -> int:
+    args = parse_args()
+    ks = [int(x) for x in args.ks.split(",") if x.strip()]
+    work = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    prompts = args.prompts or write_prompts(work / "prompts.jsonl", 40)
+    results = []
+    try:
+        for k in ks:
+            progress(f"k={k}: expstream run --continuous, {args.steps} steps")
+            r = continuous_run(prompts, k, args.steps, args.overrides, work / f"k{k}")
+            progress(f"k={k}: wall {r['wall_s']:.1f}s, training span {fmt(r['train_span_s'], '.1f')}s, "
+                     f"reward {fmt(r['reward'][0] if r['reward'] else None, '.4f')} -> {fmt(r['reward_last'], '.4f')}")
+            results.append(r)
+    finally:
+        if not args.keep_runs:
+            shutil.rmtree(work, ignore_errors=True)
+    base = results[0]
+    rows = []
+    for r in results:
+        rows.append([f"k={r['k']}", r["steps"], r["wall_s"], ratio(base["wall_s"], r["wall_s"]),
+                     r["train_span_s"], ratio(base["train_span_s"] or float("nan"), r["train_span_s"] or float("nan")),
+                     r["samples_generated"], fmt(r["reward_last"], ".4f"),
+                     " ".join(f"{s}:{n}" for s, n in r["staleness_hist"].items()),
+                     " ".join(f"{s}={v:.1f}" for s, v in r["blocked_s"].items()) or "0",
+                     fmt(r["reload_s_mean"], ".3f")])
+    print(table(["setting", "steps", "wall s", "x vs k=0", "train span s", "x vs k=0", "generated",
+                 f"reward last {LAST_STEPS}", "staleness hist", "blocked s", "reload s"], rows,
+                title=f"async.max_staleness: the same {args.steps} trainer steps ({'k=' + str(base['k'])} is the baseline)"))
+    print()
+    steps = max(len(r["reward"]) for r in results)
+    print(table(["step"] + [f"k={r['k']}" for r in results],
+                [[str(i)] + [fmt(r["reward"][i], ".4f") if i < len(r["reward"]) else "" for r in results]
+                 for i in range(steps)], title="reward per step"))
+    note = plot(results, RESULTS_DIR / "async-rewards.png")
+    print(note)
+    save("async", {"bench": "async", "steps": args.steps, "overrides": args.overrides, "machine": machine(),
+                   "results": results, "wall_ratio_vs_k0": {r["k"]: ratio(base["wall_s"], r["wall_s"]) for r in results},
+                   "train_span_ratio_vs_k0": {r["k"]: ratio(base["train_span_s"] or float("nan"),
+                                                            r["train_span_s"] or float("nan")) for r in results},
+                   "png": note})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
