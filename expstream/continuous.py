@@ -138,6 +138,15 @@ class TrainLog:
         self.steps += new
         return new
 
+    def unique_steps(self) -> list[dict[str, Any]]:
+        """One line per step number, the last written winning (a trainer restarted from its checkpoint
+        logs the steps after it again), in step order; lines without a step number are left out."""
+        last: dict[int, dict[str, Any]] = {}
+        for line in self.steps:
+            if isinstance(line.get("step"), int):
+                last[line["step"]] = line
+        return [last[k] for k in sorted(last)]
+
 
 def step_line(step: dict[str, Any]) -> str:
     """One printed line per trainer step: reward, loss, KL, staleness, speed."""

@@ -202,7 +202,7 @@ class ContinuousOutcome(RunOutcome):
             train_log.read_new()
         except OSError as exc:
             problems.append(f"{TRAIN_LOG} not read: {exc}")
-        steps = train_log.steps
+        steps = train_log.unique_steps()
         version, stage_stats, counters = None, {}, {}
         try:
             if self.state is not None:

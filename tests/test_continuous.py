@@ -168,6 +168,10 @@ def test_train_log_reads_complete_lines_once_and_refuses_garbage_with_a_log_line
     assert follower.read_new() == []
     assert [s["step"] for s in follower.steps] == [0, 1, 2]
     assert any("train.jsonl:3: not a JSON object" in r.getMessage() for r in caplog.records)
+    with open(path, "a") as fh:  # a restarted trainer logs step 2 again: the last line of a step counts
+        fh.write(json.dumps({"step": 2, "reward_mean": 0.9}) + "\n" + json.dumps({"note": "no step"}) + "\n")
+    follower.read_new()
+    assert [(s["step"], s.get("reward_mean")) for s in follower.unique_steps()] == [(0, 0.5), (1, 0.7), (2, 0.9)]
 
 
 def test_a_step_line_shows_reward_staleness_and_drops():
