@@ -23,8 +23,9 @@ def setup(ctx: StageContext) -> None:
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     want_entropy = ctx.topology.algo.high_entropy_token_ratio > 0
+    version = ctx.state.policy_version()  # the one place the version of the weights comes from
     logp, entropy = forward_log_probs(ctx.models["lm"], batch, with_entropy=want_entropy)
-    changes = {"action_log_probs": logp}
+    changes = {"action_log_probs": logp, "logprob_version": [int(version)] * len(batch)}
     if entropy is not None:
         changes["action_entropy"] = entropy
     return [batch.replace(**changes)]
