@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from expstream.experience import Experience, make_experience_batch, remove_padding_in_sequences, \
-    split_experience_batch
+from expstream.experience import (
+    Experience,
+    make_experience_batch,
+    remove_padding_in_sequences,
+    split_experience_batch,
+)
 from expstream.layout import align_rollout_log_probs
 from expstream.topology import load_topology
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
