@@ -16,7 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from expstream.experience import Experience, make_experience_batch, remove_padding_in_sequences, split_experience_batch
+from expstream.experience import (
+    Experience,
+    make_experience_batch,
+    remove_padding_in_sequences,
+    split_experience_batch,
+)
 from expstream.layout import position_ids_from_attention
 from expstream.topology import Topology
 from expstream.train.loss import policy_loss, value_loss
