@@ -8,8 +8,8 @@ Per optimisation step u (0-based; trains weights of version u, publishes version
 3. wait while the gate names stragglers (admitted samples of versions v <= u - k not yet arrived),
    at most ``async.straggler_timeout_s``;
 4. train when ``train.batch_size`` samples are buffered -- or, as a short step (logged), when every
-   admitted sample has arrived and nothing new came for ``SHORT_STEP_IDLE_S`` (generation is
-   blocked by the admission bound, so waiting longer would deadlock);
+   admitted sample has arrived and the admission bound leaves no room for another prompt record
+   (``StalenessGate.starved``: losses left a gap, so waiting longer would deadlock);
 5. publish version u+1 to the weight store, write the checkpoint (every ``train.checkpoint_every``
    steps and the last), announce the version (``policy`` topic + Redis), commit the consumed offsets
    (only after the checkpoint is durable), report the KL to PipelineControl, append the
@@ -45,9 +45,6 @@ log = logging.getLogger("expstream.train")
 
 # Why 0.5 s: the poll wait; short enough to notice a stop request and stragglers promptly.
 POLL_MS = 500
-# Why 3 s: with every admitted sample arrived and nothing new for this long, generation is blocked
-# by the admission bound, and only a (short) step can unblock it.
-SHORT_STEP_IDLE_S = 3.0
 TRAIN_JSONL = "train.jsonl"
 
 
@@ -108,8 +105,9 @@ class Trainer:
         self.counters: Counter[str] = Counter()
         self.stop = False
         self.last_line: dict[str, Any] | None = None
-        self.last_arrival = time.monotonic()
         self.stream: Any = None
+        self._wait_since: float | None = None
+        self.record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
 
     # ---- start / resume -------------------------------------------------------------------------
     def restore(self) -> dict[int, int] | None:
@@ -174,7 +172,6 @@ class Trainer:
             kept += 1
         if kept:
             self.records[(partition, offset)] = (batch, topic)
-            self.last_arrival = time.monotonic()
 
     def _drop_stale(self) -> None:
         keep = []
@@ -201,10 +198,9 @@ class Trainer:
         if not self.buffer:
             return False
         admitted, lost = self._admission()
-        received = len(self.taken) + len(self.buffer) + self.counters["dropped_stale"]
         waiting = self.gate.wait_for(self.step, admitted, lost)
         if waiting:
-            if not hasattr(self, "_wait_since"):
+            if self._wait_since is None:
                 self._wait_since = time.monotonic()
                 log.info("trainer: step %d waits for stragglers of versions %s", self.step, waiting)
             if time.monotonic() - self._wait_since < self.topo.async_.straggler_timeout_s:
@@ -212,12 +208,10 @@ class Trainer:
             log.warning("trainer: step %d gave up waiting for versions %s after async.straggler_timeout_s=%.0f; "
                         "late arrivals will be dropped as stale", self.step, waiting,
                         self.topo.async_.straggler_timeout_s)
-        if hasattr(self, "_wait_since"):
-            del self._wait_since
+        self._wait_since = None
         if len(self.buffer) >= self.bs:
             return True
-        in_flight = sum(admitted.values()) - sum(lost.values()) - received
-        if admitted and in_flight <= 0 and time.monotonic() - self.last_arrival > SHORT_STEP_IDLE_S:
+        if admitted and self.gate.starved(self.step, admitted, lost, self.record_samples):
             log.info("trainer: short step %d with %d of train.batch_size=%d samples: everything admitted has "
                      "arrived and generation waits for a new version", self.step, len(self.buffer), self.bs)
             return True
@@ -242,8 +236,10 @@ class Trainer:
         manifest = self.store.publish("actor", version, self.trainer.actor_state(), step=self.step,
                                       offsets=offsets, run_id=self.run_id)
         critic_state = self.trainer.critic_state()
+        critic_manifest = None
         if critic_state is not None and result.value_loss is not None:
-            self.store.publish("critic", version, critic_state, step=self.step, offsets=offsets, run_id=self.run_id)
+            critic_manifest = self.store.publish("critic", version, critic_state, step=self.step, offsets=offsets,
+                                                 run_id=self.run_id)
         chosen_set = set(chosen)
         self.buffer = [s for i, s in enumerate(self.buffer) if i not in chosen_set]
         for s in picked:
@@ -268,7 +264,7 @@ class Trainer:
             "time": time.time(),
         }
         self.step += 1
-        return {"line": line, "manifest": manifest, "kl": kl}
+        return {"line": line, "manifests": [m for m in (critic_manifest, manifest) if m is not None], "kl": kl}
 
     def checkpoint(self) -> dict[int, int]:
         positions = self.stream.positions()
@@ -311,7 +307,8 @@ class Trainer:
                 self.last_line = line
                 durable = self.step % cfg.checkpoint_every == 0 or self.step >= cfg.max_steps
                 ckpt_positions = self.checkpoint() if durable else None
-                self._announce(out["manifest"])
+                for manifest in out["manifests"]:  # the critic first: its followers go by the actor's version
+                    self._announce(manifest)
                 if ckpt_positions is not None:
                     self.stream.commit(ckpt_positions)
                 self.control.report_kl(f"step-{line['step']}", out["kl"], n_steps=line["samples"])
