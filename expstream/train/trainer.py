@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from collections import Counter
@@ -46,6 +47,20 @@ log = logging.getLogger("expstream.train")
 # Why 0.5 s: the poll wait; short enough to notice a stop request and stragglers promptly.
 POLL_MS = 500
 TRAIN_JSONL = "train.jsonl"
+#: Crash points of the trainer for tests, set as ``EXPSTREAM_FAULT="trainer:<point>:<k>"`` (the
+#: runner's variable): SIGKILL itself in step k (1-based) right after that point.
+FAULT_POINTS = ("after_publish", "after_checkpoint", "after_announce")
+
+
+def _fault_plan() -> tuple[str, int] | None:
+    from stages.runner import FAULT_ENV
+
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        name, _, rest = item.partition(":")
+        point, _, k = rest.partition(":")
+        if name == "trainer" and point in FAULT_POINTS:
+            return point, int(k or 1)
+    return None
 
 
 @dataclass
@@ -106,6 +121,7 @@ class Trainer:
         self.stop = False
         self.last_line: dict[str, Any] | None = None
         self.stream: Any = None
+        self.fault = _fault_plan()
         self._wait_since: float | None = None
         self.record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
 
@@ -266,6 +282,11 @@ class Trainer:
         self.step += 1
         return {"line": line, "manifests": [m for m in (critic_manifest, manifest) if m is not None], "kl": kl}
 
+    def _maybe_crash(self, point: str) -> None:
+        if self.fault is not None and self.fault == (point, self.step):
+            log.error("trainer: fault injection: SIGKILL %s of step %d", point, self.step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def checkpoint(self) -> dict[int, int]:
         positions = self.stream.positions()
         buffer = []
@@ -305,10 +326,13 @@ class Trainer:
                 window_samples += line["samples"]
                 line["samples_per_s"] = window_samples / max(time.monotonic() - window_start, 1e-9)
                 self.last_line = line
+                self._maybe_crash("after_publish")
                 durable = self.step % cfg.checkpoint_every == 0 or self.step >= cfg.max_steps
                 ckpt_positions = self.checkpoint() if durable else None
+                self._maybe_crash("after_checkpoint")
                 for manifest in out["manifests"]:  # the critic first: its followers go by the actor's version
                     self._announce(manifest)
+                self._maybe_crash("after_announce")
                 if ckpt_positions is not None:
                     self.stream.commit(ckpt_positions)
                 self.control.report_kl(f"step-{line['step']}", out["kl"], n_steps=line["samples"])
