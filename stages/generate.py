@@ -8,6 +8,7 @@ import numpy as np
 
 from expstream.errors import PoisonRecordError
 from expstream.resolve import model_dir
+from expstream.weights import follower_for, refresh_weights
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages.context import StageContext
 
@@ -20,6 +21,8 @@ def setup(ctx: StageContext) -> None:
     model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
     ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
     ctx.models["tokenizer"] = tok
+    # The continuous loop: follow the trainer's published actor versions (None otherwise).
+    ctx.models["actor_follower"] = follower_for(ctx, "actor", model)
 
 
 def batch_seed(run_seed: int, batch_id: str) -> int:
@@ -57,6 +60,7 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     n = gen.n_samples_per_prompt
     tok = ctx.models["tokenizer"]
     prompts = tokenize_prompts(batch, ctx)
+    version = refresh_weights(ctx, "actor")  # the weights that generate this batch (loaded before it)
     outputs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
@@ -64,7 +68,6 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         should_stop=ctx.should_stop,  # SIGTERM abandons a long generation between tokens (uncommitted)
     )
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
-    version = ctx.state.policy_version()
     return [SampleBatch(
         batch_id=batch.batch_id,
         policy_version=int(version),
