@@ -69,7 +69,7 @@ class Checkpoint:
     step: int  # optimisation steps done (the next step is `step`)
     version: int  # policy version of the weights below (== step for the reference trainer)
     positions: dict[int, int]  # partition -> next offset to read of the experiences topic
-    taken: list[str]  # sample ids already trained (never trained again)
+    taken: list[list[Any]]  # [sample id, rollout version] already trained (never trained again)
     actor: dict[str, torch.Tensor]  # name -> tensor (state_dict, contiguous CPU tensors)
     actor_optim: dict[str, Any]  # torch optimizer state_dict
     critic: dict[str, torch.Tensor] | None = None
@@ -77,6 +77,7 @@ class Checkpoint:
     buffer: list[BufferedRecord] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     last_line: dict[str, Any] | None = None  # train.jsonl line of step `step - 1`
+    dropped: list[list[Any]] = field(default_factory=list)  # [sample id, version] dropped as stale
     run_id: str = ""
 
 
@@ -146,7 +147,7 @@ def write_checkpoint(output: Path, ckpt: Checkpoint) -> Path:
            for r in ckpt.buffer]
     (target / "buffer.msgpack").write_bytes(msgpack.packb(buf, use_bin_type=True))
     meta = {"format": FORMAT_VERSION, "step": ckpt.step, "version": ckpt.version, "run_id": ckpt.run_id,
-            "positions": {str(p): o for p, o in ckpt.positions.items()}, "taken": ckpt.taken,
+            "positions": {str(p): o for p, o in ckpt.positions.items()}, "taken": ckpt.taken, "dropped": ckpt.dropped,
             "counters": ckpt.counters, "last_line": ckpt.last_line,
             "critic": ckpt.critic is not None}
     (target / "meta.json").write_text(json.dumps(meta))
@@ -198,6 +199,7 @@ def read_checkpoint(output: Path) -> Checkpoint | None:
     return Checkpoint(
         step=int(meta["step"]), version=int(meta["version"]), run_id=str(meta.get("run_id", "")),
         positions={int(p): int(o) for p, o in meta["positions"].items()}, taken=list(meta["taken"]),
+        dropped=list(meta.get("dropped") or []),
         actor=actor, actor_optim=actor_optim or {}, critic=critic, critic_optim=critic_optim,
         buffer=[BufferedRecord(value=bytes(r["value"]), rows=list(r["rows"]), topic=r["topic"],
                                partition=int(r["partition"]), offset=int(r["offset"])) for r in raw],

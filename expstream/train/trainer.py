@@ -117,6 +117,7 @@ class Trainer:
         self.records: dict[tuple[int, int], tuple[Any, str]] = {}  # (p, offset) -> (batch, topic)
         self.buffer: list[BufferedSample] = []
         self.taken: dict[str, int] = {}  # sample id -> version, trained
+        self.dropped: dict[str, int] = {}  # sample id -> version, dropped as stale (never trained)
         self.counters: Counter[str] = Counter()
         self.stop = False
         self.last_line: dict[str, Any] | None = None
@@ -148,7 +149,8 @@ class Trainer:
         self.step = ckpt.step
         self.counters.update(ckpt.counters)
         self.taken = {sid: v for sid, v in ckpt.taken}
-        for sid, v in self.taken.items():
+        self.dropped = {sid: v for sid, v in ckpt.dropped}
+        for sid, v in [*self.taken.items(), *self.dropped.items()]:
             self.gate.add(sid, v)
         for rec in ckpt.buffer:
             batch = decode(rec.value)
@@ -179,12 +181,14 @@ class Trainer:
         kept = 0
         for row in (range(len(ids)) if rows is None else rows):
             sid = ids[row]
-            if sid in self.taken or sid in buffered:
+            # counted even for a duplicate: a redelivered prompt record regenerated under a newer
+            # version moved its admission count to that version, so the gate must see it there
+            self.gate.add(sid, versions[row])
+            if sid in self.taken or sid in buffered or sid in self.dropped:
                 self.counters["duplicates"] += 1
                 continue
             buffered.add(sid)
             self.buffer.append(BufferedSample(sid, versions[row], (partition, offset), row))
-            self.gate.add(sid, versions[row])
             kept += 1
         if kept:
             self.records[(partition, offset)] = (batch, topic)
@@ -196,6 +200,7 @@ class Trainer:
                 keep.append(s)
                 continue
             self.counters["dropped_stale"] += 1
+            self.dropped[s.sid] = s.version
             self.counters["dropped_stale_step"] += 1
             batch, topic = self.records[s.key]
             log.warning("trainer: sample %s of %s[%d]@%d batch=%s dropped: version %d is %d steps old at step %d "
@@ -297,7 +302,8 @@ class Trainer:
         counters = {k: int(v) for k, v in self.counters.items() if k != "dropped_stale_step"}
         write_checkpoint(self.output, Checkpoint(
             step=self.step, version=self.step, positions=positions,
-            taken=[[sid, v] for sid, v in self.taken.items()], actor=self.trainer.actor_state(),
+            taken=[[sid, v] for sid, v in self.taken.items()],
+            dropped=[[sid, v] for sid, v in self.dropped.items()], actor=self.trainer.actor_state(),
             actor_optim=self.trainer.optimizer.state_dict(), critic=self.trainer.critic_state(),
             critic_optim=self.trainer.critic_optimizer.state_dict() if self.trainer.critic_optimizer else None,
             buffer=buffer, counters=counters, last_line=self.last_line, run_id=self.run_id))
