@@ -146,9 +146,9 @@ def test_train_without_redis_is_a_config_error(tmp_path):
 
 @pytest.mark.integration
 def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_id, fresh_topic, tmp_path):
-    """async.on_stale=drop, k=1: three records of version 0 and one of version 2 (one partition, in
-    that order). Steps 0 and 1 take 16 of the 24 version-0 samples; at step 2 the other 8 are two
-    versions old: dropped (counted, logged), and step 2 trains the version-2 record."""
+    """async.on_stale=drop, k=1: 24 samples of version 0, then 8 of version 2 (one partition, in that
+    order). Steps 0 and 1 take 16 of the version-0 samples; at step 2 the other 8 are two versions
+    old: dropped (counted, logged), and step 2 trains the version-2 samples."""
     from expstream.bus import make_producer, send_and_confirm
     from expstream.topics import create_topics
 
@@ -156,10 +156,10 @@ def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_
     topic = fresh_topic(1)
     topo = load_topology(find_topology(None), ["run.seed=3"])
     exps = LocalChain(topo).setup().run(_prompt_batches(topo, "d", 4))
-    assert [len(b.prompt_id) for b in exps] == [8, 8, 8, 8]
-    fields = {f for f in exps[0].__dataclass_fields__}
-    newest = {"policy_version": 2, **({"rollout_version": [2] * 8} if "rollout_version" in fields else {})}
-    exps[3] = exps[3].replace(**newest)
+    assert [len(b.prompt_id) for b in exps] == [4] * 8  # one record per group of 4
+    fields = set(exps[0].__dataclass_fields__)
+    newest = {"policy_version": 2, **({"rollout_version": [2] * 4} if "rollout_version" in fields else {})}
+    exps[6:] = [b.replace(**newest) for b in exps[6:]]
     producer = make_producer(broker)
     for b in exps:
         send_and_confirm(producer, topic, encode(b), key=b.batch_id.encode())
@@ -175,7 +175,7 @@ def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_
     assert sum(line["dropped_stale"] for line in lines) == 8
     assert json.loads((out / "train" / "done.json").read_text())["dropped_stale"] == 8
     assert res.stderr.count("> async.max_staleness=1") == 8  # one log line per dropped sample
-    newest_ids = {f"{g}#{i}" for g, i in zip(exps[3].group_id, exps[3].sample_index, strict=True)}
+    newest_ids = {f"{g}#{i}" for b in exps[6:] for g, i in zip(b.group_id, b.sample_index, strict=True)}
     assert set(lines[2]["sample_ids"]) == newest_ids
     trained = [sid for line in lines for sid in line["sample_ids"]]
     assert len(trained) == len(set(trained)) == 24
