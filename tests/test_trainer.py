@@ -146,9 +146,9 @@ def test_train_without_redis_is_a_config_error(tmp_path):
 
 @pytest.mark.integration
 def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_id, fresh_topic, tmp_path):
-    """async.on_stale=drop, k=1: 24 samples of version 0, then 8 of version 2 (one partition, in that
-    order). Steps 0 and 1 take 16 of the version-0 samples; at step 2 the other 8 are two versions
-    old: dropped (counted, logged), and step 2 trains the version-2 samples."""
+    """async.on_stale=drop, k=1. First 8 samples of version 0 and 8 of version 1: steps 0 and 1 train
+    them. Then, once step 1 is logged, 8 late samples of version 0 (two versions old at step 2:
+    dropped, counted, one log line each) and 8 of version 2, which step 2 trains."""
     from expstream.bus import make_producer, send_and_confirm
     from expstream.topics import create_topics
 
@@ -157,25 +157,37 @@ def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_
     topo = load_topology(find_topology(None), ["run.seed=3"])
     exps = LocalChain(topo).setup().run(_prompt_batches(topo, "d", 4))
     assert [len(b.prompt_id) for b in exps] == [4] * 8  # one record per group of 4
-    fields = set(exps[0].__dataclass_fields__)
-    newest = {"policy_version": 2, **({"rollout_version": [2] * 4} if "rollout_version" in fields else {})}
-    exps[6:] = [b.replace(**newest) for b in exps[6:]]
+    has_rollout_version = "rollout_version" in set(exps[0].__dataclass_fields__)
+
+    def at(b, v):
+        return b.replace(policy_version=v, **({"rollout_version": [v] * 4} if has_rollout_version else {}))
+
+    first = [at(exps[0], 0), at(exps[1], 0), at(exps[2], 1), at(exps[3], 1)]
+    late = [at(exps[4], 0), at(exps[5], 0), at(exps[6], 2), at(exps[7], 2)]
+    ids = [{f"{g}#{i}" for g, i in zip(b.group_id, b.sample_index, strict=True)} for b in exps]
     producer = make_producer(broker)
-    for b in exps:
-        send_and_confirm(producer, topic, encode(b), key=b.batch_id.encode())
-    producer.close()
     out = tmp_path / "drop-out"
     cmd = _train_cmd(broker, redis_url, run_id, out, topic, 3)[:-2] + ["--set", "async.max_staleness=1",
                                                                        "--set", "async.on_stale=drop"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for b in first:
+            send_and_confirm(producer, topic, encode(b), key=b.batch_id.encode())
+        deadline = time.monotonic() + 180
+        while len(_lines(out / "train.jsonl")) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for b in late:
+            send_and_confirm(producer, topic, encode(b), key=b.batch_id.encode())
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        producer.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
     lines = _lines(out / "train.jsonl")
     assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [set(line["sample_ids"]) for line in lines] == [ids[0] | ids[1], ids[2] | ids[3], ids[6] | ids[7]]
     assert all(int(s) <= 1 for line in lines for s in line["staleness_hist"])
-    assert sum(line["dropped_stale"] for line in lines) == 8
+    assert [line["dropped_stale"] for line in lines] == [0, 0, 8]
     assert json.loads((out / "train" / "done.json").read_text())["dropped_stale"] == 8
-    assert res.stderr.count("> async.max_staleness=1") == 8  # one log line per dropped sample
-    newest_ids = {f"{g}#{i}" for b in exps[6:] for g, i in zip(b.group_id, b.sample_index, strict=True)}
-    assert set(lines[2]["sample_ids"]) == newest_ids
-    trained = [sid for line in lines for sid in line["sample_ids"]]
-    assert len(trained) == len(set(trained)) == 24
+    assert stderr.count("> async.max_staleness=1") == 8  # one log line per dropped sample
