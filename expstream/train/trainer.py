@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from expstream.errors import EXIT_OK, ConfigError
 from expstream.experience import sample_id
 from expstream.topology import Topology
@@ -268,15 +270,13 @@ class Trainer:
         live = {s.key for s in self.buffer}
         for key in [k for k in self.records if k not in live]:
             del self.records[key]
-        import torch
-
-        rewards = torch.cat([torch.as_tensor(b.rewards, dtype=torch.float32)[rows] for b, rows in parts])
+        rewards = np.concatenate([np.asarray(b.rewards, dtype=np.float64)[list(rows)] for b, rows in parts])
         hist = Counter(str(self.step - s.version) for s in picked)
         kl = result.kl if exp.base_action_log_probs is not None else float(exp.info["kl"].mean()) \
             if "kl" in exp.info else 0.0
         line = {
             "step": self.step, "policy_version": version, "samples": len(picked),
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "loss": result.loss, "kl": kl, "value_loss": result.value_loss, "clip_frac": result.clip_frac,
             "is_weight_mean": result.is_weight_mean, "is_masked_frac": result.is_masked_frac,
             "grad_norm": result.grad_norm, "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
