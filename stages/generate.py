@@ -6,6 +6,7 @@ import hashlib
 
 import numpy as np
 
+from expstream.admission import wait_for_admission
 from expstream.errors import PoisonRecordError
 from expstream.resolve import model_dir
 from schemas import PromptBatch, Ragged, SampleBatch
@@ -20,6 +21,12 @@ def setup(ctx: StageContext) -> None:
     model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
     ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
     ctx.models["tokenizer"] = tok
+
+
+def refresh_actor(ctx: StageContext) -> int:
+    """The policy version of the weights generating now. Until the weight store is merged (issue 9, part
+    "weights": ``refresh_weights(ctx, "actor")`` hot-reloads newer weights), the published version."""
+    return int(ctx.state.policy_version())
 
 
 def batch_seed(run_seed: int, batch_id: str) -> int:
@@ -56,6 +63,8 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     gen = ctx.topology.generate
     n = gen.n_samples_per_prompt
     tok = ctx.models["tokenizer"]
+    # bounded staleness: start only within the admission bound (expstream/admission.py); blocks otherwise
+    version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_actor(ctx))
     prompts = tokenize_prompts(batch, ctx)
     outputs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
@@ -64,7 +73,6 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         should_stop=ctx.should_stop,  # SIGTERM abandons a long generation between tokens (uncommitted)
     )
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
-    version = ctx.state.policy_version()
     return [SampleBatch(
         batch_id=batch.batch_id,
         policy_version=int(version),
