@@ -270,7 +270,9 @@ class MemoryState:
             prev = self._admitted_of.get(batch_id)
             if prev is not None:
                 old_version, n = prev
-                if old_version != version:  # regenerated under another version: its count moves along
+                if version < old_version:  # never regenerate with older weights than admitted with
+                    return False
+                if old_version != version:  # regenerated under newer weights: its count moves along
                     self._admitted[old_version] -= n
                     self._admitted[int(version)] = self._admitted.get(int(version), 0) + n
                     self._admitted_of[batch_id] = (int(version), n)

@@ -267,6 +267,7 @@ if prev then
   local sp = string.find(prev, ' ', 1, true)
   local pv = string.sub(prev, 1, sp - 1)
   local pn = string.sub(prev, sp + 1)
+  if tonumber(ARGV[3]) < tonumber(pv) then return 0 end
   if pv ~= ARGV[3] then
     redis.call('HINCRBY', KEYS[2], pv, -tonumber(pn))
     redis.call('HINCRBY', KEYS[2], ARGV[3], pn)
@@ -618,9 +619,11 @@ class RedisState:
     def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
         """Admit a prompt record of ``samples`` samples generated under ``version``; one Lua script.
 
-        1. A ``batch_id`` admitted before is admitted again (True) at once; when ``version`` differs
+        1. A ``batch_id`` admitted before is admitted again (True) at once; when ``version`` is newer
            (the record was redelivered and is generated under newer weights), its count moves from the
-           old version to the new one.
+           old version to the new one. An older ``version`` is refused (False): a record is never
+           regenerated with older weights than it was admitted with (its samples could arrive after
+           the trainer stopped waiting for that version); the caller reloads and tries again.
         2. Otherwise it is admitted iff ``sum(admitted) - sum(lost) + samples <= bound``; then
            ``admitted[version] += samples``. False leaves everything unchanged.
         """
