@@ -459,7 +459,7 @@ def _check_cross_fields(topo: Topology) -> None:
         raise ConfigError("algo.overlong_buffer_len: larger than generate.max_new_tokens, so every response "
                           "would be penalised; make it at most generate.max_new_tokens")
     record = topo.run.prompt_batch_size * gen.n_samples_per_prompt
-    if topo.train.batch_size % record:
+    if topo.train.enabled and topo.train.batch_size % record:
         raise ConfigError(f"train.batch_size: {topo.train.batch_size} is not a multiple of the samples in one prompt "
                           f"record (run.prompt_batch_size x generate.n_samples_per_prompt = {record}); admission "
                           "control admits whole records, so a step must take whole records",

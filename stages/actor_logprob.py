@@ -8,6 +8,7 @@ Runs in the batch's layout (padded, or packed with ``algo.packing_samples``); th
 from __future__ import annotations
 
 from expstream.resolve import model_dir
+from expstream.weights import follower_for, refresh_weights
 from schemas import SampleBatch
 from stages.common import forward_log_probs
 from stages.context import StageContext
@@ -19,9 +20,12 @@ def setup(ctx: StageContext) -> None:
     from expstream.models import load_causal_lm
 
     ctx.models["lm"] = load_causal_lm(model_dir(ctx.topology, MODEL_ROLE), device=ctx.topology.models.device)
+    # The continuous loop: follow the trainer's published actor versions (None otherwise).
+    ctx.models["actor_follower"] = follower_for(ctx, "actor", ctx.models["lm"])
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    version = refresh_weights(ctx, "actor")  # noqa: F841 - loaded between micro-batches; the wire part stamps it
     want_entropy = ctx.topology.algo.high_entropy_token_ratio > 0
     logp, entropy = forward_log_probs(ctx.models["lm"], batch, with_entropy=want_entropy)
     changes = {"action_log_probs": logp}

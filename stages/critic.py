@@ -4,6 +4,7 @@ docs/numerics.md §1.3), in the batch's layout (padded or packed)."""
 from __future__ import annotations
 
 from expstream.resolve import model_dir
+from expstream.weights import follower_for, refresh_weights
 from schemas import SampleBatch
 from stages.common import forward_values
 from stages.context import StageContext
@@ -13,7 +14,10 @@ def setup(ctx: StageContext) -> None:
     from expstream.models import load_critic
 
     ctx.models["critic"] = load_critic(model_dir(ctx.topology, "critic"), device=ctx.topology.models.device)
+    # The continuous loop: follow the trainer's critic versions when it trains one (None otherwise).
+    ctx.models["critic_follower"] = follower_for(ctx, "critic", ctx.models["critic"])
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    refresh_weights(ctx, "critic")  # a newer critic version, loaded between micro-batches
     return [batch.replace(values=forward_values(ctx.models["critic"], batch))]

@@ -9,6 +9,7 @@ import numpy as np
 from expstream.admission import wait_for_admission
 from expstream.errors import PoisonRecordError
 from expstream.resolve import model_dir
+from expstream.weights import follower_for, refresh_weights
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages.context import StageContext
 
@@ -21,6 +22,8 @@ def setup(ctx: StageContext) -> None:
     model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
     ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
     ctx.models["tokenizer"] = tok
+    # The continuous loop: follow the trainer's published actor versions (None otherwise).
+    ctx.models["actor_follower"] = follower_for(ctx, "actor", model)
 
 
 def refresh_actor(ctx: StageContext) -> int:
@@ -66,6 +69,7 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     # bounded staleness: start only within the admission bound (expstream/admission.py); blocks otherwise
     version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_actor(ctx))
     prompts = tokenize_prompts(batch, ctx)
+    version = refresh_weights(ctx, "actor")  # the weights that generate this batch (loaded before it)
     outputs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,

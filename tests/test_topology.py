@@ -157,3 +157,15 @@ def test_kafka_config_uses_the_same_helper():
 def test_far_keys_get_the_list_not_a_guess():
     err = unknown_key_error("algo", "zzz", ["gamma", "lambd"])
     assert str(err) == "algo.zzz: unknown key (valid keys: gamma, lambd)"
+
+
+def test_train_batch_size_must_take_whole_prompt_records_when_the_loop_is_on():
+    from expstream.errors import ConfigError
+    from expstream.topology import load_topology
+
+    # off: the trainer's batch size is not used, so it is not checked
+    assert load_topology(None, ["train.batch_size=12"]).train.batch_size == 12
+    with pytest.raises(ConfigError, match=r"train\.batch_size.*multiple.*= 8") as info:
+        load_topology(None, ["train.enabled=true", "train.batch_size=12"])  # records of 2 prompts x 4
+    assert "multiple of 8" in info.value.fix
+    assert load_topology(None, ["train.enabled=true", "train.batch_size=24"]).train.batch_size == 24
