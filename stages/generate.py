@@ -26,12 +26,6 @@ def setup(ctx: StageContext) -> None:
     ctx.models["actor_follower"] = follower_for(ctx, "actor", model)
 
 
-def refresh_actor(ctx: StageContext) -> int:
-    """The policy version of the weights generating now. Until the weight store is merged (issue 9, part
-    "weights": ``refresh_weights(ctx, "actor")`` hot-reloads newer weights), the published version."""
-    return int(ctx.state.policy_version())
-
-
 def batch_seed(run_seed: int, batch_id: str) -> int:
     """A per-record sampling seed: the same record always samples the same responses."""
     digest = hashlib.sha256(f"{run_seed}:{batch_id}".encode()).digest()
@@ -66,10 +60,11 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     gen = ctx.topology.generate
     n = gen.n_samples_per_prompt
     tok = ctx.models["tokenizer"]
-    # bounded staleness: start only within the admission bound (expstream/admission.py); blocks otherwise
-    version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_actor(ctx))
+    # Bounded staleness (expstream/admission.py): reload newer weights and start only within the admission
+    # bound, waiting otherwise. The version returned is the one loaded, admitted and stamped: the weights
+    # are never reloaded again between the admission and the generation.
+    version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
     prompts = tokenize_prompts(batch, ctx)
-    version = refresh_weights(ctx, "actor")  # the weights that generate this batch (loaded before it)
     outputs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,

@@ -340,7 +340,7 @@ def test_generate_blocks_at_the_bound_keeps_its_membership_and_resumes_after_a_p
         assert len(_outputs(broker, topo)) == 1, "a second record was generated beyond the bound"
         assert ctx.state.counters()[counter] > blocked + 2.0, "the blocked time must keep growing"
         assert runner.tracker.changes == changes, "no rebalance while blocked"
-        assert runner.longest_busy_s == 0 and runner.handled == 1
+        assert runner.handled == 1, "the blocked record is still in hand, uncommitted"
         assert ctx.state.admission_counts() == ({0: 8}, {})
 
         ctx.state.set_policy_version(1)
