@@ -29,11 +29,12 @@ Why no trained sample has staleness > k
 * Step sizes stay ~B (this is what admission buys). Let ``S`` be the admitted samples of version
   ``<= u - k``. Each was admitted at a moment when ``A - L <= (w + k + 1) B <= (u + 1) B``; at
   the last such moment every member of ``S`` was already counted in ``A``, and ``L`` only counts
-  admitted samples, so ``|S| - lost(S) <= (u + 1) B``. Steps ``0..u-1`` trained at least ``u B``
-  samples, oldest first, so in the normal case (stragglers arrive before newer samples) at most
-  ``B`` of ``S`` are left for step ``u``: the mandatory set never exceeds ``B``. A straggler that
-  arrives after newer samples were trained can make one step larger than ``B`` (``select`` then
-  returns every mandatory sample); it never makes a sample stale.
+  admitted samples, so ``|S| - lost(S) <= (u + 1) B``. Steps ``0..u-1`` trained ``u B`` samples
+  (less only after a starved short step), oldest first, so in the normal case (stragglers arrive
+  before newer samples) at most ``B`` of ``S`` are left for step ``u``: the mandatory set does not
+  exceed ``B`` (plus what short steps left out). A straggler that arrives after newer samples were
+  trained can make one step larger (``select`` then returns every mandatory sample); it never makes
+  a sample stale. (Simulated in tests/test_admission.py: steps stay within ``(k + 1) B + s``.)
 * No deadlock. Admitted records are never blocked again (admission is idempotent per record, see
   below), so stragglers always arrive. At step ``u`` the trainer has trained at most
   ``(u + k) B`` samples (the bound at version ``u - 1``) and generators with version ``u`` loaded
