@@ -376,3 +376,30 @@ def test_dead_lettered_prompt_is_counted_lost_under_its_admitted_version(broker,
 
 
 logging.getLogger("kafka").setLevel(logging.WARNING)
+
+
+@pytest.mark.integration
+def test_dead_lettered_samples_downstream_are_counted_lost_once(broker, redis_url):
+    """A poisoned sample split out of an experience batch at a later stage: its one sample is lost under
+    the batch's policy version; a redelivery of the same record counts nothing twice."""
+    from tests.test_runner import rollouts
+
+    topo = stage_topology(broker, "shard-preprocess", *LOOP, "generate.n_samples_per_prompt=4")
+    run_id = f"a{uuid.uuid4().hex[:8]}"
+
+    def process(batch, ctx):
+        if "poison" in batch.label:
+            raise ValueError(f"poisoned sample in {batch.batch_id}")
+        return [batch]
+
+    bad = rollouts("r0", ["ok", "poison", "ok", "ok"]).replace(policy_version=5)
+    produce(broker, topo.stages["shard-preprocess"].input, [encode(bad), encode(bad)])
+    state = RedisState(redis_url, run_id)
+    runner = StageRunner(make_context(topo, "shard-preprocess", state=state, run_id=run_id), process, broker)
+    running = Running(runner)
+    try:
+        running.wait(lambda: runner.handled == 2, 60, "both deliveries")
+    finally:
+        running.stop()
+    assert runner.dead_lettered == 2
+    assert state.admission_counts() == ({}, {5: 1})  # r0~1-2: one sample of version 5, counted once
