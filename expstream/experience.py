@@ -51,6 +51,7 @@ ACTION_FIELDS: tuple[str, ...] = (
     "advantages",
     "action_mask",
     "action_entropy",
+    "rollout_log_probs",
 )
 #: Token-level (B, S) tensor fields.
 TOKEN_FIELDS: tuple[str, ...] = ("sequences", "attention_mask")
@@ -91,6 +92,11 @@ class Experience:
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,) tensor (float32 on the wire)
     kl: torch.Tensor | None = None  # (B, A) float32; None: the maker drops it once advantages exist
     action_entropy: torch.Tensor | None = None  # (B, A) float32 when high_entropy_token_ratio > 0, else None
+    # (B, A) float32 behaviour log-probs from the engine (the distribution sampled from), 0 past a_b
+    # and at tokens the EOS repair wrote; None when the records carry none (schema version 1)
+    rollout_log_probs: torch.Tensor | None = None
+    rollout_versions: list[int] = field(default_factory=list)  # (B,) policy version that generated each row
+    logprob_versions: list[int] = field(default_factory=list)  # (B,) actor version behind action_log_probs
     # ---- stable ids (one entry per row; empty lists mean "unknown", e.g. a hand-built batch) ----
     batch_id: str = ""
     sample_ids: list[str] = field(default_factory=list)  # f"{group_id}#{sample_index}"
@@ -186,7 +192,8 @@ class Experience:
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != (b,):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"Experience.info[{key!r}]: expected a tensor of shape (B={b},), got {shape}")
-        for name in ("sample_ids", "prompt_ids", "group_ids", "sample_index"):
+        for name in ("sample_ids", "prompt_ids", "group_ids", "sample_index", "rollout_versions",
+                     "logprob_versions"):
             ids = getattr(self, name)
             if ids and len(ids) != b:
                 raise ValueError(
@@ -313,6 +320,9 @@ class Experience:
             info=info,
             kl=None,
             action_entropy=action_field("action_entropy", torch.float32, required=False),
+            rollout_log_probs=action_field("rollout_log_probs", torch.float32, required=False),
+            rollout_versions=_versions(batch, "rollout_version", idx),
+            logprob_versions=_versions(batch, "logprob_version", idx),
             batch_id=str(bid),
             sample_ids=[sample_id(g, i) for g, i in zip(group_ids, sample_index, strict=True)],
             prompt_ids=[str(batch.prompt_id[r]) for r in idx],
@@ -320,6 +330,12 @@ class Experience:
             sample_index=sample_index,
             policy_version=int(getattr(batch, "policy_version", 0) or 0),
         )
+
+
+def _versions(batch: Any, name: str, idx: list[int]) -> list[int]:
+    """Rows ``idx`` of a per-sample version list of the wire ([] when the record has none)."""
+    values = list(getattr(batch, name, None) or [])
+    return [int(values[r]) for r in idx] if values else []
 
 
 def padded_from_ragged(
@@ -507,6 +523,9 @@ class BufferItem:
     action_mask: torch.Tensor | None  # (A,) bool
     info: dict[str, Any] | None  # name -> Python scalar
     action_entropy: torch.Tensor | None = None  # (A,) or None
+    rollout_log_probs: torch.Tensor | None = None  # (A,) float32 behaviour log-probs, or None
+    rollout_version: int = -1  # policy version that generated this sample (-1: unknown)
+    logprob_version: int = -1  # actor version behind action_log_probs (-1: unknown)
     sample_id: str = ""  # f"{group_id}#{sample_index}"
     prompt_id: str = ""
     group_id: str = ""
@@ -538,6 +557,8 @@ def split_experience_batch(experience: Experience) -> list[BufferItem]:
                 prompt_id=pick(experience.prompt_ids, ""),
                 group_id=pick(experience.group_ids, ""),
                 sample_index=pick(experience.sample_index, -1),
+                rollout_version=pick(experience.rollout_versions, -1),
+                logprob_version=pick(experience.logprob_versions, -1),
                 batch_id=experience.batch_id,
                 policy_version=experience.policy_version,
             )
@@ -585,7 +606,8 @@ def make_experience_batch(items: Sequence[BufferItem], packing_samples: bool = F
     items first with :func:`remove_padding_in_sequences`, or the padding is packed too.
 
     ``batch_id`` is the items' common batch id (``"a+b"`` when they come from several records);
-    ``policy_version`` is the oldest among the items.
+    ``policy_version`` is the oldest among the items. ``rollout_versions`` / ``logprob_versions``
+    are per row, empty unless every item knows its version.
     """
     if not items:
         raise ValueError("make_experience_batch: no items")
@@ -631,6 +653,8 @@ def make_experience_batch(items: Sequence[BufferItem], packing_samples: bool = F
         prompt_ids=[it.prompt_id for it in items] if all(it.prompt_id for it in items) else [],
         group_ids=[it.group_id for it in items] if all(it.group_id for it in items) else [],
         sample_index=[it.sample_index for it in items] if all(it.sample_index >= 0 for it in items) else [],
+        rollout_versions=[it.rollout_version for it in items] if all(it.rollout_version >= 0 for it in items) else [],
+        logprob_versions=[it.logprob_version for it in items] if all(it.logprob_version >= 0 for it in items) else [],
         policy_version=min(it.policy_version for it in items),
     )
 

@@ -28,6 +28,8 @@ __all__ = [
     "PaddedLayout",
     "action_field",
     "action_lengths",
+    "align_rollout_log_probs",
+    "REPAIRED_TOKEN_LOG_PROB",
     "as_bool_mask",
     "check_2d",
     "is_packed",
@@ -150,6 +152,37 @@ def action_lengths(action_mask: Tensor) -> Tensor:
         return torch.zeros(b, dtype=torch.long)
     idx = torch.arange(1, a + 1, dtype=torch.long).expand(b, a)
     return torch.where(m, idx, torch.zeros_like(idx)).max(dim=1).values
+
+
+#: Behaviour log-prob of an action token the EOS repair wrote or appended (docs/async.md, "wire"):
+#: the pipeline, not the policy, forced it, with probability 1 given the tokens before it.
+REPAIRED_TOKEN_LOG_PROB = 0.0
+
+
+def align_rollout_log_probs(
+    response_rows: list[np.ndarray], log_prob_rows: list[np.ndarray], action_rows: list[np.ndarray]
+) -> list[np.ndarray]:
+    """Behaviour log-probs (response-level, o_b per row) moved onto the repaired actions (a_b per row).
+
+    Action t is response token t (docs/numerics.md §1.2: action t sits at column P + t), so it keeps
+    the engine's log-prob when t < o_b and the token is unchanged; a token the EOS repair overwrote
+    (a truncated row's last token, a stop token other than the tokenizer's EOS) or appended past
+    o_b gets :data:`REPAIRED_TOKEN_LOG_PROB`. Every value stays finite. Returns float32 rows.
+    """
+    if not len(response_rows) == len(log_prob_rows) == len(action_rows):
+        raise ValueError(f"row counts differ: {len(response_rows)} responses, {len(log_prob_rows)} log-prob "
+                         f"rows, {len(action_rows)} action rows")
+    out = []
+    for b, (resp, lp, act) in enumerate(zip(response_rows, log_prob_rows, action_rows, strict=True)):
+        resp, lp, act = np.asarray(resp), np.asarray(lp, dtype=np.float32), np.asarray(act)
+        if len(resp) != len(lp):
+            raise ValueError(f"row {b}: {len(resp)} response tokens but {len(lp)} behaviour log-probs")
+        row = np.full(len(act), REPAIRED_TOKEN_LOG_PROB, dtype=np.float32)
+        n = min(len(resp), len(act))
+        same = resp[:n] == act[:n]
+        row[:n][same] = lp[:n][same]
+        out.append(row)
+    return out
 
 
 def _process_sequences(seq: Tensor, prompt_width: int, eos_id: int, pad_id: int):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -422,6 +423,38 @@ def _as_id_set(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
+class _BehaviourLogProbs:
+    """A pass-through logits processor that keeps the log-prob of each sampled token.
+
+    At step t it sees the tokens so far (the token of step t-1 is ``input_ids[:, -1]``), so it
+    gathers that token's log-prob from the distribution it kept at step t-1, then keeps step t's.
+    Only one (rows, vocab) distribution is held at a time (``output_scores`` would keep all).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[Tensor] = []  # (rows,) float32 per finished step
+        self.pending: Tensor | None = None  # (rows, vocab) float32 log-softmax of the current step
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, generated: Tensor) -> Tensor:
+        """(rows, T) log-probs of ``generated`` (the (rows, T) new tokens; T may be fewer steps than
+        were recorded when HF undid deferred steps)."""
+        t = generated.shape[1]
+        steps = self.steps[:t]
+        if len(steps) < t and self.pending is not None:
+            steps.append(self.pending.gather(-1, generated[:, len(steps) : len(steps) + 1]).squeeze(-1))
+        if len(steps) != t:
+            raise RuntimeError(f"generate: {t} tokens but {len(steps)} recorded steps of log-probs")
+        if not steps:
+            return torch.zeros((generated.shape[0], 0), dtype=torch.float32)
+        return torch.stack(steps, dim=1).float()
+
+
 class TransformersGenerator:
     """Sampling with ``model.generate`` (the CPU / no-vLLM engine).
 
@@ -463,8 +496,14 @@ class TransformersGenerator:
         seed: int | None = None,
         ignore_eos: bool = False,
         should_stop: Callable[[], bool] | None = None,
-    ) -> list[list[int]]:
+        return_log_probs: bool = False,
+    ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """Generate ``n`` samples per prompt; returns ``len(prompts) * n`` token lists.
+
+        With ``return_log_probs`` it returns ``(token_lists, logprob_lists)``: the behaviour
+        log-prob of every returned token, float32 values, under the distribution it was sampled
+        from (after the token suppression, temperature, top-k and top-p); with
+        ``temperature == 0`` (greedy) under the plain softmax of the raw logits.
 
         Rows ``[g*n, (g+1)*n)`` belong to prompt g. Each output holds the generated tokens up to and
         including the first stop token (no padding), at most ``max_new_tokens`` of them.
@@ -490,7 +529,7 @@ class TransformersGenerator:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if not prompts:
-            return []
+            return ([], []) if return_log_probs else []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
 
@@ -503,17 +542,26 @@ class TransformersGenerator:
             attention_mask[i, width - len(r) :] = 1
 
         greedy = temperature == 0
+        # The whole logits chain is ours (HF adds none: no suppress_tokens / min_new_tokens /
+        # warpers in the config), in HF's own order and with HF's own classes, so the tokens are
+        # those of plain `model.generate` with these settings, and the behaviour log-probs can be
+        # read from the exact distribution sampled from.
+        recorder = _BehaviourLogProbs() if return_log_probs else None
+        chain = self._logits_chain(
+            width, greedy, temperature, top_k, top_p,
+            max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder,
+        )  # fmt: skip
         cfg = GenerationConfig(
             do_sample=not greedy,
-            temperature=None if greedy else float(temperature),
-            top_p=None if greedy else float(top_p),
-            top_k=None if greedy else (int(top_k) if top_k > 0 else 0),
+            temperature=None if greedy else 1.0,
+            top_p=None if greedy else 1.0,
+            top_k=None if greedy else 0,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens if ignore_eos else max(min_new_tokens, 0),
+            min_new_tokens=0,
             eos_token_id=list(self.stop_token_ids),
             pad_token_id=self.pad_token_id,
             bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
-            suppress_tokens=list(self.suppress_token_ids) or None,
+            suppress_tokens=None,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             num_beams=1,
@@ -550,9 +598,11 @@ class TransformersGenerator:
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=cfg,
+                logits_processor=chain,
                 stopping_criteria=criteria,
             )
-        generated = out[:, width:].tolist()
+        generated_t = out[:, width:]
+        generated = generated_t.tolist()
 
         stops = set(self.stop_token_ids)
         result: list[list[int]] = []
@@ -561,7 +611,53 @@ class TransformersGenerator:
             # A row without a stop token ran to max_new_tokens (generation only ends early once
             # every row has stopped), so it is never padded.
             result.append(row[:cut] if cut is not None else row[:max_new_tokens])
-        return result
+        if recorder is None:
+            return result
+        logp = recorder.finish(generated_t).cpu().tolist()  # (rows, steps) float32
+        logprobs = [logp[i][: len(r)] for i, r in enumerate(result)]
+        for i, (r, lp) in enumerate(zip(result, logprobs, strict=True)):
+            if len(lp) != len(r) or not all(math.isfinite(x) for x in lp):
+                raise RuntimeError(f"generate: row {i} has {len(r)} tokens but behaviour log-probs {lp[:8]}...; "
+                                   "a sampled token must have a finite log-prob (report this as a bug)")
+        return result, logprobs
+
+    def _logits_chain(
+        self, width: int, greedy: bool, temperature: float, top_k: int, top_p: float, min_new_tokens: int,
+        recorder: _BehaviourLogProbs | None,
+    ) -> Any:
+        """The logits processors of one generation, in the order HF builds them.
+
+        Token suppression (EOS before ``min_new_tokens``; the pad token), then, when sampling,
+        temperature -> top-k -> top-p. ``recorder`` reads the raw logits when greedy (the plain
+        softmax) and the fully processed scores when sampling (the distribution sampled from).
+        """
+        from transformers import (
+            LogitsProcessorList,
+            MinNewTokensLengthLogitsProcessor,
+            SuppressTokensLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        chain = LogitsProcessorList()
+        if recorder is not None and greedy:
+            chain.append(recorder)
+        if min_new_tokens > 0:
+            chain.append(MinNewTokensLengthLogitsProcessor(width, min_new_tokens, list(self.stop_token_ids),
+                                                           device=self.device))
+        if self.suppress_token_ids:
+            chain.append(SuppressTokensLogitsProcessor(list(self.suppress_token_ids), device=self.device))
+        if not greedy:
+            if float(temperature) != 1.0:
+                chain.append(TemperatureLogitsWarper(float(temperature)))
+            if top_k > 0:
+                chain.append(TopKLogitsWarper(top_k=int(top_k), min_tokens_to_keep=1))
+            if float(top_p) < 1.0:
+                chain.append(TopPLogitsWarper(top_p=float(top_p), min_tokens_to_keep=1))
+            if recorder is not None:
+                chain.append(recorder)
+        return chain
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,14 +16,17 @@ from typing import Any
 import msgpack
 
 from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
-from schemas.messages import PromptBatch, SampleBatch
+from schemas.messages import V2_FIELDS, PromptBatch, SampleBatch
 from schemas.tensors import Ragged, decode_tensor, encode_tensor
 
-__all__ = ["MESSAGE_TYPES", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header"]
+__all__ = ["MESSAGE_TYPES", "READ_VERSIONS", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header"]
 
 Message = PromptBatch | SampleBatch
-#: Schema name -> the one version this reader and writer speak.
-SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 1, "expstream.SampleBatch": 1}
+#: Schema name -> the version this writer writes (and the newest this reader reads).
+SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 1, "expstream.SampleBatch": 2}
+#: Schema name -> every version this reader reads. SampleBatch version 1 has no V2_FIELDS; a
+#: version-1 record decodes with them absent (None / []).
+READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1,), "expstream.SampleBatch": (1, 2)}
 #: Schema name -> message class.
 MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
     PromptBatch.SCHEMA: PromptBatch,
@@ -41,7 +44,7 @@ def encode(msg: Message) -> bytes:
     out: dict[str, Any] = {"schema": msg.SCHEMA, "version": SCHEMA_VERSIONS[msg.SCHEMA]}
     for name, kind in msg.FIELDS.items():
         value = getattr(msg, name)
-        if value is None:
+        if value is None or (kind == "opt_ints" and not value):
             continue
         if kind == "ragged":
             value = value.to_dict()
@@ -84,7 +87,7 @@ def _unpack(data: Any) -> dict[str, Any]:
     return obj
 
 
-def _check_envelope(obj: dict[str, Any]) -> type[PromptBatch] | type[SampleBatch]:
+def _check_envelope(obj: dict[str, Any]) -> tuple[type[PromptBatch] | type[SampleBatch], int]:
     schema = obj.get("schema")
     if not isinstance(schema, str):
         raise UnknownSchemaError(
@@ -101,12 +104,21 @@ def _check_envelope(obj: dict[str, Any]) -> type[PromptBatch] | type[SampleBatch
         raise VersionError(
             f"{schema}: message has no integer 'version' (got {version!r}); write version: int"
         )
-    if version != SCHEMA_VERSIONS[schema]:
+    readable = READ_VERSIONS[schema]
+    if version not in readable:
+        known = " or ".join(str(v) for v in readable)
         raise VersionError(
             f"{schema}: version {version} is not supported by this reader (it reads version "
-            f"{SCHEMA_VERSIONS[schema]}); upgrade the reader or have the writer emit version {SCHEMA_VERSIONS[schema]}"
+            f"{known}); upgrade the reader or have the writer emit version {SCHEMA_VERSIONS[schema]}"
         )
-    return MESSAGE_TYPES[schema]
+    return MESSAGE_TYPES[schema], version
+
+
+def _fields_of(cls: type[PromptBatch] | type[SampleBatch], version: int) -> dict[str, str]:
+    """The fields a record of ``cls`` at ``version`` may hold."""
+    if cls is SampleBatch and version < 2:
+        return {k: v for k, v in cls.FIELDS.items() if k not in V2_FIELDS}
+    return cls.FIELDS
 
 
 def _field_value(cls: type, name: str, kind: str, value: Any) -> Any:
@@ -140,12 +152,13 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     ValidationError (unknown/missing/ill-typed fields, failed message validation).
     """
     obj = _unpack(data)
-    cls = _check_envelope(obj)
-    unknown = [k for k in obj if k not in _ENVELOPE and k not in cls.FIELDS]
+    cls, version = _check_envelope(obj)
+    fields = _fields_of(cls, version)
+    unknown = [k for k in obj if k not in _ENVELOPE and k not in fields]
     if unknown:
         path = f"{cls.__name__}.{unknown[0]}"
         raise ValidationError(
-            f"{path}: unknown field {unknown[0]!r} for {cls.SCHEMA} version {cls.VERSION}; "
+            f"{path}: unknown field {unknown[0]!r} for {cls.SCHEMA} version {version}; "
             "the writer is newer than this reader (upgrade the reader) or misspelt the field",
             field=path,
         )
@@ -153,7 +166,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     try:
         for f in dataclasses.fields(cls):
             if f.name in obj:
-                kwargs[f.name] = _field_value(cls, f.name, cls.FIELDS[f.name], obj[f.name])
+                kwargs[f.name] = _field_value(cls, f.name, fields[f.name], obj[f.name])
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 path = f"{cls.__name__}.{f.name}"
                 raise ValidationError(

@@ -19,15 +19,20 @@ import numpy as np
 from schemas.errors import ValidationError
 from schemas.tensors import Ragged, _normalise_indices, _short, as_dtype
 
-__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch"]
+__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS"]
 
 #: Allowed values of ``SampleBatch.layout``.
 LAYOUTS = ("", "padded", "packed")
 #: Action-level ragged fields: each must have exactly the lengths of ``action_ids``.
 ACTION_FIELDS = (
     "action_mask", "action_log_probs", "action_entropy", "base_action_log_probs",
-    "values", "kl", "token_rewards", "advantages", "returns",
+    "values", "kl", "token_rewards", "advantages", "returns", "rollout_log_probs",
 )  # fmt: skip
+#: Action-level fields that exist before shard-preprocess too: there (no ``action_ids`` yet) they
+#: are response-level, with the lengths of ``response_ids``; shard-preprocess aligns them.
+RESPONSE_LEVEL_BEFORE_ACTIONS = ("rollout_log_probs",)
+#: SampleBatch fields added by schema version 2 (a version-1 record has none of them).
+V2_FIELDS = ("rollout_log_probs", "rollout_version", "logprob_version")
 #: Wire dtype of every ragged field of SampleBatch.
 RAGGED_DTYPES = {
     "prompt_ids": "int32", "response_ids": "int32", "action_ids": "int32", "action_mask": "bool",
@@ -50,7 +55,9 @@ class _Message:
 
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
-    #: field name -> kind: str | int | float | strs | ints | ragged | array | arrays (dataclass order)
+    #: field name -> kind: str | int | float | strs | ints | opt_ints | ragged | array | arrays
+    #: (dataclass order). ``opt_ints``: a per-sample int list that may be empty (= absent; then
+    #: omitted from the wire) or hold one entry per sample.
     FIELDS: ClassVar[dict[str, str]]
 
     def __post_init__(self) -> None:
@@ -160,15 +167,17 @@ class SampleBatch(_Message):
     """
 
     SCHEMA: ClassVar[str] = "expstream.SampleBatch"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     FIELDS: ClassVar[dict[str, str]] = {
         "batch_id": "str", "policy_version": "int", "n_samples_per_prompt": "int",
         "eos_token_id": "int", "pad_token_id": "int",
         "prompt_id": "strs", "group_id": "strs", "sample_index": "ints", "prompt": "strs",
         "label": "strs", "reference": "strs", "response": "strs",
-        "prompt_ids": "ragged", "response_ids": "ragged", "layout": "str",
+        "prompt_ids": "ragged", "response_ids": "ragged", "rollout_log_probs": "ragged",
+        "rollout_version": "opt_ints", "layout": "str",
         "action_ids": "ragged", "action_mask": "ragged", "action_log_probs": "ragged",
-        "action_entropy": "ragged", "base_action_log_probs": "ragged", "values": "ragged",
+        "action_entropy": "ragged", "logprob_version": "opt_ints",
+        "base_action_log_probs": "ragged", "values": "ragged",
         "rewards": "array", "reward_metrics": "arrays", "kl": "ragged", "kl_coef": "float",
         "processed_rewards": "array", "token_rewards": "ragged", "advantages": "ragged",
         "returns": "ragged", "info": "arrays",
@@ -192,11 +201,17 @@ class SampleBatch(_Message):
     response: list[str] = field(default_factory=list)  # (B,) decoded response text
     prompt_ids: Ragged | None = None  # Ragged int32 (B; p_b) prompt tokens after prompt_max_len truncation
     response_ids: Ragged | None = None  # Ragged int32 (B; o_b) raw engine output tokens
+    # v2: behaviour log-probs from the engine (the distribution sampled from: after temperature,
+    # top-k, top-p). Ragged float32 (B; o_b) response-level from generate; (B; a_b) aligned with
+    # action_ids from shard-preprocess on (docs/async.md, "wire").
+    rollout_log_probs: Ragged | None = None
+    rollout_version: list[int] = field(default_factory=list)  # (B,) or []: policy version that generated each sample
     layout: str = ""  # "" before shard-preprocess, then "padded" or "packed"
     action_ids: Ragged | None = None  # Ragged int32 (B; a_b) response tokens after EOS repair, incl. EOS
     action_mask: Ragged | None = None  # Ragged bool (B; a_b) action mask cut to a_b
     action_log_probs: Ragged | None = None  # Ragged float32 (B; a_b) log-probs under the current policy
     action_entropy: Ragged | None = None  # Ragged float32 (B; a_b) entropy (high_entropy_token_ratio > 0)
+    logprob_version: list[int] = field(default_factory=list)  # (B,) or []: actor version behind action_log_probs
     base_action_log_probs: Ragged | None = None  # Ragged float32 (B; a_b) reference-model log-probs
     values: Ragged | None = None  # Ragged float32 (B; a_b) critic values
     rewards: np.ndarray | None = None  # float32 (B,) raw scalar reward r_b
@@ -226,6 +241,8 @@ class SampleBatch(_Message):
         for name in ("group_id", "prompt", "label", "reference", "response"):
             self._list(name, str, B)
         self._list("sample_index", int, B)
+        for name in ("rollout_version", "logprob_version"):
+            self._versions(name, B)
         bad = [i for i, s in enumerate(self.sample_index) if not 0 <= s < n]
         if bad:
             raise _err(self, "sample_index", f"values {_short([self.sample_index[i] for i in bad], 5)} at rows "
@@ -257,6 +274,18 @@ class SampleBatch(_Message):
                     raise _err(self, name, f"key {k!r} is {type(k).__name__}; keys must be str")
             setattr(self, name, {k: self._vector(f"{name}[{k!r}]", v, B, ids) for k, v in d.items()})
 
+    def _versions(self, name: str, B: int) -> None:
+        """A per-sample policy-version list: [] (absent, e.g. a version-1 record) or B ints >= 0."""
+        self._list(name, int, None)
+        v = getattr(self, name)
+        if v and len(v) != B:
+            raise _err(self, name, f"has {len(v)} entries but B={B} (len(prompt_id)); give one version per "
+                                   "sample, or none at all")  # fmt: skip
+        bad = [i for i, x in enumerate(v) if x < 0]
+        if bad:
+            raise _err(self, name, f"negative policy versions {_short([v[i] for i in bad], 5)} at rows "
+                                   f"{_short(bad, 5)}; versions start at 0 (the initial weights)")  # fmt: skip
+
     def _ragged(self, name: str, dtype: str, B: int, ids: list[str]) -> None:
         r = getattr(self, name)
         if r is None:
@@ -269,7 +298,17 @@ class SampleBatch(_Message):
                                    f"cast it (Ragged.from_rows(r.rows(), {dtype!r}))")  # fmt: skip
         if len(r) != B:
             raise _err(self, name, f"has {len(r)} rows but B={B} (len(prompt_id)); give one row per sample")
-        if name in ACTION_FIELDS:
+        if name in RESPONSE_LEVEL_BEFORE_ACTIONS and self.action_ids is None:
+            if self.response_ids is None:
+                raise _err(self, name, "is set but response_ids is missing; before shard-preprocess it is "
+                                       "response-level and needs response_ids to define its lengths")  # fmt: skip
+            ref = self.response_ids.lengths
+            if not np.array_equal(r.lengths, ref):
+                row = int(np.flatnonzero(r.lengths != ref)[0])
+                raise _err(self, name, f"ragged lengths {_short(r.lengths)} disagree with response_ids lengths "
+                                       f"{_short(ref)} (first at sample {ids[row]}); before shard-preprocess "
+                                       "it holds one value per generated token")  # fmt: skip
+        elif name in ACTION_FIELDS:
             if self.action_ids is None:
                 raise _err(self, name, "is set but action_ids is missing; action-level fields need "
                                        "action_ids (set by shard-preprocess) to define the action lengths")  # fmt: skip
@@ -297,7 +336,7 @@ class SampleBatch(_Message):
             v = getattr(self, name)
             if name in self.PER_BATCH or v is None:
                 continue
-            if kind in ("strs", "ints"):
+            if kind in ("strs", "ints") or (kind == "opt_ints" and v):
                 changes[name] = [v[i] for i in idx.tolist()]
             elif kind == "ragged":
                 changes[name] = v.select(idx)
@@ -336,6 +375,9 @@ class SampleBatch(_Message):
             vals = [getattr(b, name) for b in batches]
             if kind in ("strs", "ints"):
                 kwargs[name] = [x for v in vals for x in v]
+            elif kind == "opt_ints":  # kept only when every batch has one entry per sample
+                whole = all(len(v) == len(b) for v, b in zip(vals, batches, strict=True))
+                kwargs[name] = [x for v in vals for x in v] if whole else []
             elif any(v is None for v in vals):
                 continue
             elif kind == "ragged":

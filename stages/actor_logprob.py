@@ -25,10 +25,10 @@ def setup(ctx: StageContext) -> None:
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
-    version = refresh_weights(ctx, "actor")  # noqa: F841 - loaded between micro-batches; the wire part stamps it
+    version = refresh_weights(ctx, "actor")  # loaded between micro-batches; stamped as logprob_version
     want_entropy = ctx.topology.algo.high_entropy_token_ratio > 0
     logp, entropy = forward_log_probs(ctx.models["lm"], batch, with_entropy=want_entropy)
-    changes = {"action_log_probs": logp}
+    changes = {"action_log_probs": logp, "logprob_version": [int(version)] * len(batch)}
     if entropy is not None:
         changes["action_entropy"] = entropy
     return [batch.replace(**changes)]

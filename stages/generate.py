@@ -65,11 +65,12 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     # are never reloaded again between the admission and the generation.
     version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
     prompts = tokenize_prompts(batch, ctx)
-    outputs = ctx.models["generator"].generate(
+    outputs, logprobs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
         seed=batch_seed(ctx.topology.run.seed, batch.batch_id),
         should_stop=ctx.should_stop,  # SIGTERM abandons a long generation between tokens (uncommitted)
+        return_log_probs=True,  # behaviour log-probs for the trainer's off-policy correction
     )
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
     return [SampleBatch(
@@ -87,4 +88,7 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         response=tok.batch_decode(outputs, skip_special_tokens=gen.skip_special_tokens),
         prompt_ids=Ragged.from_rows([np.asarray(p, np.int32) for p in rep(prompts)], "int32"),
         response_ids=Ragged.from_rows([np.asarray(o, np.int32) for o in outputs], "int32"),
+        # response-level (B; o_b) until shard-preprocess aligns it with action_ids
+        rollout_log_probs=Ragged.from_rows([np.asarray(lp, np.float32) for lp in logprobs], "float32"),
+        rollout_version=[int(version)] * len(outputs),
     )]

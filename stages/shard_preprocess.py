@@ -8,6 +8,10 @@ padded tensors from them whatever batch it ends up in.
 ``algo.packing_samples`` (one (1, T) row, no padding, docs/numerics.md §1.4). The repair is the same in both,
 so the log-probs, values, rewards and everything after them agree between the layouts; only the
 model forwards differ.
+
+The behaviour log-probs from generate (``rollout_log_probs``, one per generated token) are moved
+onto the repaired actions here (:func:`expstream.layout.align_rollout_log_probs`): a token the
+repair wrote or appended gets 0.0.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from expstream.errors import PoisonRecordError
-from expstream.layout import action_lengths, padded_layout, rows_of
+from expstream.layout import action_lengths, align_rollout_log_probs, padded_layout, rows_of
 from schemas import Ragged, SampleBatch
 from stages.context import StageContext
 
@@ -39,6 +43,11 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
         p = layout.prompt_width
         action_rows = [layout.sequences[b, p: p + int(n)].numpy().astype(np.int32) for b, n in enumerate(lengths)]
         mask_rows = [layout.action_mask[b, : int(n)].numpy() for b, n in enumerate(lengths)]
-        out.append(mb.replace(layout=layout_name, action_ids=Ragged.from_rows(action_rows, "int32"),
-                              action_mask=Ragged.from_rows(mask_rows, "bool")))
+        changes = {"layout": layout_name, "action_ids": Ragged.from_rows(action_rows, "int32"),
+                   "action_mask": Ragged.from_rows(mask_rows, "bool")}
+        if mb.rollout_log_probs is not None:  # response-level -> aligned with action_ids
+            rollout = align_rollout_log_probs(mb.response_ids.rows(), mb.rollout_log_probs.rows(), action_rows)
+            changes["rollout_log_probs"] = Ragged.from_rows(rollout, "float32")
+        # one replace: rollout_log_probs turns action-level in the same step as action_ids appears
+        out.append(mb.replace(**changes))
     return out

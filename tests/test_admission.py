@@ -351,6 +351,7 @@ def test_generate_blocks_at_the_bound_keeps_its_membership_and_resumes_after_a_p
         running.stop()
     outs = _outputs(broker, topo)
     assert [(o.batch_id, o.policy_version, len(o)) for o in outs] == [("p0", 0, 8), ("p1", 1, 8)]
+    assert [o.rollout_version for o in outs] == [[0] * 8, [1] * 8]  # every sample: the version it was made by
     assert ctx.state.admission_counts() == ({0: 8, 1: 8}, {})
     assert runner.dead_lettered == 0 and list(read_topic(broker, topo.kafka, f"{src}.dlq")) == []
     assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 2}, "p2, p3 wait uncommitted, not dropped"

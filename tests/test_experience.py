@@ -114,7 +114,7 @@ def assert_tensors(exp, expected):
 
 def assert_same_experience(a: Experience, b: Experience):
     for name in ("sequences", "action_log_probs", "base_action_log_probs", "values", "returns",
-                 "advantages", "attention_mask", "action_mask", "kl", "action_entropy"):
+                 "advantages", "attention_mask", "action_mask", "kl", "action_entropy", "rollout_log_probs"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
@@ -122,7 +122,8 @@ def assert_same_experience(a: Experience, b: Experience):
     assert a.info.keys() == b.info.keys()
     for k in a.info:
         assert a.info[k].dtype == b.info[k].dtype and torch.equal(a.info[k], b.info[k]), k
-    for name in ("batch_id", "sample_ids", "prompt_ids", "group_ids", "sample_index", "policy_version"):
+    for name in ("batch_id", "sample_ids", "prompt_ids", "group_ids", "sample_index", "policy_version",
+                 "rollout_versions", "logprob_versions"):
         assert getattr(a, name) == getattr(b, name), name
 
 

@@ -278,6 +278,87 @@ def test_generate_top_k_off_by_default(loaded):
     assert len(free) > 60 and len(top5) <= 5
 
 
+def _reference_behaviour_log_probs(model, tok, prompt, response, *, temperature, top_k, top_p, min_new_tokens,
+                                   stop_ids, suppress_ids):
+    """Independent of the generator: one forward over prompt + response, then the sampling
+    distribution rebuilt by hand (a plain loop over steps) and the sampled token's log-prob read."""
+    seq = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[0].double()  # (L, V)
+    out = []
+    for t, token in enumerate(response):
+        z = logits[len(prompt) - 1 + t].clone()
+        if temperature == 0:  # greedy: the plain softmax of the raw logits
+            out.append(float(torch.log_softmax(z, -1)[token]))
+            continue
+        if t < min_new_tokens:
+            z[list(stop_ids)] = -math.inf
+        z[list(suppress_ids)] = -math.inf
+        z = z / temperature
+        if top_k > 0:
+            kth = torch.sort(z, descending=True).values[top_k - 1]
+            z[z < kth] = -math.inf
+        if top_p < 1:
+            probs = torch.softmax(z, -1)
+            order = torch.argsort(probs, descending=True)
+            above = 0.0  # probability mass of the tokens ranked before this one
+            keep = torch.zeros_like(z, dtype=torch.bool)
+            for i in order.tolist():
+                if above >= top_p:
+                    break
+                keep[i] = True
+                above += float(probs[i])
+            z[~keep] = -math.inf
+        out.append(float(torch.log_softmax(z, -1)[token]))
+    return out
+
+
+@pytest.mark.parametrize("which, kw", [
+    ("plain", dict(temperature=1.0)),
+    ("plain", dict(temperature=0.7)),
+    ("plain", dict(temperature=0.7, top_k=20, top_p=0.9)),
+    ("plain", dict(temperature=1.0, top_k=5)),
+    ("plain", dict(temperature=0)),
+    ("eos_prone", dict(temperature=1.0, min_new_tokens=3)),
+    ("eos_prone", dict(temperature=1.3, top_p=0.8, min_new_tokens=2)),
+])  # fmt: skip
+def test_generate_behaviour_log_probs_match_the_sampled_distribution(which, kw, loaded, eos_prone):
+    tok = loaded["tok"]
+    gen = eos_prone if which == "eos_prone" else M.TransformersGenerator(loaded["actor"], tok)
+    prompts = _prompts(tok)
+    tokens, logps = gen.generate(prompts, 3, max_new_tokens=10, seed=11, return_log_probs=True, **kw)
+    # the flag changes nothing about the tokens
+    assert tokens == gen.generate(prompts, 3, max_new_tokens=10, seed=11, **kw)
+    assert [len(r) for r in logps] == [len(r) for r in tokens]
+    if which == "eos_prone":
+        assert any(len(r) < 10 for r in tokens)  # early stops are covered
+    full = dict(temperature=1.0, top_k=-1, top_p=1.0, min_new_tokens=1) | kw
+    for i, (row, lp) in enumerate(zip(tokens, logps, strict=True)):
+        ref = _reference_behaviour_log_probs(
+            gen.model, tok, prompts[i // 3], row, temperature=full["temperature"], top_k=full["top_k"],
+            top_p=full["top_p"], min_new_tokens=full["min_new_tokens"], stop_ids=gen.stop_token_ids,
+            suppress_ids=gen.suppress_token_ids,
+        )
+        assert all(math.isfinite(x) and x <= 0 for x in lp)
+        assert max(abs(a - b) for a, b in zip(lp, ref, strict=True)) < 1e-4, (i, lp, ref)
+    if kw.get("temperature", 1.0) == 1.0 and which == "plain" and "top_k" not in kw:
+        # at temperature 1 the sampled distribution is actor-logprob's softmax less the suppressed
+        # tokens (pad; stop tokens before min_new_tokens), so each behaviour log-prob is a bit higher
+        seq = torch.tensor([prompts[0] + tokens[0]])
+        logp, _ = M.forward_action_log_probs(gen.model, seq, torch.ones_like(seq), len(tokens[0]))
+        diff = torch.tensor(logps[0]) - logp[0]
+        assert bool((diff > 0).all()) and float(diff.max()) < 0.05, diff
+
+
+def test_generate_return_log_probs_empty_and_ignore_eos(loaded):
+    tok = loaded["tok"]
+    gen = M.TransformersGenerator(loaded["actor"], tok)
+    assert gen.generate([], 2, return_log_probs=True) == ([], [])
+    tokens, logps = gen.generate(_prompts(tok)[:1], 2, max_new_tokens=6, seed=1, ignore_eos=True,
+                                 return_log_probs=True)
+    assert [len(r) for r in tokens] == [6, 6] and [len(r) for r in logps] == [6, 6]
+
+
 def test_generate_rejects_bad_arguments(loaded):
     gen = M.TransformersGenerator(loaded["actor"], loaded["tok"])
     with pytest.raises(ValueError):

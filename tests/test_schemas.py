@@ -302,7 +302,7 @@ def test_sample_batch_exact_wire_map():
         rewards=[1.0], info={"reward": [1.0]},
     )  # fmt: skip
     expected = {
-        "schema": "expstream.SampleBatch", "version": 1, "batch_id": "p000000/m0", "policy_version": 0,
+        "schema": "expstream.SampleBatch", "version": 2, "batch_id": "p000000/m0", "policy_version": 0,
         "n_samples_per_prompt": 1, "eos_token_id": 2, "pad_token_id": 0, "prompt_id": ["q1"],
         "group_id": ["q1"], "sample_index": [0], "prompt": ["1+1="], "label": ["2"], "reference": [""],
         "response": ["2"],
@@ -318,7 +318,8 @@ def test_sample_batch_exact_wire_map():
     assert data == msgpack.packb(expected, use_bin_type=True) and len(data) == 718
     assert msgpack.unpackb(data, raw=False) == expected
     assert decode(data) == b and encode(decode(data)) == data
-    assert peek_header(data) == ("expstream.SampleBatch", 1, "p000000/m0")
+    # v2 (issue 9) changed only the version byte of this example: none of the new fields is set
+    assert peek_header(data) == ("expstream.SampleBatch", 2, "p000000/m0")
 
 
 def test_round_trip_full_batch_and_info_key_order():
@@ -397,8 +398,10 @@ def test_decode_errors():
         decode(encode(make_batch()) + b"\x00")
     with pytest.raises(DecodeError):
         decode("not bytes")
+    with pytest.raises(VersionError, match="version 3 is not supported by this reader \\(it reads version 1 or 2\\)"):
+        decode(enc(version=3))
     with pytest.raises(VersionError, match="version 2 is not supported"):
-        decode(enc(version=2))
+        decode(msgpack.packb({**msgpack.unpackb(encode(PromptBatch("p", ["0"], ["x"], [""], [""]))), "version": 2}))
     with pytest.raises(VersionError):
         decode(enc(version=...))
     with pytest.raises(UnknownSchemaError, match="unknown schema 'expstream.Other'"):
@@ -495,6 +498,9 @@ def sample_batches(draw):
         action_ids=Ragged.from_rows([[7] * k for k in a_len], "int32"),
         action_mask=Ragged.from_rows([draw(st.lists(st.booleans(), min_size=k, max_size=k)) for k in a_len], "bool"),
         action_log_probs=floats(a_len), advantages=floats(a_len) if draw(st.booleans()) else None,
+        rollout_log_probs=floats(a_len) if draw(st.booleans()) else None,
+        rollout_version=draw(st.sampled_from([[], [v for v in range(B)]])),
+        logprob_version=draw(st.sampled_from([[], [2**40] * B])),
         rewards=draw(st.none() | st.lists(finite32, min_size=B, max_size=B)),
         kl_coef=draw(st.none() | st.floats(0, 1)),
         info={k: draw(st.lists(finite32, min_size=B, max_size=B)) for k in draw(st.sets(st.text(max_size=3), max_size=3))},
