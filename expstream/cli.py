@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | topics | models | dlq.
+"""``expstream`` command line: run | stage | train | topics | models | dlq.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--replica-id", default=os.environ.get("EXPSTREAM_REPLICA_ID") or socket.gethostname(),
                        help="names this replica in heartbeats (default: $EXPSTREAM_REPLICA_ID or the host name)")
 
+    train = sub.add_parser("train", help="the reference trainer of the continuous loop (docs/async.md)")
+    _add_topology_args(train)
+    train.add_argument("--run-id", default="prod", help="the run whose experiences it trains on (Redis keys, group)")
+    train.add_argument("--output", required=True,
+                       help="directory for train.jsonl, train/checkpoint, final/ (and weights/ by default)")
+
     topics = sub.add_parser("topics", help="create or list the topology's topics (and .dlq twins); tail one")
     topics.add_argument("action", choices=["create", "list", "tail"])
     topics.add_argument("topic", nargs="?", help="tail: the topic to print, e.g. experiences or batches.dlq")
@@ -99,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.stage import run_stage
 
             return run_stage(topo, args)
+        if args.command == "train":
+            from expstream.train import run_trainer
+
+            return run_trainer(topo, args)
         if args.command == "topics":
             from expstream.topics import topics_command
 

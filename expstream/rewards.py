@@ -6,6 +6,8 @@ query is the decoded prompt + response of one sample (as in LightRFT's custom re
 
 from __future__ import annotations
 
+import re
+
 
 def contains_label(queries: list[str], prompts: list[str], labels: list[str]) -> list[float]:
     """1.0 when the label text appears in the response part of the query, else 0.0."""
@@ -19,3 +21,26 @@ def contains_label(queries: list[str], prompts: list[str], labels: list[str]) ->
 def response_length(queries: list[str], prompts: list[str], labels: list[str]) -> list[float]:
     """Characters in the query beyond the prompt, divided by 100: a dense toy reward."""
     return [max(len(q) - len(p), 0) / 100.0 for q, p in zip(queries, prompts, strict=True)]
+
+
+#: The character ``target_char_rate`` rewards: common in the tiny tokenizer's vocabulary, so a
+#: randomly initialised actor already samples it now and then and a learning loop can raise its rate.
+TARGET_CHAR = "e"
+_SPECIAL = re.compile(r"<\|[^|<>]*\|>")
+#: Where the built-in chat template starts the assistant's turn (the response follows it).
+_ASSISTANT = "<|im_start|>assistant\n"
+
+
+def target_char_rate(queries: list[str], prompts: list[str], labels: list[str]) -> list[float]:
+    """The share of the response's characters equal to ``TARGET_CHAR`` (special tokens such as
+    ``<|im_end|>`` removed first; an empty response scores 0). The example task of the continuous
+    loop (docs/async.md): dense, in [0, 1], and a policy gradient raises it within minutes."""
+    out = []
+    for query, prompt in zip(queries, prompts, strict=True):
+        if _ASSISTANT in query:
+            response = query.rsplit(_ASSISTANT, 1)[-1]
+        else:
+            response = query.split(prompt, 1)[-1] if prompt and prompt in query else query
+        response = _SPECIAL.sub("", response)
+        out.append(response.count(TARGET_CHAR) / len(response) if response else 0.0)
+    return out

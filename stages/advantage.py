@@ -9,7 +9,8 @@
   emits the same group again with the same ids; readers dedupe by sample id. In-process
   (LocalChain, replay) the same happens on a MemoryState, so split groups complete there too; a
   group wholly inside one micro-batch is emitted there without the buffer round trip (same bytes).
-* Dynamic sampling drops groups whose processed rewards are all equal and counts them in ctx.state.
+* Dynamic sampling drops groups whose processed rewards are all equal and counts them in ctx.state
+  (and, in the continuous loop, records their samples lost for generate's admission control).
 * Optionally, the seed's cross-batch normalisation over a window or running moments (ctx.state).
 """
 
@@ -158,6 +159,8 @@ def complete_group(group: SampleBatch, ctx: StageContext) -> SampleBatch | None:
     r = torch.from_numpy(np.array(group.processed_rewards, dtype=np.float32)).reshape(1, -1)
     if algo.dynamic_sampling and bool(numerics.group_is_constant(r)[0]):
         ctx.state.incr_counter("dynamic_sampling_dropped_groups", 1, once_id=group.batch_id)
+        if ctx.topology.train.enabled:  # never reaches the trainer: lost for admission (expstream/admission.py)
+            ctx.state.record_lost(group.batch_id, int(group.policy_version), len(group))
         ctx.log.info("advantage batch=%s: dropped by dynamic sampling (all rewards equal %.4g)",
                      group.batch_id, float(r[0, 0]))
         return None

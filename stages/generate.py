@@ -6,6 +6,7 @@ import hashlib
 
 import numpy as np
 
+from expstream.admission import wait_for_admission
 from expstream.errors import PoisonRecordError
 from expstream.resolve import model_dir
 from expstream.weights import follower_for, refresh_weights
@@ -59,8 +60,11 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     gen = ctx.topology.generate
     n = gen.n_samples_per_prompt
     tok = ctx.models["tokenizer"]
+    # Bounded staleness (expstream/admission.py): reload newer weights and start only within the admission
+    # bound, waiting otherwise. The version returned is the one loaded, admitted and stamped: the weights
+    # are never reloaded again between the admission and the generation.
+    version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
     prompts = tokenize_prompts(batch, ctx)
-    version = refresh_weights(ctx, "actor")  # the weights that generate this batch (loaded before it)
     outputs, logprobs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,

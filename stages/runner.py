@@ -71,6 +71,7 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
+from expstream.admission import admission_id
 from expstream.bus import make_consumer, make_producer, send_all_and_confirm
 from expstream.errors import BrokerUnavailableError, ExpstreamError, PoisonRecordError, ShutdownRequested
 from expstream.letters import (
@@ -182,6 +183,7 @@ class _Out:
     key: bytes | None
     headers: list[tuple[str, bytes]] | None = None
     samples: int = 0  # samples in an output SampleBatch (0 for a PromptBatch or a letter)
+    batch: Any = None  # a letter's decoded batch (the record's, or a split sub-batch), for lost accounting
 
 
 @dataclasses.dataclass
@@ -551,7 +553,7 @@ class StageRunner:
         if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted
             return _Out(self.dlq_topic, b"", record.key, value_omitted_headers(
                 headers, "the record had no value (a tombstone); there is nothing to carry or redrive"))
-        return _Out(self.dlq_topic, value, record.key, headers)
+        return _Out(self.dlq_topic, value, record.key, headers, batch=batch)
 
     def _send(self, items: list[_Out], what: str) -> None:
         """Send and confirm ``items``, retrying retriable failures; raises a non-retriable ProduceError."""
@@ -597,11 +599,32 @@ class StageRunner:
             first = letters[0] if whole else self._letter(record, exc, batch=batch)
             outputs[:] = []
             letters[:] = [self._send_letter_somehow(first, where, what, exc, tried=whole)]
+        if letters and self.ctx.topology.train.enabled:
+            self._retry_work(lambda: self._record_lost(letters, where), what, "recording lost samples")
         for letter in letters:
             self.dead_lettered += 1
             self.log.error("stage %s %s batch=%s: dead-lettered %s to %s: %s: %s", self.stage.name, where,
                            _header(letter, H_BATCH_ID) or "?", _header(letter, H_SAMPLE_IDS) or "the record",
                            self.dlq_topic, _header(letter, H_ERROR_CLASS), _first_line(_header(letter, H_ERROR_MESSAGE)))
+
+    def _record_lost(self, letters: list[_Out], where: str) -> None:
+        """The continuous loop's accounting (expstream/admission.py): samples of admitted work that were
+        dead-lettered never reach the trainer; count them lost (idempotent per batch id) before the commit.
+        A PromptBatch counts its G x n samples under the version its root record was admitted with (not
+        admitted: nothing to count); a SampleBatch counts B under its policy_version, except one read from
+        the prompt topic (never admitted)."""
+        n = self.ctx.topology.generate.n_samples_per_prompt
+        for letter in letters:
+            b = letter.batch
+            if isinstance(b, PromptBatch):
+                version, samples = self.ctx.state.admitted_version(admission_id(b.batch_id)), len(b) * n
+            elif isinstance(b, SampleBatch) and self.stage.input != self.ctx.topology.topics.input:
+                version, samples = b.policy_version, len(b)
+            else:
+                continue
+            if version is not None and samples and self.ctx.state.record_lost(b.batch_id, int(version), samples):
+                self.log.warning("stage %s %s batch=%s: %d samples of policy version %d counted lost (dead-lettered)",
+                                 self.stage.name, where, b.batch_id, samples, version)
 
     def _send_letter_somehow(self, letter: _Out, where: str, what: str, refusal: Exception, *,
                              tried: bool) -> _Out:

@@ -250,6 +250,78 @@ def test_stage_stats_heartbeats_versions_counters(state):
     assert state.counters() == {"stale": 3.0}
 
 
+# --- admission control (expstream/admission.py) -------------------------------------------------
+
+
+def test_admit_within_the_bound_is_idempotent_and_moves_a_redelivered_record(state):
+    # bound 16 = (v0 + k1 + 1) * B8: two records of 8 fit, the third does not
+    assert state.admit("p0", 8, 0, 16) is True
+    assert state.admit("p1", 8, 0, 16) is True
+    assert state.admit("p2", 8, 0, 16) is False
+    assert state.admission_counts() == ({0: 16}, {})
+    assert state.admitted_version("p2") is None
+    # a redelivery of an admitted record is admitted again, whatever the bound, and counted once
+    assert state.admit("p0", 8, 0, 0) is True
+    assert state.admission_counts() == ({0: 16}, {})
+    # ... generated under newer weights: its count moves to the new version, the total is unchanged
+    assert state.admit("p1", 8, 1, 0) is True
+    assert state.admission_counts() == ({0: 8, 1: 8}, {})
+    assert (state.admitted_version("p0"), state.admitted_version("p1")) == (0, 1)
+    # ... but never back to older weights than it was admitted with
+    assert state.admit("p1", 8, 0, 100) is False
+    assert state.admission_counts() == ({0: 8, 1: 8}, {})
+    # a larger bound (a newer version) lets the refused record in
+    assert state.admit("p2", 8, 1, 24) is True
+    assert state.admission_counts() == ({0: 8, 1: 16}, {})
+
+
+def test_lost_samples_free_room_once_per_batch_id(state):
+    assert state.admit("p0", 8, 0, 8) is True
+    assert state.admit("p1", 8, 0, 8) is False
+    assert state.record_lost("g/p0-1", 0, 4) is True
+    assert state.record_lost("g/p0-1", 0, 4) is False  # a redelivered drop counts once
+    assert state.admission_counts() == ({0: 8}, {0: 4})
+    assert state.admit("p1", 8, 0, 8) is False  # 8 - 4 + 8 = 12 > 8
+    assert state.admit("p1", 4, 0, 8) is True  # 8 - 4 + 4 = 8: exactly at the bound
+    assert state.record_lost("p1", 0, 4) is True
+    assert state.admission_counts() == ({0: 12}, {0: 8})
+
+
+def test_admission_rejects_bad_arguments_naming_them(state):
+    with pytest.raises(ValueError, match="samples"):
+        state.admit("p0", 0, 0, 8)
+    with pytest.raises(ValueError, match="version"):
+        state.admit("p0", 8, -1, 8)
+    with pytest.raises(ValueError, match="bound"):
+        state.admit("p0", 8, 0, 8.5)
+    with pytest.raises(ValueError, match="batch_id"):
+        state.record_lost("", 0, 1)
+    assert state.admission_counts() == ({}, {})
+
+
+def test_concurrent_admissions_never_exceed_the_bound(state_handles):
+    """8 replicas race to admit 4-sample records under one bound: exactly bound/4 are admitted."""
+    workers, records, bound = 8, 12, 40
+    won: dict[int, list[str]] = {i: [] for i in range(workers)}
+    barrier = threading.Barrier(workers)
+
+    def admit(i):
+        state = state_handles()
+        barrier.wait()
+        for j in range(records):
+            if state.admit(f"w{i}-p{j}", 4, 0, bound):
+                won[i].append(f"w{i}-p{j}")
+
+    threads = [threading.Thread(target=admit, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    admitted = [b for ids in won.values() for b in ids]
+    assert len(admitted) == bound // 4
+    assert state_handles().admission_counts() == ({0: bound}, {})
+
+
 @pytest.mark.integration
 def test_keys_are_scoped_by_run(redis_url, redis_state):
     other = RedisState(redis_url, redis_state.run_id + "x")
@@ -304,7 +376,7 @@ def _script(seed):
     rng = np.random.default_rng(seed)
     ops = []
     for _ in range(60):
-        kind = rng.integers(0, 5)
+        kind = rng.integers(0, 7)
         bid = f"b{rng.integers(0, 25)}"  # ids repeat: redeliveries
         if kind == 0:
             vals = np.random.default_rng(int(bid[1:])).normal(rng.choice([0.0, 1e6]), 3.0, 1 + int(bid[1:]) % 7)
@@ -319,8 +391,13 @@ def _script(seed):
         elif kind == 3:
             n = int(rng.integers(1, 4))
             ops.append(("park_window", ("w", bid, bid.encode(), n, 5), {}))
-        else:
+        elif kind == 4:
             ops.append(("incr_counter", ("dropped", 1), {"once_id": bid}))
+        elif kind == 5:
+            v = int(rng.integers(0, 4))
+            ops.append(("admit", (bid, 4 * int(rng.integers(1, 3)), v, (v + 2) * 8), {}))
+        else:
+            ops.append(("record_lost", (f"l{bid}", int(rng.integers(0, 4)), int(rng.integers(1, 5))), {}))
     return ops
 
 
@@ -340,6 +417,7 @@ def test_memory_and_redis_give_identical_answers(redis_state, seed):
     assert memory.get_moments("r") == redis_state.get_moments("r")
     assert memory.kl_coef(0.5) == redis_state.kl_coef(0.5)
     assert memory.counters() == redis_state.counters()
+    assert memory.admission_counts() == redis_state.admission_counts()
     assert _normal(memory.flush_window("w")) == _normal(redis_state.flush_window("w"))
     for g in ("g0", "g1", "g2", "g3"):
         assert memory.group_status(g) == redis_state.group_status(g)

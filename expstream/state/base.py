@@ -35,6 +35,7 @@ __all__ = [
     "WindowTaken",
     "DEFAULT_GROUP_TTL_S",
     "check_group_members",
+    "check_admission",
 ]
 
 # Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
@@ -121,6 +122,12 @@ class State(Protocol):
     def mark_once(self, namespace: str, id: str) -> bool: ...
     def incr_counter(self, name: str, by: float = 1, once_id: str | None = None) -> float: ...
     def counters(self) -> dict[str, float]: ...
+
+    # admission control of the continuous loop (expstream/admission.py says why the bound holds)
+    def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool: ...
+    def record_lost(self, batch_id: str, version: int, samples: int) -> bool: ...
+    def admission_counts(self) -> tuple[dict[int, int], dict[int, int]]: ...
+    def admitted_version(self, batch_id: str) -> int | None: ...
     def close(self) -> None: ...
 
 
@@ -136,6 +143,17 @@ def check_group_members(group_id: str, n: int, members: Mapping[int, bytes]) -> 
             raise PoisonRecordError(f"group {group_id!r}: sample_index {idx} outside [0, {n})")
         out[i] = bytes(payload)
     return out
+
+
+def check_admission(what: str, batch_id: str, samples: int, version: int, bound: int | None = None) -> None:
+    """Validate the arguments of ``admit`` / ``record_lost`` (``what`` names the call)."""
+    if not isinstance(batch_id, str) or not batch_id:
+        raise ValueError(f"{what}: batch_id must be a non-empty str, got {batch_id!r}")
+    for name, value, low in (("samples", samples, 1), ("version", version, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{what} batch={batch_id}: {name} must be an int >= {low}, got {value!r}")
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, np.integer))):
+        raise ValueError(f"{what} batch={batch_id}: bound must be an int (admission_bound(...)), got {bound!r}")
 
 
 def group_size_error(group_id: str, stored_n: int | str, n: int) -> PoisonRecordError:

@@ -25,6 +25,7 @@ from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
     Moments,
     WindowTaken,
+    check_admission,
     check_group_members,
     group_size_error,
     kl_not_initialised,
@@ -78,6 +79,10 @@ class MemoryState:
         self._once: dict[str, set[str]] = {}
         self._counters: dict[str, float] = {}
         self._counter_applied: dict[str, set[str]] = {}
+        self._admitted_of: dict[str, tuple[int, int]] = {}  # batch_id -> (version, samples)
+        self._lost_of: dict[str, tuple[int, int]] = {}
+        self._admitted: dict[int, int] = {}  # version -> samples
+        self._lost: dict[int, int] = {}
 
     def close(self) -> None:
         return None
@@ -256,3 +261,44 @@ class MemoryState:
     def counters(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counters)
+
+    # --- admission control (expstream/admission.py) ------------------------------------------
+    def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
+        """Admit ``samples`` under ``version`` iff admitted - lost + samples <= ``bound`` (see RedisState)."""
+        check_admission("admit", batch_id, samples, version, bound)
+        with self._lock:
+            prev = self._admitted_of.get(batch_id)
+            if prev is not None:
+                old_version, n = prev
+                if version < old_version:  # never regenerate with older weights than admitted with
+                    return False
+                if old_version != version:  # regenerated under newer weights: its count moves along
+                    self._admitted[old_version] -= n
+                    self._admitted[int(version)] = self._admitted.get(int(version), 0) + n
+                    self._admitted_of[batch_id] = (int(version), n)
+                return True
+            if sum(self._admitted.values()) - sum(self._lost.values()) + int(samples) > int(bound):
+                return False
+            self._admitted_of[batch_id] = (int(version), int(samples))
+            self._admitted[int(version)] = self._admitted.get(int(version), 0) + int(samples)
+            return True
+
+    def record_lost(self, batch_id: str, version: int, samples: int) -> bool:
+        """Count ``samples`` of ``version`` that never reach the trainer, once per ``batch_id``."""
+        check_admission("record_lost", batch_id, samples, version)
+        with self._lock:
+            if batch_id in self._lost_of:
+                return False
+            self._lost_of[batch_id] = (int(version), int(samples))
+            self._lost[int(version)] = self._lost.get(int(version), 0) + int(samples)
+            return True
+
+    def admission_counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        with self._lock:
+            return ({v: n for v, n in sorted(self._admitted.items()) if n},
+                    {v: n for v, n in sorted(self._lost.items()) if n})
+
+    def admitted_version(self, batch_id: str) -> int | None:
+        with self._lock:
+            prev = self._admitted_of.get(batch_id)
+            return prev[0] if prev is not None else None

@@ -37,6 +37,11 @@ Keys (``P`` = prefix):
 ``P window:<name>:cur``         string  the open window's k
 ``P window:<name>:<k>:members`` hash    batch_id -> payload bytes (TTL ``group_ttl_s``)
 ``P window:<name>:<k>:meta``    hash    samples, closer (TTL ``group_ttl_s``)
+``P admission:of``              hash    admitted batch_id -> "version samples"
+``P admission:lost_of``         hash    lost batch_id -> "version samples"
+``P admission:admitted``        hash    version -> samples admitted under it
+``P admission:lost``            hash    version -> samples lost of it
+``P admission:totals``          hash    admitted, lost (sums over versions, for the O(1) check)
 ==============================  ======  =================================================
 """
 
@@ -60,6 +65,7 @@ from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
     Moments,
     WindowTaken,
+    check_admission,
     check_group_members,
     kl_not_initialised,
 )
@@ -253,6 +259,39 @@ redis.call('SET', KEYS[1], tostring(tonumber(k) + 1))
 return {1, k, unpack(redis.call('HVALS', prefix .. k .. ':members'))}
 """
 
+_ADMIT = """
+-- KEYS[1] admission:of, KEYS[2] admission:admitted, KEYS[3] admission:totals
+-- ARGV batch_id, samples, version, bound
+local prev = redis.call('HGET', KEYS[1], ARGV[1])
+if prev then
+  local sp = string.find(prev, ' ', 1, true)
+  local pv = string.sub(prev, 1, sp - 1)
+  local pn = string.sub(prev, sp + 1)
+  if tonumber(ARGV[3]) < tonumber(pv) then return 0 end
+  if pv ~= ARGV[3] then
+    redis.call('HINCRBY', KEYS[2], pv, -tonumber(pn))
+    redis.call('HINCRBY', KEYS[2], ARGV[3], pn)
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. pn)
+  end
+  return 1
+end
+local t = redis.call('HMGET', KEYS[3], 'admitted', 'lost')
+local outstanding = tonumber(t[1] or '0') - tonumber(t[2] or '0')
+if outstanding + tonumber(ARGV[2]) > tonumber(ARGV[4]) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. ARGV[2])
+redis.call('HINCRBY', KEYS[2], ARGV[3], ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'admitted', ARGV[2])
+return 1
+"""
+
+_RECORD_LOST = """
+-- KEYS[1] admission:lost_of, KEYS[2] admission:lost, KEYS[3] admission:totals; ARGV batch_id, version, samples
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. ARGV[3]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'lost', ARGV[3])
+return 1
+"""
+
 
 class RedisState:
     """Run-scoped state in Redis, shared by every replica of every stage.
@@ -304,6 +343,8 @@ class RedisState:
                 ("incr", _INCR_COUNTER),
                 ("park_window", _PARK_WINDOW),
                 ("flush_window", _FLUSH_WINDOW),
+                ("admit", _ADMIT),
+                ("record_lost", _RECORD_LOST),
             )
         }
         self._call("ping", self._r.ping)
@@ -573,6 +614,48 @@ class RedisState:
     def counters(self) -> dict[str, float]:
         raw = self._call("counters", self._r.hgetall, self.key("counters"))
         return {k.decode(): float(v) for k, v in raw.items()}
+
+    # --- admission control (expstream/admission.py) ------------------------------------------
+    def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
+        """Admit a prompt record of ``samples`` samples generated under ``version``; one Lua script.
+
+        1. A ``batch_id`` admitted before is admitted again (True) at once; when ``version`` is newer
+           (the record was redelivered and is generated under newer weights), its count moves from the
+           old version to the new one. An older ``version`` is refused (False): a record is never
+           regenerated with older weights than it was admitted with (its samples could arrive after
+           the trainer stopped waiting for that version); the caller reloads and tries again.
+        2. Otherwise it is admitted iff ``sum(admitted) - sum(lost) + samples <= bound``; then
+           ``admitted[version] += samples``. False leaves everything unchanged.
+        """
+        check_admission("admit", batch_id, samples, version, bound)
+        res = self._script("admit", [self.key("admission", "of"), self.key("admission", "admitted"),
+                                     self.key("admission", "totals")],
+                           [batch_id, str(int(samples)), str(int(version)), str(int(bound))])
+        return bool(int(res))
+
+    def record_lost(self, batch_id: str, version: int, samples: int) -> bool:
+        """Count ``samples`` of ``version`` that will never reach the trainer (dead-lettered, dropped by
+        dynamic sampling), once per ``batch_id``. True when counted now, False for a repeat."""
+        check_admission("record_lost", batch_id, samples, version)
+        res = self._script("record_lost", [self.key("admission", "lost_of"), self.key("admission", "lost"),
+                                           self.key("admission", "totals")],
+                           [batch_id, str(int(version)), str(int(samples))])
+        return bool(int(res))
+
+    def admission_counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(samples admitted by version, samples lost by version); versions with 0 left out."""
+        def read(pipe: redis.client.Pipeline) -> None:
+            pipe.hgetall(self.key("admission", "admitted"))
+            pipe.hgetall(self.key("admission", "lost"))
+
+        admitted, lost = self._pipeline("admission_counts", read, transaction=True)
+        return tuple({int(v): int(n) for v, n in sorted(raw.items(), key=lambda kv: int(kv[0])) if int(n)}
+                     for raw in (admitted, lost))
+
+    def admitted_version(self, batch_id: str) -> int | None:
+        """The version ``batch_id`` is admitted under, None when it never was."""
+        raw = self._call("admitted_version", self._r.hget, self.key("admission", "of"), batch_id)
+        return int(raw.split(b" ", 1)[0]) if raw is not None else None
 
 
 def is_auth_error(exc: BaseException) -> bool:

@@ -1,0 +1,32 @@
+"""The reference trainer of the continuous loop (``expstream train``; docs/async.md).
+
+Public API for a trainer of one's own: :class:`ExperienceStream` (the ``experiences`` topic with
+positions under the trainer's control), the losses, :class:`PolicyTrainer` (one optimisation step),
+the checkpoint, and :func:`run_trainer` (the whole loop). Weights are published with
+``expstream.weights`` (``open_store``, ``announce``); KL is reported with ``expstream.control``.
+"""
+
+from expstream.train.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
+from expstream.train.loss import OFF_POLICY_MODES, LossTerms, importance_weights, policy_loss, value_loss
+from expstream.train.step import PolicyTrainer, StepResult, experience_from_records
+from expstream.train.stream import ExperienceStream
+from expstream.train.trainer import experiences_topic, run_trainer, sample_versions
+
+__all__ = [
+    "OFF_POLICY_MODES",
+    "Checkpoint",
+    "CheckpointError",
+    "ExperienceStream",
+    "LossTerms",
+    "PolicyTrainer",
+    "StepResult",
+    "experience_from_records",
+    "experiences_topic",
+    "importance_weights",
+    "policy_loss",
+    "read_checkpoint",
+    "run_trainer",
+    "sample_versions",
+    "value_loss",
+    "write_checkpoint",
+]

@@ -1,0 +1,419 @@
+"""``expstream train``: the reference trainer of the continuous loop (docs/async.md "The reference trainer").
+
+Per optimisation step u (0-based; trains weights of version u, publishes version u+1):
+
+1. poll ``experiences``; drop a sample id already taken or buffered (Kafka delivers at least once;
+   counted as ``duplicates``); ``gate.add`` every new sample with its rollout version;
+2. drop buffered samples staler than ``async.max_staleness`` (never trained; counted, logged);
+3. wait while the gate names stragglers (admitted samples of versions v <= u - k not yet arrived),
+   at most ``async.straggler_timeout_s``;
+4. train when ``train.batch_size`` samples are buffered -- or, as a short step (logged), when every
+   admitted sample has arrived and the admission bound leaves no room for another prompt record
+   (``StalenessGate.starved``: losses left a gap, so waiting longer would deadlock);
+5. publish version u+1 to the weight store, write the checkpoint (every ``train.checkpoint_every``
+   steps and the last), announce the version (``policy`` topic + Redis), commit the consumed offsets
+   (only after the checkpoint is durable), report the KL to PipelineControl, append the
+   ``train.jsonl`` line and print one progress line.
+
+After ``train.max_steps``: ``DIR/final/`` (a loadable HF directory) and ``DIR/train/done.json``.
+Resume after a crash: the checkpoint's weights, optimiser state, buffer and taken ids; versions the
+store holds beyond it are discarded (never announced); ``train.jsonl`` is cut back to the
+checkpoint's steps; the experiences are re-read from the checkpoint's positions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from expstream.errors import EXIT_OK, ConfigError
+from expstream.experience import sample_id
+from expstream.topology import Topology
+from expstream.train.checkpoint import BufferedRecord, Checkpoint, read_checkpoint, write_checkpoint
+from expstream.train.step import PolicyTrainer, experience_from_records
+from schemas import decode, encode
+
+__all__ = ["BufferedSample", "run_trainer", "experiences_topic", "sample_versions"]
+
+log = logging.getLogger("expstream.train")
+
+# Why 0.5 s: the poll wait; short enough to notice a stop request and stragglers promptly.
+POLL_MS = 500
+TRAIN_JSONL = "train.jsonl"
+#: Crash points of the trainer for tests, set as ``EXPSTREAM_FAULT="trainer:<point>:<k>"`` (the
+#: runner's variable): SIGKILL itself in step k (1-based) right after that point.
+FAULT_POINTS = ("after_publish", "after_checkpoint", "after_announce")
+
+
+def _fault_plan() -> tuple[str, int] | None:
+    from stages.runner import FAULT_ENV
+
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        name, _, rest = item.partition(":")
+        point, _, k = rest.partition(":")
+        if name == "trainer" and point in FAULT_POINTS:
+            return point, int(k or 1)
+    return None
+
+
+@dataclass
+class BufferedSample:
+    sid: str  # f"{group_id}#{sample_index}"
+    version: int  # rollout version (policy version of the generating weights)
+    key: tuple[int, int]  # (partition, offset) of its record
+    row: int  # row in that record
+
+
+def experiences_topic(topo: Topology) -> str:
+    """The topic the trainer reads: the last enabled stage's output (``experiences``)."""
+    return topo.enabled_stages()[-1].output
+
+
+def sample_versions(batch: Any) -> list[int]:
+    """Per-sample rollout versions: ``rollout_version`` (schema 2), else the batch's ``policy_version``."""
+    versions = getattr(batch, "rollout_version", None)
+    if versions:
+        return [int(v) for v in versions]
+    return [int(batch.policy_version)] * len(batch.group_id)
+
+
+def _batch_ids(batch: Any) -> list[str]:
+    return [sample_id(str(g), int(i)) for g, i in zip(batch.group_id, batch.sample_index, strict=True)]
+
+
+class Trainer:
+    """The loop's state; :func:`run_trainer` builds one and runs it."""
+
+    def __init__(self, topo: Topology, args: Any, output: Path) -> None:
+        from expstream.admission import StalenessGate
+        from expstream.control import PipelineControl
+        from expstream.models import load_causal_lm, load_critic, load_tokenizer
+        from expstream.resolve import model_dir
+        from expstream.state import RedisState
+        from expstream.weights import open_store
+
+        self.topo, self.args, self.output = topo, args, output
+        self.run_id = args.run_id
+        self.k = topo.async_.max_staleness
+        self.bs = topo.train.batch_size
+        self.state = RedisState(args.redis_url, args.run_id, group_ttl_s=topo.redis.group_ttl_s)
+        self.control = PipelineControl(args.redis_url, args.run_id, topo)
+        self.store = open_store(topo.train.weight_store or str(output / "weights"))
+        self.tokenizer = load_tokenizer(model_dir(topo, "tokenizer"))
+        actor = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
+        critic = None
+        if topo.algo.advantage_estimator == "gae" and topo.train.train_critic and topo.models.critic:
+            critic = load_critic(model_dir(topo, "critic"), device=topo.models.device)
+        self.trainer = PolicyTrainer(topo, actor, critic)
+        self.gate = StalenessGate(self.k, self.bs)
+        self.step = 0
+        self.records: dict[tuple[int, int], tuple[Any, str]] = {}  # (p, offset) -> (batch, topic)
+        self.buffer: list[BufferedSample] = []
+        self.taken: dict[str, int] = {}  # sample id -> version, trained
+        self.dropped: dict[str, int] = {}  # sample id -> version, dropped as stale (never trained)
+        self.counters: Counter[str] = Counter()
+        self.stop = False
+        self.last_line: dict[str, Any] | None = None
+        self.stream: Any = None
+        self.fault = _fault_plan()
+        self._wait_since: float | None = None
+        self.record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
+
+    # ---- start / resume -------------------------------------------------------------------------
+    def restore(self) -> dict[int, int] | None:
+        """Load the checkpoint when there is one; returns its positions (None: start fresh)."""
+        roles = ["actor"] + (["critic"] if self.trainer.critic is not None else [])
+        ckpt = read_checkpoint(self.output)
+        if ckpt is None:
+            for role in roles:
+                dropped = self.store.discard_after(role, 0)
+                if dropped:
+                    log.warning("trainer: discarded %s versions %s left by a trainer that never checkpointed",
+                                role, dropped)
+            _cut_jsonl(self.output / TRAIN_JSONL, 0, None)
+            return None
+        self.trainer.actor.load_state_dict(ckpt.actor, strict=True)
+        if ckpt.actor_optim:
+            self.trainer.optimizer.load_state_dict(ckpt.actor_optim)
+        if self.trainer.critic is not None and ckpt.critic is not None:
+            self.trainer.critic.load_state_dict(ckpt.critic, strict=True)
+            if ckpt.critic_optim and self.trainer.critic_optimizer is not None:
+                self.trainer.critic_optimizer.load_state_dict(ckpt.critic_optim)
+        self.step = ckpt.step
+        self.counters.update(ckpt.counters)
+        self.taken = {sid: v for sid, v in ckpt.taken}
+        self.dropped = {sid: v for sid, v in ckpt.dropped}
+        for sid, v in [*self.taken.items(), *self.dropped.items()]:
+            self.gate.add(sid, v)
+        for rec in ckpt.buffer:
+            batch = decode(rec.value)
+            self._add_rows(batch, rec.topic, rec.partition, rec.offset, rows=rec.rows)
+        for role in roles:
+            dropped = self.store.discard_after(role, ckpt.version)
+            if dropped:
+                log.warning("trainer: discarded %s versions %s written after the checkpoint (never announced)",
+                            role, dropped)
+        if ckpt.version > 0:
+            self._announce(self.store.manifest("actor", ckpt.version))
+        _cut_jsonl(self.output / TRAIN_JSONL, ckpt.step, ckpt.last_line)
+        self.last_line = ckpt.last_line
+        log.info("trainer: resumed at step %d (version %d), %d samples buffered, %d trained, positions %s",
+                 ckpt.step, ckpt.version, len(self.buffer), len(self.taken), ckpt.positions)
+        return ckpt.positions
+
+    def _announce(self, manifest: Any) -> None:
+        from expstream.weights import announce
+
+        announce(manifest, bootstrap=self.args.bootstrap_servers, kafka_config=self.topo.kafka, state=self.state)
+
+    # ---- intake ---------------------------------------------------------------------------------
+    def _add_rows(self, batch: Any, topic: str, partition: int, offset: int, rows: list[int] | None = None) -> None:
+        ids = _batch_ids(batch)
+        versions = sample_versions(batch)
+        buffered = {s.sid for s in self.buffer}
+        kept = 0
+        for row in (range(len(ids)) if rows is None else rows):
+            sid = ids[row]
+            # counted even for a duplicate: a redelivered prompt record regenerated under a newer
+            # version moved its admission count to that version, so the gate must see it there
+            self.gate.add(sid, versions[row])
+            if sid in self.taken or sid in buffered or sid in self.dropped:
+                self.counters["duplicates"] += 1
+                continue
+            buffered.add(sid)
+            self.buffer.append(BufferedSample(sid, versions[row], (partition, offset), row))
+            kept += 1
+        if kept:
+            self.records[(partition, offset)] = (batch, topic)
+
+    def _drop_stale(self) -> None:
+        keep = []
+        for s in self.buffer:
+            if self.gate.staleness_ok(self.step, s.version):
+                keep.append(s)
+                continue
+            self.counters["dropped_stale"] += 1
+            self.dropped[s.sid] = s.version
+            self.counters["dropped_stale_step"] += 1
+            batch, topic = self.records[s.key]
+            log.warning("trainer: sample %s of %s[%d]@%d batch=%s dropped: version %d is %d steps old at step %d "
+                        "> async.max_staleness=%d", s.sid, topic, s.key[0], s.key[1], batch.batch_id, s.version,
+                        self.step - s.version, self.step, self.k)
+        self.buffer = keep
+
+    # ---- the step -------------------------------------------------------------------------------
+    def _admission(self) -> tuple[dict[int, int], dict[int, int]]:
+        if self.topo.async_.on_stale != "backpressure":
+            return {}, {}
+        return self.state.admission_counts()
+
+    def ready(self) -> bool:
+        """Steps 3-4 of the module docstring: may step ``self.step`` run now?"""
+        if not self.buffer:
+            return False
+        admitted, lost = self._admission()
+        waiting = self.gate.wait_for(self.step, admitted, lost)
+        if waiting:
+            if self._wait_since is None:
+                self._wait_since = time.monotonic()
+                log.info("trainer: step %d waits for stragglers of versions %s", self.step, waiting)
+            if time.monotonic() - self._wait_since < self.topo.async_.straggler_timeout_s:
+                return False
+            log.warning("trainer: step %d gave up waiting for versions %s after async.straggler_timeout_s=%.0f; "
+                        "late arrivals will be dropped as stale", self.step, waiting,
+                        self.topo.async_.straggler_timeout_s)
+        self._wait_since = None
+        if len(self.buffer) >= self.bs:
+            return True
+        if admitted and self.gate.starved(self.step, admitted, lost, self.record_samples):
+            log.info("trainer: short step %d with %d of train.batch_size=%d samples: everything admitted has "
+                     "arrived and generation waits for a new version", self.step, len(self.buffer), self.bs)
+            return True
+        return False
+
+    def train_one(self) -> dict[str, Any]:
+        started = time.monotonic()
+        chosen = sorted(self.gate.select([s.version for s in self.buffer], self.step))
+        picked = [self.buffer[i] for i in chosen]
+        by_record: dict[tuple[int, int], list[int]] = {}
+        for s in picked:
+            by_record.setdefault(s.key, []).append(s.row)
+        parts = [(self.records[key][0], rows) for key, rows in by_record.items()]
+        exp = experience_from_records(parts)
+        result = self.trainer.train_step(exp)
+        version = self.step + 1
+        offsets: dict[str, list[int]] = {}
+        for (p, off) in by_record:
+            name = f"{self.records[(p, off)][1]}[{p}]"
+            lo, hi = offsets.get(name, [off, off])
+            offsets[name] = [min(lo, off), max(hi, off)]
+        manifest = self.store.publish("actor", version, self.trainer.actor_state(), step=self.step,
+                                      offsets=offsets, run_id=self.run_id)
+        critic_state = self.trainer.critic_state()
+        critic_manifest = None
+        if critic_state is not None and result.value_loss is not None:
+            critic_manifest = self.store.publish("critic", version, critic_state, step=self.step, offsets=offsets,
+                                                 run_id=self.run_id)
+        chosen_set = set(chosen)
+        self.buffer = [s for i, s in enumerate(self.buffer) if i not in chosen_set]
+        for s in picked:
+            self.taken[s.sid] = s.version
+        live = {s.key for s in self.buffer}
+        for key in [k for k in self.records if k not in live]:
+            del self.records[key]
+        rewards = np.concatenate([np.asarray(b.rewards, dtype=np.float64)[list(rows)] for b, rows in parts])
+        hist = Counter(str(self.step - s.version) for s in picked)
+        kl = result.kl if exp.base_action_log_probs is not None else float(exp.info["kl"].mean()) \
+            if "kl" in exp.info else 0.0
+        line = {
+            "step": self.step, "policy_version": version, "samples": len(picked),
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "loss": result.loss, "kl": kl, "value_loss": result.value_loss, "clip_frac": result.clip_frac,
+            "is_weight_mean": result.is_weight_mean, "is_masked_frac": result.is_masked_frac,
+            "grad_norm": result.grad_norm, "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "dropped_stale": self.counters.pop("dropped_stale_step", 0), "duplicates": self.counters["duplicates"],
+            "sample_ids": [s.sid for s in picked], "wait_s": 0.0, "train_s": time.monotonic() - started,
+            "time": time.time(),
+        }
+        self.step += 1
+        return {"line": line, "manifests": [m for m in (critic_manifest, manifest) if m is not None], "kl": kl}
+
+    def _maybe_crash(self, point: str) -> None:
+        if self.fault is not None and self.fault == (point, self.step):
+            log.error("trainer: fault injection: SIGKILL %s of step %d", point, self.step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def checkpoint(self) -> dict[int, int]:
+        positions = self.stream.positions()
+        buffer = []
+        for key in sorted({s.key for s in self.buffer}):
+            batch, topic = self.records[key]
+            rows = [s.row for s in self.buffer if s.key == key]
+            buffer.append(BufferedRecord(value=encode(batch), rows=rows, topic=topic, partition=key[0], offset=key[1]))
+        counters = {k: int(v) for k, v in self.counters.items() if k != "dropped_stale_step"}
+        write_checkpoint(self.output, Checkpoint(
+            step=self.step, version=self.step, positions=positions,
+            taken=[[sid, v] for sid, v in self.taken.items()],
+            dropped=[[sid, v] for sid, v in self.dropped.items()], actor=self.trainer.actor_state(),
+            actor_optim=self.trainer.optimizer.state_dict(), critic=self.trainer.critic_state(),
+            critic_optim=self.trainer.critic_optimizer.state_dict() if self.trainer.critic_optimizer else None,
+            buffer=buffer, counters=counters, last_line=self.last_line, run_id=self.run_id))
+        return positions
+
+    def run(self) -> int:
+        from expstream.train.stream import ExperienceStream
+
+        cfg = self.topo.train
+        positions = self.restore()
+        self.stream = ExperienceStream(self.args.bootstrap_servers, self.topo.kafka, experiences_topic(self.topo),
+                                       f"{self.run_id}.trainer", positions=positions)
+        jsonl = self.output / TRAIN_JSONL
+        window_start, window_samples = time.monotonic(), 0
+        wait_start = time.monotonic()
+        try:
+            while self.step < cfg.max_steps and not self.stop:
+                for batch, topic, p, off in self.stream.poll(POLL_MS):
+                    self._add_rows(batch, topic, p, off)
+                self._drop_stale()
+                if not self.ready():
+                    continue
+                out = self.train_one()
+                line = out["line"]
+                line["wait_s"] = round(time.monotonic() - wait_start - line["train_s"], 3)
+                window_samples += line["samples"]
+                line["samples_per_s"] = window_samples / max(time.monotonic() - window_start, 1e-9)
+                self.last_line = line
+                self._maybe_crash("after_publish")
+                durable = self.step % cfg.checkpoint_every == 0 or self.step >= cfg.max_steps
+                ckpt_positions = self.checkpoint() if durable else None
+                self._maybe_crash("after_checkpoint")
+                for manifest in out["manifests"]:  # the critic first: its followers go by the actor's version
+                    self._announce(manifest)
+                self._maybe_crash("after_announce")
+                if ckpt_positions is not None:
+                    self.stream.commit(ckpt_positions)
+                self.control.report_kl(f"step-{line['step']}", out["kl"], n_steps=line["samples"])
+                with jsonl.open("a") as fh:
+                    fh.write(json.dumps(line) + "\n")
+                print(f"step {line['step'] + 1}/{cfg.max_steps} version {line['policy_version']} "
+                      f"reward {line['reward_mean']:.4f}±{line['reward_std']:.4f} loss {line['loss']:.4f} "
+                      f"kl {line['kl']:.4f} samples {line['samples']} staleness {line['staleness_hist']} "
+                      f"dropped {line['dropped_stale']}", flush=True)
+                wait_start = time.monotonic()
+            if self.step >= cfg.max_steps:
+                self._finish()
+            elif self.stop:
+                positions = self.checkpoint()
+                self.stream.commit(positions)
+                log.info("trainer: stopped at step %d (checkpoint written)", self.step)
+        finally:
+            self.stream.close()
+            self.control.close()
+            self.state.close()
+        return EXIT_OK
+
+    def _finish(self) -> None:
+        final = self.output / "final"
+        self.trainer.actor.save_pretrained(final, safe_serialization=True)
+        self.tokenizer.save_pretrained(final)
+        done = {"steps": self.step, "policy_version": self.step, "run_id": self.run_id,
+                "dropped_stale": int(self.counters["dropped_stale"]), "duplicates": int(self.counters["duplicates"]),
+                "undecodable": self.stream.undecodable, "time": time.time()}
+        (self.output / "train" / "done.json").write_text(json.dumps(done, indent=1))
+        log.info("trainer: %d steps done; final weights in %s", self.step, final)
+
+
+def _cut_jsonl(path: Path, steps: int, last_line: dict[str, Any] | None) -> None:
+    """Keep the lines of steps < ``steps`` - 1 and end with the checkpoint's own line (step ``steps`` - 1)."""
+    if not path.exists():
+        return
+    lines = []
+    for raw in path.read_text().splitlines():
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError:
+            log.warning("trainer: %s: a torn line (a crash while appending) dropped", path)
+            continue
+        if int(rec.get("step", -1)) < steps - 1:
+            lines.append(raw)
+    if last_line is not None and steps > 0:
+        lines.append(json.dumps(last_line))
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def run_trainer(topo: Topology, args: Any) -> int:
+    """``expstream train``: checks the arguments, then the loop until max_steps or SIGTERM."""
+    import torch
+
+    if not args.bootstrap_servers:
+        raise ConfigError("--bootstrap-servers: the trainer needs the broker address", field="--bootstrap-servers",
+                          fix="pass --bootstrap-servers HOST:PORT (the run's broker)")
+    if not args.redis_url:
+        raise ConfigError("--redis-url: the trainer needs the run's Redis (policy version, admission counts, KL)",
+                          field="--redis-url", fix="pass --redis-url or set $EXPSTREAM_REDIS_URL")
+    if not args.output:
+        raise ConfigError("--output: the trainer needs a directory", field="--output", fix="pass --output DIR")
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(topo.run.torch_threads)
+    if (output / "train" / "done.json").exists():
+        log.info("trainer: %s/train/done.json exists: training already finished", output)
+        return EXIT_OK
+    trainer = Trainer(topo, args, output)
+
+    def on_signal(signum: int, frame: Any) -> None:  # noqa: ARG001
+        log.info("trainer: signal %d: stopping after the step in hand", signum)
+        trainer.stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return trainer.run()
