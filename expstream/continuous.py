@@ -92,11 +92,8 @@ def records_to_feed(fed_samples: int, record_samples: int, limit: int) -> int:
 
 
 def lost_samples(state: State) -> int:
-    """Samples counted lost for admission (``State.admission_counts``), 0 before that exists."""
-    counts = getattr(state, "admission_counts", None)
-    if counts is None:
-        return 0
-    _admitted, lost = counts()
+    """Samples counted lost for admission (dead-lettered, dropped by dynamic sampling)."""
+    _admitted, lost = state.admission_counts()
     return int(sum(lost.values()))
 
 
@@ -104,7 +101,10 @@ class TrainLog:
     """Follows ``train.jsonl`` as the trainer appends to it: complete lines only, each parsed once.
 
     A line that is not a JSON object is refused with one log line naming the file and line
-    number, and skipped (it is the trainer's log, not a record the run depends on).
+    number, and skipped (it is the trainer's log, not a record the run depends on). A trainer that
+    resumes from its checkpoint cuts the file back to the checkpoint's steps: a file shorter than
+    what was read (or no longer ending a line where the last read ended) is read again from the
+    start, and only steps not seen before are returned as new.
     """
 
     def __init__(self, path: Path) -> None:
@@ -114,12 +114,20 @@ class TrainLog:
         self._lineno = 0
 
     def read_new(self) -> list[dict[str, Any]]:
+        start = max(self._offset - 1, 0)
         try:
             with open(self.path, "rb") as fh:
-                fh.seek(self._offset)
+                fh.seek(start)
                 data = fh.read()
         except FileNotFoundError:
             return []
+        if self._offset and (not data or data[:1] != b"\n"):  # cut back (shorter, or rewritten)
+            log.info("%s was rewritten (the trainer resumed from its checkpoint); reading it again", self.path)
+            seen = {line.get("step") for line in self.steps}
+            self.steps, self._offset, self._lineno = [], 0, 0
+            return [line for line in self.read_new() if line.get("step") not in seen]
+        if self._offset:
+            data = data[1:]
         end = data.rfind(b"\n")
         if end < 0:
             return []

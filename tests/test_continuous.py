@@ -172,6 +172,13 @@ def test_train_log_reads_complete_lines_once_and_refuses_garbage_with_a_log_line
         fh.write(json.dumps({"step": 2, "reward_mean": 0.9}) + "\n" + json.dumps({"note": "no step"}) + "\n")
     follower.read_new()
     assert [(s["step"], s.get("reward_mean")) for s in follower.unique_steps()] == [(0, 0.5), (1, 0.7), (2, 0.9)]
+    # a trainer resumed from the checkpoint of step 1 cuts the file back to steps 0..1, then logs step 2 anew
+    path.write_text("".join(json.dumps({"step": i, "reward_mean": 0.1 * i}) + "\n" for i in range(2)))
+    assert follower.read_new() == []  # nothing new: steps 0 and 1 were seen
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"step": 2, "reward_mean": 0.3}) + "\n")
+    assert follower.read_new() == [{"step": 2, "reward_mean": 0.3}]
+    assert [s["reward_mean"] for s in follower.unique_steps()] == [0.0, 0.1, 0.3]
 
 
 def test_a_step_line_shows_reward_staleness_and_drops():
