@@ -17,7 +17,10 @@ Writes ``bench/results/async.json`` (the one-line summary) and, when matplotlib 
 ``bench/results/async-rewards.png`` (reward per step, one curve per k); otherwise says so.
 Nothing is asserted: the script reports; it exits non-zero only when a run fails.
 
-Usage: ``.venv/bin/python bench/async.py [--steps 20] [--ks 0,1,2,4] [--set key=value]``.
+The task is the example task of docs/async.md (``examples/prompts.jsonl``, the rule reward
+``expstream.rewards:target_char_rate`` instead of the reward model) unless ``--reward-model``.
+
+Usage: ``.venv/bin/python bench/async.py [--steps 30] [--ks 0,1,2,4] [--reward-model] [--set key=value]``.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS_DIR, ROOT, fmt, machine, progress, ratio, save, table, write_prompts
+from common import RESULTS_DIR, ROOT, fmt, machine, progress, ratio, save, table
 
+#: The example task (docs/async.md): reward = share of the response's characters that are "e".
+EXAMPLE_TASK = ["models.reward=null", "models.reward_fn=expstream.rewards:target_char_rate"]
 # Why 30 min: a setting of 20 steps takes a few minutes on 2 cores; a run 10x over that is stuck.
 RUN_TIMEOUT_S = 1800
 #: Steps averaged for "reward at the end" (the curves are noisy step by step).
@@ -42,9 +47,11 @@ LAST_STEPS = 5
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=20, help="train.max_steps for every setting")
+    p.add_argument("--steps", type=int, default=30, help="train.max_steps for every setting")
     p.add_argument("--ks", default="0,1,2,4", help="async.max_staleness values, comma-separated (0 first: the baseline)")
-    p.add_argument("--prompts", type=Path, help="prompt file (default: 40 generated prompts)")
+    p.add_argument("--prompts", type=Path, default=ROOT / "examples" / "prompts.jsonl", help="prompt file")
+    p.add_argument("--reward-model", action="store_true",
+                   help="score with the topology's reward model instead of the example task's rule reward")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
                    help="topology override passed to every run; repeatable")
     p.add_argument("--keep-runs", action="store_true", help="keep the runs' output directories")
@@ -123,12 +130,12 @@ def main() -> int:
     args = parse_args()
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     work = Path(tempfile.mkdtemp(prefix="bench-async-"))
-    prompts = args.prompts or write_prompts(work / "prompts.jsonl", 40)
+    sets = ([] if args.reward_model else EXAMPLE_TASK) + args.overrides
     results = []
     try:
         for k in ks:
             progress(f"k={k}: expstream run --continuous, {args.steps} steps")
-            r = continuous_run(prompts, k, args.steps, args.overrides, work / f"k{k}")
+            r = continuous_run(args.prompts, k, args.steps, sets, work / f"k{k}")
             progress(f"k={k}: wall {r['wall_s']:.1f}s, training span {fmt(r['train_span_s'], '.1f')}s, "
                      f"reward {fmt(r['reward'][0] if r['reward'] else None, '.4f')} -> {fmt(r['reward_last'], '.4f')}")
             results.append(r)
@@ -154,7 +161,7 @@ def main() -> int:
                  for i in range(steps)], title="reward per step"))
     note = plot(results, RESULTS_DIR / "async-rewards.png")
     print(note)
-    save("async", {"bench": "async", "steps": args.steps, "overrides": args.overrides, "machine": machine(),
+    save("async", {"bench": "async", "steps": args.steps, "overrides": sets, "machine": machine(),
                    "results": results, "wall_ratio_vs_k0": {r["k"]: ratio(base["wall_s"], r["wall_s"]) for r in results},
                    "train_span_ratio_vs_k0": {r["k"]: ratio(base["train_span_s"] or float("nan"),
                                                             r["train_span_s"] or float("nan")) for r in results},
