@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from expstream.bus import make_producer
+from expstream.errors import EXIT_INTERRUPTED
 from expstream.prompts import EpochFeeder, PromptRow, send_prompt_batches
 from expstream.topology import Topology
 
@@ -172,9 +173,7 @@ def step_line(step: dict[str, Any]) -> str:
 
 def run_continuous(topo: Topology, rows: list[PromptRow], out: ContinuousOutcome, sup: Supervisor, state: State,
                    bootstrap: str, stop: dict[str, bool]) -> None:
-    """Steps 4 of the module docstring; sets ``out.finished`` / ``out.status`` / ``out.fail``."""
-    from expstream.errors import EXIT_INTERRUPTED
-
+    """Step 4 of the module docstring; sets ``out.finished`` / ``out.status`` / ``out.fail``."""
     train, k = topo.train, topo.async_.max_staleness
     record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
     feeder = out.feeder = EpochFeeder(rows, topo.run.prompt_batch_size, topo.run.seed)
@@ -203,7 +202,7 @@ def run_continuous(topo: Topology, rows: list[PromptRow], out: ContinuousOutcome
                     print(step_line(step), flush=True)
                 out.finished = True
                 if not (out.out_dir / DONE_FILE).exists():
-                    out.fail(f"the trainer exited 0 after {len(train_log.steps)} of {train.max_steps} steps without "
+                    out.fail(f"the trainer exited 0 after {len(train_log.unique_steps())} of {train.max_steps} steps without "
                              f"writing {out.out_dir / DONE_FILE} (stopped from outside?); see its log "
                              f"{sup.log_dir / f'{TRAINER}-0.log'}")
                 return
