@@ -151,7 +151,8 @@ def main() -> int:
                      " ".join(f"{s}:{n}" for s, n in r["staleness_hist"].items()),
                      " ".join(f"{s}={v:.1f}" for s, v in r["blocked_s"].items()) or "0",
                      fmt(r["reload_s_mean"], ".3f")])
-    print(table(["setting", "steps", "wall s", "x vs k=0", "train span s", "x vs k=0", "generated",
+    vs = f"x vs k={base['k']}"
+    print(table(["setting", "steps", "wall s", vs, "train span s", vs, "generated",
                  f"reward last {LAST_STEPS}", "staleness hist", "blocked s", "reload s"], rows,
                 title=f"async.max_staleness: the same {args.steps} trainer steps ({'k=' + str(base['k'])} is the baseline)"))
     print()
