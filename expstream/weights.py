@@ -11,9 +11,10 @@ the trainer's step u trains with version u and publishes version u + 1.
 
 Directory layout (one version = one directory, renamed into place complete)::
 
-    <root>/<role>/v000001/model.safetensors   the state dict (safetensors, never pickle)
-    <root>/<role>/v000001/manifest.json       Manifest.to_dict(): version, step, sha256, dtype, offsets...
-    <root>/<role>/.tmp-<uuid>/                a publication in progress (ignored by readers)
+    <root>/v000001/model.safetensors          the actor's state dict (safetensors, never pickle)
+    <root>/v000001/manifest.json              Manifest.to_dict(): version, step, sha256, dtype, offsets...
+    <root>/critic/v000001/...                 every other role in a folder of its own
+    <root>/.tmp-<uuid>/                       a publication in progress (ignored by readers)
 """
 
 from __future__ import annotations
@@ -189,8 +190,13 @@ class DirectoryWeightStore:
     def __repr__(self) -> str:
         return f"DirectoryWeightStore({str(self.root)!r})"
 
+    def role_dir(self, role: str) -> Path:
+        """The actor's versions sit at the top (``<root>/v000001``, the run-directory layout of
+        DESIGN.md: ``weights/v<N>/``); every other role has a folder of its own (``<root>/critic``)."""
+        return self.root if role == "actor" else self.root / role
+
     def path(self, role: str, version: int) -> Path:
-        return self.root / role / f"v{int(version):06d}"
+        return self.role_dir(role) / f"v{int(version):06d}"
 
     def describe(self, role: str, version: int) -> str:
         return str(self.path(role, version) / WEIGHTS_FILE)
@@ -217,8 +223,8 @@ class DirectoryWeightStore:
             raise WeightStoreError(f"{role} v{version} already exists at {final}: a version is written once; "
                                    "publish the next version, or discard_after() leftovers of a killed trainer")
         tensors, dtype = _cpu_tensors(state_dict)
-        (self.root / role).mkdir(parents=True, exist_ok=True)
-        tmp = self.root / role / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        self.role_dir(role).mkdir(parents=True, exist_ok=True)
+        tmp = self.role_dir(role) / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
             weights = tmp / WEIGHTS_FILE
@@ -238,7 +244,7 @@ class DirectoryWeightStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(self.root / role)
+        _fsync_dir(self.role_dir(role))
         return manifest
 
     def manifest(self, role: str, version: int) -> Manifest:
@@ -290,7 +296,7 @@ class DirectoryWeightStore:
     def versions(self, role: str) -> list[int]:
         """Complete versions, ascending (``.tmp-`` publications in progress are not versions)."""
         _check_role(role)
-        base = self.root / role
+        base = self.role_dir(role)
         if not base.is_dir():
             return []
         out = []
@@ -312,7 +318,7 @@ class DirectoryWeightStore:
         sees a partly deleted version under a version name. Call it only from the (one) trainer.
         """
         _check_role(role)
-        base = self.root / role
+        base = self.role_dir(role)
         if not base.is_dir():
             return []
         removed = []

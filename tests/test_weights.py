@@ -52,7 +52,7 @@ def test_publish_writes_a_hashed_manifest_and_loads_back(tmp_path):
     store = DirectoryWeightStore(tmp_path)
     sd = small_state_dict()
     m = store.publish("actor", 1, sd, step=0, offsets={"experiences[0]": [0, 7]}, run_id="r1")
-    path = tmp_path / "actor" / "v000001" / "model.safetensors"
+    path = tmp_path / "v000001" / "model.safetensors"
     assert m.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert (m.version, m.step, m.role, m.dtype, m.run_id) == (1, 0, "actor", "float32", "r1")
     assert m.offsets == {"experiences[0]": [0, 7]}
@@ -70,10 +70,10 @@ def test_half_written_publication_is_not_a_version(tmp_path):
     store = DirectoryWeightStore(tmp_path)
     store.publish("actor", 1, small_state_dict(), step=0, offsets={}, run_id="r")
     # a trainer killed mid-publication leaves its temporary directory (and maybe a bare version dir)
-    leftover = tmp_path / "actor" / ".tmp-deadbeef"
+    leftover = tmp_path / ".tmp-deadbeef"
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"partial")
-    (tmp_path / "actor" / "v000002").mkdir()  # no manifest: never completed
+    (tmp_path / "v000002").mkdir()  # no manifest: never completed
     assert store.versions("actor") == [1]
     assert store.latest("actor") == 1
     with pytest.raises(CorruptWeightsError, match="v000002"):
@@ -91,21 +91,21 @@ def test_a_version_is_written_once(tmp_path):
         store.publish("actor", 0, small_state_dict(), step=0, offsets={}, run_id="r")
     with pytest.raises(WeightStoreError, match="unknown weight role"):
         store.publish("reward", 1, small_state_dict(), step=0, offsets={}, run_id="r")
-    assert not [p for p in (tmp_path / "actor").iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_corrupt_and_truncated_files_are_refused_naming_file_and_fix(tmp_path):
     store = DirectoryWeightStore(tmp_path)
     store.publish("actor", 1, small_state_dict(), step=0, offsets={}, run_id="r")
     store.publish("actor", 2, small_state_dict(1), step=1, offsets={}, run_id="r")
-    f1 = tmp_path / "actor" / "v000001" / "model.safetensors"
+    f1 = tmp_path / "v000001" / "model.safetensors"
     data = bytearray(f1.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit of a weight
     f1.write_bytes(bytes(data))
     with pytest.raises(CorruptWeightsError) as err:
         store.load("actor", 1)
     assert str(f1) in str(err.value) and "sha256" in str(err.value) and "fix:" in str(err.value)
-    f2 = tmp_path / "actor" / "v000002" / "model.safetensors"
+    f2 = tmp_path / "v000002" / "model.safetensors"
     f2.write_bytes(f2.read_bytes()[:40])  # half written
     with pytest.raises(CorruptWeightsError) as err:
         store.load("actor", 2)
@@ -118,10 +118,10 @@ def test_discard_after_removes_unannounced_leftovers(tmp_path):
     store = DirectoryWeightStore(tmp_path)
     for v in (1, 2, 3):
         store.publish("actor", v, small_state_dict(v), step=v - 1, offsets={}, run_id="r")
-    (tmp_path / "actor" / ".tmp-x").mkdir()
+    (tmp_path / ".tmp-x").mkdir()
     assert store.discard_after("actor", 1) == [2, 3]
     assert store.versions("actor") == [1]
-    assert sorted(p.name for p in (tmp_path / "actor").iterdir()) == ["v000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001"]
     store.publish("actor", 2, small_state_dict(9), step=1, offsets={}, run_id="r")  # republished after a resume
     assert torch.equal(store.load("actor", 2)["lin.bias"], small_state_dict(9)["lin.bias"])
 
@@ -150,7 +150,7 @@ def test_follower_keeps_previous_weights_on_a_corrupt_version_then_loads_the_nex
     assert follower.refresh() == 0 and follower.reloads == 0
 
     store.publish("actor", 1, small_state_dict(1), step=0, offsets={}, run_id="r")
-    f = tmp_path / "actor" / "v000001" / "model.safetensors"
+    f = tmp_path / "v000001" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-4])
     redis_state.set_policy_version(1)
     with caplog.at_level(logging.INFO, logger="test.follower"):
@@ -402,5 +402,5 @@ def test_reload_time_of_the_tiny_actor(model_cache, tmp_path, redis_state):
         t0 = time.perf_counter()
         assert follower.refresh() == v
         times.append(time.perf_counter() - t0)
-    size = (tmp_path / "weights" / "actor" / "v000001" / "model.safetensors").stat().st_size
+    size = (tmp_path / "weights" / "v000001" / "model.safetensors").stat().st_size
     print(f"\nreload of the tiny actor ({size / 1e6:.2f} MB): median {sorted(times)[2] * 1000:.1f} ms")
