@@ -210,6 +210,7 @@ class TrainConfig:
     clip_eps: float = 0.2  # PPO-clip epsilon
     kl_loss_coef: float = 0.0  # KL-in-loss weight, used when algo.use_kl_loss is true
     off_policy: str = "none"  # none | token_tis | seq_tis | decoupled (docs/async.md)
+    old_log_probs: str = "recompute"  # recompute: π_old = the trainer's weights at the step; stage: actor-logprob's
     is_cap: float = 2.0  # C, the truncation cap of token_tis / seq_tis / decoupled
     train_critic: bool = True  # with gae: train and publish the critic too
     critic_lr: float = 1e-3
@@ -226,6 +227,8 @@ class TrainConfig:
         _check(self.kl_loss_coef >= 0, "train.kl_loss_coef", "must be >= 0")
         _check(self.off_policy in OFF_POLICY_MODES, "train.off_policy",
                f"got {self.off_policy!r}; use one of {', '.join(OFF_POLICY_MODES)}")
+        _check(self.old_log_probs in ("recompute", "stage"), "train.old_log_probs",
+               f"got {self.old_log_probs!r}; use recompute (the trainer's current weights) or stage (actor-logprob's)")
         _check(self.is_cap >= 1, "train.is_cap", "must be >= 1 (the importance-weight cap C)")
         _check(self.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
 

@@ -191,3 +191,39 @@ def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_
     assert [line["dropped_stale"] for line in lines] == [0, 0, 8]
     assert json.loads((out / "train" / "done.json").read_text())["dropped_stale"] == 8
     assert stderr.count("> async.max_staleness=1") == 8  # one log line per dropped sample
+
+
+def test_recomputed_old_log_probs_keep_learning_from_stale_samples():
+    """train.old_log_probs=recompute: π_old is the weights being trained, so samples whose
+    actor-logprob log-probs came from a policy far away still give the plain policy gradient
+    −mean_t(Â_t ∇log π_θ) (computed here by hand); with `stage` the clip zeroes it."""
+    topo = load_topology(find_topology(None), ["run.seed=3", "train.batch_size=8", "train.max_grad_norm=0"])
+    exps = LocalChain(topo).setup().run(_prompt_batches(topo, "stale", 1))
+    exp = experience_from_records([(b, range(len(b.prompt_id))) for b in exps])
+    exp.advantages = torch.where(exp.action_mask, torch.ones_like(exp.advantages), 0.0)  # every token pushed up
+    exp.action_log_probs = exp.action_log_probs - 1.0  # "old" policy much less likely: r_t = e > 1 + ε
+
+    def grads(mode: str) -> list[torch.Tensor]:
+        actor = load_causal_lm(model_dir(topo, "actor"))
+        trainer = PolicyTrainer(load_topology(find_topology(None), ["train.batch_size=8", "train.max_grad_norm=0",
+                                                                     f"train.old_log_probs={mode}"]), actor)
+        trainer.optimizer.step = lambda: None  # keep the weights: compare gradients only
+        trainer.train_step(exp)
+        return [p.grad.clone() for p in actor.parameters() if p.grad is not None]
+
+    # by hand: the on-policy gradient of −Σ_t Â_t log π_θ / N (token mean over the mask)
+    actor = load_causal_lm(model_dir(topo, "actor")).requires_grad_(True)
+    a = exp.action_mask.shape[1]
+    logits = actor(input_ids=exp.sequences, attention_mask=exp.attention_mask,
+                   position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -(a + 1):-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, exp.sequences[:, -a:].unsqueeze(-1)).squeeze(-1)
+    mask = exp.action_mask.float()
+    (-(logp * mask).sum() / mask.sum()).backward()
+    expected = [p.grad.clone() for p in actor.parameters() if p.grad is not None]
+
+    recomputed = grads("recompute")
+    assert len(recomputed) == len(expected)
+    for g, e in zip(recomputed, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
+    clipped = grads("stage")
+    assert sum(float(g.abs().sum()) for g in clipped) < 1e-6 * sum(float(e.abs().sum()) for e in expected)

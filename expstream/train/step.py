@@ -91,8 +91,13 @@ class PolicyTrainer:
         mask = exp.action_mask
         a = int(mask.shape[1])
         logp = action_log_probs_with_grad(self.actor, exp.sequences, exp.attention_mask, a)
+        # π_old: with "recompute" the weights being trained (one optimisation step per batch, so their
+        # log-probs are this very forward pass, detached: r_t = 1 and the clip starts from the current
+        # policy, as verl's and AReaL's recomputed old/proximal log-probs do); with "stage" the
+        # actor-logprob stage's, which in an asynchronous loop may be several versions old.
+        old = logp.detach() if cfg.old_log_probs == "recompute" else exp.action_log_probs
         terms = policy_loss(
-            logp, exp.action_log_probs, exp.advantages, mask,
+            logp, old, exp.advantages, mask,
             clip_eps=cfg.clip_eps, off_policy=cfg.off_policy,
             behav_log_probs=getattr(exp, "rollout_log_probs", None), is_cap=cfg.is_cap,
             base_log_probs=exp.base_action_log_probs,
