@@ -333,7 +333,7 @@ def format_sample(d: dict[str, Any], others: list[str]) -> str:
     for i, tid in enumerate(tok["token_id"]):
         row = [str(i), str(tid)]
         if "text" in tok:
-            row.append(repr(tok["text"][i])[1:-1][:TOKEN_TEXT_CHARS])
+            row.append(repr(tok["text"][i])[:TOKEN_TEXT_CHARS])  # quoted: a leading space stays visible
         row += [_cell(tok[h][i]) for h in heads[len(row):]]
         rows.append(row)
     widths = [max(len(h), *(len(r[j]) for r in rows)) if rows else len(h) for j, h in enumerate(heads)]
