@@ -412,6 +412,18 @@ def find(run: Path, topic: str, *, sample: str | None, batch: str | None,
     return chosen, others
 
 
+def _tokenizer_dir(topo: Any) -> Path | None:
+    """``models.tokenizer``'s directory; for builtin:tiny the already built one under ``cache_dir``
+    (relative to the working directory, as for ``expstream run``), or None: looking never builds."""
+    from expstream.topology import BUILTIN_TINY
+
+    if topo.models.tokenizer != BUILTIN_TINY:
+        return Path(topo.models.tokenizer).expanduser()
+    built = sorted(p for p in Path(topo.models.cache_dir).expanduser().glob("tiny-llama-*/tokenizer")
+                   if not p.parent.name.startswith(".") and p.is_dir())  # ".<name>.tmp-*": a build in progress
+    return built[0] if built else None
+
+
 def _tokenizer(run: Path, err: TextIO) -> Any:
     """The run's tokenizer (models.tokenizer of its recorded topology), or None with a note why."""
     try:
@@ -420,9 +432,13 @@ def _tokenizer(run: Path, err: TextIO) -> Any:
             print(f"note: {run} has no topology.yaml; token text not shown", file=err)
             return None
         from expstream.models import load_tokenizer
-        from expstream.resolve import model_dir
 
-        return load_tokenizer(model_dir(topo, "tokenizer"), field="models.tokenizer")
+        path = _tokenizer_dir(topo)
+        if path is None:
+            print(f"note: the built-in tiny tokenizer is not built under models.cache_dir={topo.models.cache_dir} "
+                  "(show never builds models; `expstream models build` does); token text not shown", file=err)
+            return None
+        return load_tokenizer(path, field="models.tokenizer")
     except Exception as exc:  # noqa: BLE001 - the text column is a convenience; ids are always shown
         print(f"note: cannot load the run's tokenizer ({type(exc).__name__}: {exc}); token text not shown",
               file=err)

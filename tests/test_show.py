@@ -13,6 +13,7 @@ import yaml
 from expstream.cli import main
 from expstream.errors import ConfigError
 from expstream.inspect import show
+from expstream.models import build_tiny_models, load_tokenizer
 from expstream.recording import RecordFrame, RecordingWriter
 from expstream.topology import load_topology
 from schemas import PromptBatch, encode
@@ -59,7 +60,7 @@ def chain_run(tmp_path_factory):
         topics[st.output] = data
     root = tmp_path_factory.mktemp("run")
     where = record_run(root, topics, topo)
-    return root, topics, where
+    return root, topics, where, cache
 
 
 def _sample_of(batches, sid):
@@ -70,7 +71,7 @@ def _sample_of(batches, sid):
 
 
 def test_json_view_matches_the_recorded_batch(chain_run):
-    root, topics, where = chain_run
+    root, topics, where, _ = chain_run
     batch, row = _sample_of(topics["experiences"], "1#1")
     out = io.StringIO()
     show(root, "experiences", sample="1#1", as_json=True, tokenizer=False, out=out)
@@ -109,7 +110,8 @@ def test_json_view_matches_the_recorded_batch(chain_run):
 
 
 def test_text_view_aligns_the_table_and_names_the_tokens(chain_run, capsys):
-    root, topics, _ = chain_run
+    root, topics, _, cache = chain_run
+    tokenizer = load_tokenizer(build_tiny_models(cache)["tokenizer"])
     batch, row = _sample_of(topics["experiences"], "0#0")
     assert main(["show", str(root), "--sample", "0#0"]) == 0
     text = capsys.readouterr().out
@@ -122,12 +124,13 @@ def test_text_view_aligns_the_table_and_names_the_tokens(chain_run, capsys):
         cells = lines[head + 1 + i].split()
         assert cells[0] == str(i) and cells[1] == str(ids[i])
         assert float(cells[-2]) == pytest.approx(float(adv[i]), rel=1e-5, abs=1e-6)
+        assert repr(tokenizer.decode([int(ids[i])])) in lines[head + 1 + i]  # the token's text, quoted
     assert all(len(lines[head + 1 + i]) == len(lines[head]) for i in range(len(ids)))  # aligned
     assert "prompt:   'Hello there'" in text and "processed reward (postprocess)" in text
 
 
 def test_before_shard_preprocess_the_rows_are_the_raw_response(chain_run):
-    root, topics, _ = chain_run
+    root, topics, _, _ = chain_run
     batch, row = _sample_of(topics["rollouts"], "0#1")
     out = io.StringIO()
     show(root, "rollouts", sample="0#1", as_json=True, tokenizer=False, out=out)
@@ -137,7 +140,7 @@ def test_before_shard_preprocess_the_rows_are_the_raw_response(chain_run):
 
 
 def test_batch_and_offset_select_a_whole_record(chain_run):
-    root, topics, where = chain_run
+    root, topics, where, _ = chain_run
     rec = topics["batches"][1]
     p, o, _ = where[("batches", rec.batch_id)]
     for kwargs in ({"batch": rec.batch_id}, {"offset": f"{p}:{o}"}):
@@ -147,7 +150,7 @@ def test_batch_and_offset_select_a_whole_record(chain_run):
 
 
 def test_an_absent_sample_names_the_topics_that_hold_it(chain_run, tmp_path):
-    root, topics, _ = chain_run
+    root, topics, _, _ = chain_run
     # a run whose `rewarded` lacks sample 1#0 but whose `scored` has it
     only = {"rewarded": [b.select([i for i, s in enumerate(b.sample_ids()) if s != "1#0"])
                          for b in topics["rewarded"]],
@@ -162,7 +165,7 @@ def test_an_absent_sample_names_the_topics_that_hold_it(chain_run, tmp_path):
 
 
 def test_duplicates_show_the_first_and_name_the_others(chain_run, tmp_path):
-    _, topics, _ = chain_run
+    _, topics, _, _ = chain_run
     exp = topics["experiences"]
     record_run(tmp_path, {"experiences": [*exp, *exp]}, partitions=1)
     out = io.StringIO()
@@ -173,7 +176,7 @@ def test_duplicates_show_the_first_and_name_the_others(chain_run, tmp_path):
 
 
 def test_bad_flags_exit_2_naming_the_flag(chain_run, tmp_path, capsys):
-    root, _, _ = chain_run
+    root, _, _, _ = chain_run
     assert main(["show", str(root)]) == 2
     assert "--sample" in capsys.readouterr().err
     assert main(["show", str(root), "--sample", "7"]) == 2
@@ -182,3 +185,13 @@ def test_bad_flags_exit_2_naming_the_flag(chain_run, tmp_path, capsys):
     assert "--offset" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "nope"), "--sample", "0#0"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_show_never_builds_the_tokenizer(chain_run, tmp_path, capsys):
+    _, topics, _, _ = chain_run
+    topo = load_topology(overrides=[f"models.cache_dir={tmp_path / 'empty-cache'}"])
+    record_run(tmp_path, {"experiences": topics["experiences"]}, topo)
+    assert main(["show", str(tmp_path), "--sample", "0#0"]) == 0
+    captured = capsys.readouterr()
+    assert "not built" in captured.err and "pos  token  mask" in captured.out
+    assert not (tmp_path / "empty-cache").exists()
