@@ -73,6 +73,8 @@ TOKEN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("advantages", "advantage"),
     ("returns", "return"),
 )
+#: Sample ids named in the error for a sample that is not there (enough to see the id pattern).
+LISTED_IDS = 6
 # Why 40: a token's text is usually a few characters; a longer one (a run of spaces, a byte
 # fallback sequence) is cut so the table stays aligned.
 TOKEN_TEXT_CHARS = 40
@@ -381,9 +383,12 @@ def find(run: Path, topic: str, *, sample: str | None, batch: str | None,
     """The samples selected (module docstring) and the other places the first one was recorded."""
     chosen: list[Sample] = []
     others: list[str] = []
+    seen: list[str] = []  # a few of the topic's sample ids, for the error when nothing matches
     for loc in iter_located(run, topic):
         if loc.batch is None:
             continue
+        if len(seen) < LISTED_IDS and hasattr(loc.batch, "sample_ids"):
+            seen += loc.batch.sample_ids()[: LISTED_IDS - len(seen)]
         if batch is not None and loc.batch.batch_id != batch:
             continue
         if offset is not None and (loc.frame is None or (loc.frame.partition, loc.frame.offset) != offset):
@@ -406,7 +411,8 @@ def find(run: Path, topic: str, *, sample: str | None, batch: str | None,
             if elsewhere:
                 fix = f"the sample is recorded in: {', '.join(elsewhere)}; pass --topic with one of them"
             else:
-                fix = "no recorded topic holds it; check the id (group#index, e.g. 3#0)"
+                fix = (f"no {'other ' if recorded_topics(run) else ''}recorded topic holds it either; check the "
+                       f"id (group#index); {topic} holds e.g. {', '.join(seen) or 'no samples'}")
         raise ConfigError(f"{run}: topic {topic!r} holds no {what}", field="--sample" if sample else
                           ("--batch" if batch else "--offset"), fix=fix)
     return chosen, others
