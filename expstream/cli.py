@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | train | topics | models | dlq.
+"""``expstream`` command line: run | stage | train | topics | models | dlq | replay.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     from expstream.dlq import add_dlq_parser
 
     add_dlq_parser(sub, _add_topology_args)
+    from expstream.replay import add_replay_parser
+
+    add_replay_parser(sub, _add_topology_args)
     return parser
 
 
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         args.redis_url = env_redis_url()
     _setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
     try:
+        if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
+            from expstream.replay import replay_command
+
+            return replay_command(args)
         if getattr(args, "continuous", False):
             args.overrides.append("train.enabled=true")  # last, so it wins over a --set train.enabled=false
         topo = load_topology(find_topology(args.topology), args.overrides)
