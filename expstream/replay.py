@@ -438,7 +438,7 @@ def replay_run(run_dir: str | Path, from_topic: str, stages: str, *, overrides: 
     # reduction split over another number of threads can round differently, and bytes would differ.
     torch.set_num_threads(topo.run.torch_threads)
     run_id = f"replay-{out_dir.name}"
-    log.info("replay %s: %s from %s (%d of %d records) into %s", run_dir, "..".join([span[0], span[-1]]),
+    log.info("replay %s: %s from %s (%d of %d records) into %s", run_dir, "..".join(dict.fromkeys([span[0], span[-1]])),
              from_topic, len(items), counts["records_read"], out_dir)
     engine = InProcessReplay(topo, span, out_dir, run_id)
     engine.setup()
@@ -606,7 +606,7 @@ def replay_command(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     stages = ", ".join(f"{n} {s['batches']} batches {s['ms_per_batch']} ms/batch" for n, s in summary["stages"].items())
     print(f"expstream replay: {summary['records_in']} of {summary['records_read']} records of {args.from_topic} "
-          f"through {'..'.join([summary['span'][0], summary['span'][-1]])}: {stages}; "
+          f"through {'..'.join(dict.fromkeys([summary['span'][0], summary['span'][-1]]))}: {stages}; "
           f"{summary['dead_letters']} dead letters, {summary['records_undecodable']} undecodable")
     print(f"  wrote {summary['output']}: records per topic[partition] " + json.dumps(summary["records_out"]))
     return EXIT_OK

@@ -225,6 +225,10 @@ def test_bad_flags_name_the_flag(recorded, tmp_path):
                            "reward", "--output", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--from" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "expstream", "replay", str(run), "--from", f"{prefix}-scored",
+                           "--stages", "advantage", "--bootstrap-servers", "127.0.0.1:1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--bootstrap-servers" in proc.stderr and "not built yet" in proc.stderr
 
 
 def test_into_republishes_under_a_replay_namespace(recorded, broker, fresh_topic):
