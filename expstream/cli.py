@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | train | topics | models | dlq | show | diff.
+"""``expstream`` command line: run | stage | train | topics | models | dlq | show | diff | replay.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -86,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_dlq_parser(sub, _add_topology_args)
     from expstream.diff import add_diff_parser
     from expstream.inspect import add_show_parser
+    from expstream.replay import add_replay_parser
 
     add_show_parser(sub, _add_topology_args)
     add_diff_parser(sub, _add_topology_args)
+    add_replay_parser(sub, _add_topology_args)
     return parser
 
 
@@ -106,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.diff import diff_command
 
             return diff_command(args)
+        if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
+            from expstream.replay import replay_command
+
+            return replay_command(args)
         if getattr(args, "continuous", False):
             args.overrides.append("train.enabled=true")  # last, so it wins over a --set train.enabled=false
         topo = load_topology(find_topology(args.topology), args.overrides)
