@@ -276,6 +276,9 @@ class Recorder:
                 path = partition_path(self.root, tp.topic, tp.partition)
                 if path.exists():
                     cut_torn_tail(path, tp.topic, tp.partition)
+                else:  # an empty partition is recorded as empty (magic only), not left out
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(MAGIC)
             begin = consumer.beginning_offsets(tps)
             ends: dict[TopicPartition, int] | None = None
             if not self.follow:
