@@ -283,3 +283,27 @@ def test_killed_run_leaves_a_readable_recording(tmp_path: Path) -> None:
                 assert decode(f.value) is not None
             seen += len(frames)
     assert seen >= 2 and {"prompts", "rollouts"} <= set(recorded_topics(out))
+
+
+def test_supervisor_stops_a_stop_last_child_after_the_others(tmp_path: Path) -> None:
+    from expstream.supervisor import Supervisor
+
+    flag = tmp_path / "stage-gone"
+    seen = tmp_path / "seen"
+    # the stage takes 1 s to stop; the recorder notes, when its SIGTERM comes, whether the stage was gone
+    stage = ("import signal, sys, time, pathlib\n"
+             "def h(*a):\n    time.sleep(1.0); pathlib.Path(sys.argv[1]).write_text('x'); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, h)\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)\n")
+    last = ("import signal, sys, time, pathlib\n"
+            "def h(*a):\n    pathlib.Path(sys.argv[2]).write_text(str(pathlib.Path(sys.argv[1]).exists())); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, h)\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)\n")
+    sup = Supervisor(tmp_path / "logs", spawn="exec")
+    sup.add("recorder", 0, [PY, "-c", last, str(flag), str(seen)], stop_last=True)
+    sup.add("stage", 0, [PY, "-c", stage, str(flag)])
+    sup.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            "ready" in (tmp_path / "logs" / f"{n}-0.log").read_text(errors="replace") for n in ("recorder", "stage")):
+        time.sleep(0.05)
+    sup.stop(grace_s=10)
+    assert seen.read_text() == "True"
