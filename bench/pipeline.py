@@ -556,12 +556,22 @@ def record_cost(args: argparse.Namespace, sets: list[str], prompt_files: dict[in
             ["two-point (median of repeats)", median(two_point_ratios), min(two_point_ratios), max(two_point_ratios)]]
     print(table(["throughput record on / off", "median", "min", "max"], rows))
     print(f"steady samples/s (median of runs): off {fmt(steady[False])}, on {fmt(steady[True])}")
+    rec_cpu = [r["cpu_s"]["stages"].get("recorder", 0.0) for rs in runs[True].values() for r in rs]
+    rec_share = [r["cpu_s"]["stages"].get("recorder", 0.0) / r["cpu_s"]["total"]
+                 for rs in runs[True].values() for r in rs]
+    broker = {on: median([r["cpu_s"]["broker"] for rs in runs[on].values() for r in rs]) for on in runs}
+    print(f"recorder CPU per run: median {fmt(median(rec_cpu))} s = {fmt(100 * median(rec_share))} % of the run's "
+          f"CPU (range {fmt(100 * min(rec_share))}-{fmt(100 * max(rec_share))} %); broker CPU median off "
+          f"{fmt(broker[False])} s, on {fmt(broker[True])} s")
     return {"record_repeats": args.record_repeats, "prompts": sorted(prompt_files),
             "pair_log_steady_ratios": [rounded(x, 4) for x in pair_ratios],
             "two_point_ratios": [rounded(x, 4) for x in two_point_ratios],
             "ratio_log_steady_median": rounded(median(pair_ratios), 4),
             "ratio_two_point_median": rounded(median(two_point_ratios), 4),
             "steady_samples_per_s": {"off": rounded(steady[False]), "on": rounded(steady[True])},
+            "recorder_cpu_s_median": rounded(median(rec_cpu)), "recorder_cpu_share_median": rounded(median(rec_share), 4),
+            "recorder_cpu_share_range": [rounded(min(rec_share), 4), rounded(max(rec_share), 4)],
+            "broker_cpu_s_median": {"off": rounded(broker[False]), "on": rounded(broker[True])},
             "recording_bytes": median([r.get("recording_bytes") or 0 for rs in runs[True].values() for r in rs])}
 
 

@@ -1,7 +1,7 @@
 """The recorder: what crosses the topics, copied into a run directory's recording while it flows.
 
 ``expstream run`` starts it as the supervised process ``recorder`` (when ``record`` is on, see
-:func:`record_is_on`) and stops it after the stages; ``expstream record`` runs the same
+``expstream.topology.RecordConfig.is_on``) and stops it after the stages; ``expstream record`` runs the same
 :class:`Recorder` against a live deployment. Both write ``<output>/topics/<topic>/partition-<p>.rec``
 in the format of expstream/recording.py (schemas/README.md section 10).
 
@@ -62,7 +62,7 @@ from expstream.recording import (
     recorded_topics,
 )
 
-__all__ = ["Position", "parse_position", "Recorder", "RecordStats", "record_is_on", "record_topics",
+__all__ = ["Position", "parse_position", "Recorder", "RecordStats", "record_topics",
            "recorder_argv", "recording_summary", "add_record_parser", "record_command", "RECORDER"]
 
 log = logging.getLogger("expstream.recorder")
@@ -353,10 +353,6 @@ class Recorder:
 # ------------------------------------------------------------------------------------------------
 # expstream run's recorder
 # ------------------------------------------------------------------------------------------------
-
-
-def record_is_on(topo: Any, own_broker: bool) -> bool:
-    return topo.record.is_on(own_broker)
 
 
 def record_topics(topo: Any) -> list[str]:
