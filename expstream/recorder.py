@@ -367,10 +367,10 @@ def record_topics(topo: Any) -> list[str]:
     return out + list(loop_topics(topo))
 
 
-def recorder_argv(topo_path: Path, bootstrap: str, topics: list[str], out_dir: Path) -> list[str]:
+def recorder_argv(topo_path: Path, bootstrap: str, topics: list[str], out_dir: Path, run_id: str) -> list[str]:
     """The supervised recorder's command line (like a stage's: ``python -m expstream record ...``)."""
     return [sys.executable, "-m", "expstream", "record", "--topology", str(topo_path), "--bootstrap-servers", bootstrap,
-            "--topics", ",".join(topics), "--output", str(Path(out_dir).resolve()), "--follow"]
+            "--topics", ",".join(topics), "--output", str(Path(out_dir).resolve()), "--follow", "--run-id", run_id]
 
 
 def recording_summary(root: str | Path) -> dict[str, Any]:
@@ -407,6 +407,10 @@ def _stop_when_orphaned(recorder: Recorder) -> None:
 def record_command(topo: Any, args: argparse.Namespace,
                    install_signals: Callable[[Recorder], None] | None = None) -> int:
     """``expstream record`` (wired in expstream/cli.py)."""
+    if args.run_id:  # `ps` and `top` name the run, like its stages (expstream/procs.py)
+        from setproctitle import setproctitle
+
+        setproctitle(f"expstream {RECORDER} run={args.run_id}")
     if not args.bootstrap_servers:
         raise ConfigError("needed to read the topics", field="--bootstrap-servers", fix="e.g. --bootstrap-servers kafka:9092")
     topics = [t.strip() for t in (args.topics or "").split(",") if t.strip()]
@@ -455,5 +459,6 @@ def add_record_parser(sub: Any, add_topology_args: Any) -> None:
                      help="end: an offset (exclusive, like a Kafka end offset) or a time (records with timestamp "
                           "< it); default: the end offsets at start (with --follow: until SIGTERM)")
     rec.add_argument("--output", required=True, help="run directory to write (topics/<topic>/partition-<p>.rec)")
+    rec.add_argument("--run-id", default=None, help="the run this recorder belongs to (shown in its process title)")
     rec.add_argument("--follow", action="store_true",
                      help="keep recording new records until SIGTERM/Ctrl-C (then drain and exit 0)")

@@ -202,7 +202,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             sup.add(TRAINER, 0, trainer_argv(topo_path, bootstrap, run_id, out_dir), one_shot=True)
         if recording:  # stopped after the stages, so it drains what they wrote last (expstream/recorder.py)
             topics = record_topics(topo)
-            sup.add(RECORDER, 0, recorder_argv(topo_path, bootstrap, topics, out_dir), stop_last=True)
+            sup.add(RECORDER, 0, recorder_argv(topo_path, bootstrap, topics, out_dir, run_id), stop_last=True)
             out.recording_dir = out_dir
             log.info("run %s: recording %s into %s", run_id, ", ".join(topics), out_dir / TOPICS_DIR)
         out.supervisor = sup
