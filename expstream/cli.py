@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | train | topics | models | dlq | show | diff | replay.
+"""``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -86,11 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_dlq_parser(sub, _add_topology_args)
     from expstream.diff import add_diff_parser
     from expstream.inspect import add_show_parser
+    from expstream.recorder import add_record_parser
     from expstream.replay import add_replay_parser
 
     add_show_parser(sub, _add_topology_args)
     add_diff_parser(sub, _add_topology_args)
     add_replay_parser(sub, _add_topology_args)
+    add_record_parser(sub, _add_topology_args)
     return parser
 
 
@@ -136,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.dlq import dlq_command
 
             return dlq_command(topo, args)
+        if args.command == "record":
+            from expstream.recorder import record_command
+
+            return record_command(topo, args)
         if args.command == "models":
             for role in ("tokenizer", "actor", "critic", "reward"):
                 if getattr(topo.models, role):
