@@ -403,20 +403,40 @@ def _experiences(items: list[_Item]) -> tuple[bytes, int, int]:
     return b"".join(chunks), len(chunks), samples
 
 
-def replay_run(run_dir: str | Path, from_topic: str, stages: str, *, overrides: Iterable[str] = (),
-               output: str | Path | None = None, filters: Filters | None = None,
-               topology: str | Path | None = None) -> dict[str, Any]:
-    """The in-process replay (steps 1-4 of the module docstring); returns the summary it wrote."""
-    from expstream.resolve import build_builtin_models, check_models
-    from expstream.run import write_resolved_topology
+#: Appended to every replay's --set: a replay has no trainer, so the continuous loop's admission
+#: control (generate waits for policy versions a trainer publishes) would block it for ever.
+NO_LOOP_OVERRIDE = "train.enabled=false"
 
-    started = time.monotonic()
+
+@dataclass
+class Prepared:
+    """Steps 1-2, shared by the in-process and the broker replay."""
+
+    run_dir: Path
+    topo: Topology  # the recorded configuration, --set and NO_LOOP_OVERRIDE applied
+    topo_path: Path  # where it was read from
+    overrides: list[str]  # the user's --set (without NO_LOOP_OVERRIDE)
+    loop_disabled: bool  # the recorded (or --set) configuration had train.enabled true
+    span: list[str]
+    out_dir: Path
+    items: list[_Item]
+    counts: dict[str, Any]
+
+
+def prepare_replay(run_dir: str | Path, from_topic: str, stages: str, *, overrides: Iterable[str] = (),
+                   output: str | Path | None = None, filters: Filters | None = None,
+                   topology: str | Path | None = None) -> Prepared:
+    """Steps 1-2: configuration (loop off), span, a new output directory, the selected input records."""
     run_dir, filters, overrides = Path(run_dir), filters or Filters(), list(overrides)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such run directory", field="RUN_DIR",
                           fix="give the directory `expstream run --output` (or `expstream record`) wrote")
     topo_path = Path(topology) if topology else recorded_topology_path(run_dir)
-    topo = load_topology(topo_path, overrides)
+    loop_on = load_topology(topo_path, overrides).train.enabled
+    topo = load_topology(topo_path, [*overrides, NO_LOOP_OVERRIDE])
+    if loop_on:
+        log.info("replay: the configuration has train.enabled true (a continuous run); a replay has no trainer, "
+                 "so it runs with train.enabled=false (no admission control, no weight reloading)")
     span = resolve_span(topo, from_topic, stages)
     out_dir = Path(output) if output else Path(f"{DEFAULT_OUTPUT_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-"
                                                f"{uuid.uuid4().hex[:4]}")
@@ -426,9 +446,48 @@ def replay_run(run_dir: str | Path, from_topic: str, stages: str, *, overrides: 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--output {out_dir}: exists and is not empty", field="--output",
                           fix="give a new directory (or remove that one)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     counts: dict[str, Any] = {"records_read": 0, "records_undecodable": 0, "undecodable": []}
     items = _selected(run_dir, from_topic, filters, counts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return Prepared(run_dir, topo, topo_path, overrides, loop_on, span, out_dir, items, counts)
+
+
+def summary_head(prep: Prepared, from_topic: str, filters: Filters, run_id: str) -> dict[str, Any]:
+    """The summary.json fields both replay modes write."""
+    return {
+        "mode": "replay",
+        "status": "ok",
+        "run_id": run_id,
+        "source_run": str(prep.run_dir.resolve()),
+        "output": str(prep.out_dir),
+        "from_topic": from_topic,
+        "span": prep.span,
+        "overrides": prep.overrides,
+        "loop_disabled": prep.loop_disabled,
+        "topology": str(prep.topo_path.resolve()),
+        "filters": filters.as_dict(),
+        "records_read": prep.counts["records_read"],
+        "records_undecodable": prep.counts["records_undecodable"],
+        "undecodable": prep.counts["undecodable"],
+        "torn_tails": prep.counts["torn_tails"],
+        "records_in": len(prep.items),
+        "estimator": prep.topo.algo.advantage_estimator,
+        "n_samples_per_prompt": prep.topo.generate.n_samples_per_prompt,
+    }
+
+
+def replay_run(run_dir: str | Path, from_topic: str, stages: str, *, overrides: Iterable[str] = (),
+               output: str | Path | None = None, filters: Filters | None = None,
+               topology: str | Path | None = None) -> dict[str, Any]:
+    """The in-process replay (steps 1-4 of the module docstring); returns the summary it wrote."""
+    from expstream.resolve import build_builtin_models, check_models
+    from expstream.run import write_resolved_topology
+
+    started = time.monotonic()
+    filters = filters or Filters()
+    prep = prepare_replay(run_dir, from_topic, stages, overrides=overrides, output=output, filters=filters,
+                          topology=topology)
+    topo, span, out_dir, items, counts = prep.topo, prep.span, prep.out_dir, prep.items, prep.counts
     write_resolved_topology(topo, out_dir / "topology.yaml")
     check_models(topo)
     build_builtin_models(topo)
@@ -438,27 +497,14 @@ def replay_run(run_dir: str | Path, from_topic: str, stages: str, *, overrides: 
     # reduction split over another number of threads can round differently, and bytes would differ.
     torch.set_num_threads(topo.run.torch_threads)
     run_id = f"replay-{out_dir.name}"
-    log.info("replay %s: %s from %s (%d of %d records) into %s", run_dir, "..".join(dict.fromkeys([span[0], span[-1]])),
-             from_topic, len(items), counts["records_read"], out_dir)
+    log.info("replay %s: %s from %s (%d of %d records) into %s", prep.run_dir,
+             "..".join(dict.fromkeys([span[0], span[-1]])), from_topic, len(items), counts["records_read"], out_dir)
     engine = InProcessReplay(topo, span, out_dir, run_id)
     engine.setup()
     final = engine.run(items)
-    summary: dict[str, Any] = {
-        "mode": "replay",
-        "status": "ok",
-        "run_id": run_id,
-        "source_run": str(run_dir.resolve()),
-        "output": str(out_dir),
-        "from_topic": from_topic,
-        "span": span,
-        "overrides": overrides,
-        "topology": str(topo_path.resolve()),
-        "filters": filters.as_dict(),
-        "records_read": counts["records_read"],
-        "records_undecodable": counts["records_undecodable"],
-        "undecodable": counts["undecodable"],
-        "torn_tails": counts["torn_tails"],
-        "records_in": len(items),
+    summary = summary_head(prep, from_topic, filters, run_id)
+    summary.update({
+        "via": "process",
         "records_out": {f"{t}[{p}]": n for (t, p), n in sorted(engine.next_offset.items())},
         "stages": {name: {"batches": t.batches, "seconds": round(t.seconds, 6), "outputs": t.outputs,
                           "samples_out": t.samples_out, "dead_letters": t.dead_letters,
@@ -466,9 +512,7 @@ def replay_run(run_dir: str | Path, from_topic: str, stages: str, *, overrides: 
                    for name, t in engine.tally.items()},
         "dead_letters": sum(t.dead_letters for t in engine.tally.values()),
         "dead_letter_records": engine.letters,
-        "estimator": topo.algo.advantage_estimator,
-        "n_samples_per_prompt": topo.generate.n_samples_per_prompt,
-    }
+    })
     if span[-1] == topo.enabled_stages()[-1].name:
         data, records, samples = _experiences(final)
         (out_dir / "experiences.msgpack").write_bytes(data)
@@ -592,18 +636,31 @@ def replay_command(args: argparse.Namespace) -> int:
     if not args.stages:
         raise ConfigError("which stages to replay?", field="--stages",
                           fix="add --stages NAME or --stages A..B (the first reads --from)")
-    if args.bootstrap_servers:
-        raise ConfigError("replaying a span through a broker is not built yet: a replay runs in process",
-                          field="--bootstrap-servers", fix="leave --bootstrap-servers out (or use --into TOPIC to "
-                                                           "feed a live pipeline)")
     try:
-        summary = replay_run(args.run_dir, args.from_topic, args.stages, overrides=args.overrides,
-                             output=args.output, filters=filters, topology=args.topology)
+        if args.bootstrap_servers:
+            from expstream.replaybroker import broker_replay
+
+            summary = broker_replay(args.run_dir, args.from_topic, args.stages, args.bootstrap_servers,
+                                    redis_url=args.redis_url, overrides=args.overrides, output=args.output,
+                                    filters=filters, topology=args.topology)
+        else:
+            summary = replay_run(args.run_dir, args.from_topic, args.stages, overrides=args.overrides,
+                                 output=args.output, filters=filters, topology=args.topology)
     except ExpstreamError as exc:
         if isinstance(exc, ConfigError):
             raise
         print(f"expstream replay: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    span = "..".join(dict.fromkeys([summary["span"][0], summary["span"][-1]]))
+    if summary["via"] == "broker":
+        print(f"expstream replay: {summary['records_in']} of {summary['records_read']} records of {args.from_topic} "
+              f"through {span} on {summary['bootstrap_servers']}: {summary['samples_out']} of "
+              f"{summary['samples_in']} samples out, {summary['dead_letters']} dead letters; {summary['status']}")
+        print(f"  wrote {summary['output']}: records per topic[partition] " + json.dumps(summary["records_out"]))
+        if summary["status"] != "ok":
+            print(f"expstream replay: failed: {summary['error']}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
     stages = ", ".join(f"{n} {s['batches']} batches {s['ms_per_batch']} ms/batch" for n, s in summary["stages"].items())
     print(f"expstream replay: {summary['records_in']} of {summary['records_read']} records of {args.from_topic} "
           f"through {'..'.join(dict.fromkeys([summary['span'][0], summary['span'][-1]]))}: {stages}; "

@@ -1,8 +1,8 @@
 """`expstream replay`: a real `expstream run` recorded, every stage replayed from its recorded input.
 
-The recording is made from a real run on the session broker and redis-server (stage processes under
-the supervisor): each topic is read back from the broker into the recording format. References are
-computed here, never by the replay code.
+The recording is the one the run's own recorder wrote (`record.enabled=true` on the session broker
+and redis-server, stage processes under the supervisor), in process and through the broker.
+References are computed here, never by the replay code.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from expstream.bus import make_admin, read_topic
+from expstream.bus import read_topic
 from expstream.errors import ConfigError
 from expstream.recording import RecordFrame, RecordingWriter, iter_topic, partition_path, recorded_topics
 from expstream.replay import Filters, parse_offsets, replay_run, republish, resolve_span
@@ -35,27 +36,19 @@ OUTPUTS = {"generate": "rollouts", "shard-preprocess": "batches", "actor-logprob
            "critic": "critic", "reward": "rewarded", "postprocess": "scored", "advantage": "experiences"}
 
 
-def _start_run(out: Path, cache: Path, broker: str, redis_url: str, prefix: str, *sets: str) -> subprocess.Popen:
+def _start_run(out: Path, cache: Path, broker: str, redis_url: str, prefix: str, *sets: str,
+               new_session: bool = False) -> subprocess.Popen:
     names = [f"topics.input={prefix}-prompts"] + [f"stages.{s}.output={prefix}-{t}" for s, t in OUTPUTS.items()]
     cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(PROMPTS), "--output", str(out), "--no-progress",
            "--bootstrap-servers", broker, "--redis-url", redis_url, "--run-id", prefix,
            "--set", f"models.cache_dir={cache}", "--set", f"generate.n_samples_per_prompt={N}",
            "--set", "generate.max_new_tokens=8", "--set", "run.timeout_s=120",
            # 3 samples per micro-batch: groups of 4 are split, so they complete across records
-           "--set", "algo.micro_rollout_batch_size=3"]
+           "--set", "algo.micro_rollout_batch_size=3", "--set", "record.enabled=true"]
     for s in [*names, *sets]:
         cmd += ["--set", s]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _export(broker: str, out: Path) -> None:
-    """Every topic of the run (and its .dlq twin) read back from the broker into out/topics/."""
-    topo = load_topology(out / "run" / "topology.yaml")
-    with RecordingWriter(out) as writer:
-        for topic in topo.all_topics():
-            for t in (topic, f"{topic}.dlq"):
-                writer.extend(RecordFrame.from_consumer_record(r) for r in read_topic(broker, KafkaConfig(), t))
-    shutil.copy(out / "run" / "topology.yaml", out / "topology.yaml")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +63,9 @@ def recorded(tmp_path_factory, cache, broker, redis_url) -> tuple[Path, str]:
     proc = _start_run(out, cache, broker, redis_url, prefix)
     stdout, stderr = proc.communicate(timeout=400)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-4000:]}"
-    _export(broker, out)
+    # the recorder's recording, nothing exported: every topic of the run and its dead-letter twin
+    assert {f"{prefix}-{t}" for t in ["prompts", *OUTPUTS.values()] if t != "critic"} <= set(recorded_topics(out))
+    assert json.loads((out / "summary.json").read_text())["recording"]["torn_tails"] == 0
     return out, prefix
 
 
@@ -228,7 +223,7 @@ def test_bad_flags_name_the_flag(recorded, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "expstream", "replay", str(run), "--from", f"{prefix}-scored",
                            "--stages", "advantage", "--bootstrap-servers", "127.0.0.1:1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--bootstrap-servers" in proc.stderr and "not built yet" in proc.stderr
+    assert proc.returncode == 2 and "--bootstrap-servers" in proc.stderr, proc.stderr  # a broker that does not answer
 
 
 def test_into_republishes_under_a_replay_namespace(recorded, broker, fresh_topic):
@@ -247,43 +242,110 @@ def test_into_republishes_under_a_replay_namespace(recorded, broker, fresh_topic
     assert dict(rec.headers)["replay_of"].decode().startswith(f"{prefix}-prompts[")
 
 
+def _complete_groups(frames) -> set[str]:
+    have: dict[str, set[int]] = defaultdict(set)
+    for f in frames:
+        b = decode(f.value)
+        for g, k in zip(b.group_id, b.sample_index, strict=True):
+            have[g].add(int(k))
+    return {g for g, ks in have.items() if ks == set(range(N))}
+
+
 def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker, redis_url):
     prefix = f"rk{uuid.uuid4().hex[:6]}"
     out = tmp_path / "killed"
-    proc = _start_run(out, cache, broker, redis_url, prefix)
-
-    deadline = time.monotonic() + 300
-    admin = make_admin(broker, KafkaConfig())
-
-    def complete_groups() -> set[str]:
-        have: dict[str, set[int]] = defaultdict(set)
-        if f"{prefix}-rewarded" in admin.list_topics():  # (reading a topic not created yet would create it)
-            for r in read_topic(broker, KafkaConfig(), f"{prefix}-rewarded"):
-                b = decode(r.value)
-                for g, k in zip(b.group_id, b.sample_index, strict=True):
-                    have[g].add(int(k))
-        return {g for g, ks in have.items() if ks == set(range(N))}
-
-    while not complete_groups():  # kill -9 as soon as one group is through reward: the rest is mid-way
-        assert time.monotonic() < deadline and proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.1)
-    admin.close()
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    proc = _start_run(out, cache, broker, redis_url, prefix, new_session=True)
+    rewarded = f"{prefix}-rewarded"
+    try:
+        deadline = time.monotonic() + 300
+        # kill -9 as soon as the RECORDING holds one group through reward: the rest is mid-way
+        while not (rewarded in recorded_topics(out) and _complete_groups(iter_topic(out, rewarded))):
+            assert time.monotonic() < deadline and proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, as tests/test_recorder.py does
+        proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and not (out / "summary.json").exists()
-    time.sleep(1.0)  # the stages die with the run (PR_SET_PDEATHSIG)
-    _export(broker, out)
-    rewarded = [decode(f.value) for f in iter_topic(out, f"{prefix}-rewarded")]
-    have: dict[str, set[int]] = defaultdict(set)
-    for b in rewarded:
-        for g, k in zip(b.group_id, b.sample_index, strict=True):
-            have[g].add(int(k))
-    complete = {g for g, ks in have.items() if ks == set(range(N))}
+    time.sleep(1.0)  # the recorder and the stages die with the run (PR_SET_PDEATHSIG)
+    complete = _complete_groups(iter_topic(out, rewarded))  # what the recorder had written (torn tail cut)
     assert complete
-    replay_run(out, f"{prefix}-rewarded", "postprocess..advantage", output=tmp_path / "r")
+    summary = replay_run(out, rewarded, "postprocess..advantage", output=tmp_path / "r")
     got = _values_by_batch(tmp_path / "r", f"{prefix}-experiences")
     assert set(got) == {f"g/{g}" for g in complete}
-    # the run may have died before any experience was out (an empty topic leaves no recording)
-    recorded = _values_by_batch(out, f"{prefix}-experiences") if f"{prefix}-experiences" in recorded_topics(out) else {}
+    assert summary["source_run"] == str(out.resolve())
+    # the run may have died before any experience was recorded
+    exps = f"{prefix}-experiences"
+    recorded = _values_by_batch(out, exps) if exps in recorded_topics(out) else {}
     assert len(recorded) < 6, "killed mid-way: not every group reached the experiences topic"
     assert all(got[b] == v for b, v in recorded.items())
+
+
+# ------------------------------------------------------------------------------------------------
+# through a broker (expstream/replaybroker.py): the span as stage processes on fresh topics
+# ------------------------------------------------------------------------------------------------
+
+
+def test_broker_replay_of_reward_is_byte_identical_cli_with_its_own_redis(recorded, broker, tmp_path):
+    run, prefix = recorded
+    out = tmp_path / "b-reward"
+    proc = subprocess.run([sys.executable, "-m", "expstream", "replay", str(run), "--from", f"{prefix}-reference",
+                           "--stages", "reward", "--bootstrap-servers", broker, "--output", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "EXPSTREAM_REDIS_URL"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["via"] == "broker" and summary["status"] == "ok" and summary["span"] == ["reward"]
+    want = _values_by_batch(run, f"{prefix}-rewarded")
+    assert _values_by_batch(out, f"{prefix}-rewarded") == want  # under the recorded name, byte for byte
+    n_in = sum(len(decode(f.value)) for f in iter_topic(run, f"{prefix}-reference"))
+    assert summary["samples_in"] == summary["samples_out"] == n_in and summary["dead_letters"] == 0
+    # it really went through the broker: the renamed topics hold the same bytes
+    renamed = summary["topics"][f"{prefix}-rewarded"]
+    assert renamed.startswith("replay-") and renamed.endswith(f".{prefix}-rewarded")
+    on_broker = {decode(r.value).batch_id: r.value for r in read_topic(broker, KafkaConfig(), renamed)}
+    assert on_broker == want
+    # a redis-server of its own (no --redis-url), stopped with the replay; the stage ran as a process
+    assert (out / "run" / "logs" / "reward-0.log").is_file()
+    assert load_topology(out / "run" / "topology.yaml").enabled_stages()[0].input == \
+        summary["topics"][f"{prefix}-reference"]
+
+
+def test_broker_replay_postprocess_to_advantage_is_byte_identical(recorded, broker, redis_url, tmp_path):
+    from expstream.replaybroker import broker_replay
+
+    run, prefix = recorded
+    out = tmp_path / "b-pa"
+    summary = broker_replay(run, f"{prefix}-rewarded", "postprocess..advantage", broker, redis_url=redis_url,
+                            output=out)
+    assert summary["status"] == "ok", summary.get("error")
+    for topic in (f"{prefix}-scored", f"{prefix}-experiences"):
+        assert _values_by_batch(out, topic) == _values_by_batch(run, topic), topic
+    btopo = load_topology(out / "run" / "topology.yaml")
+    assert [s.name for s in btopo.enabled_stages()] == ["postprocess", "advantage"]
+    # experiences.msgpack: every recorded experience once
+    assert len((out / "experiences.msgpack").read_bytes()) == \
+        sum(len(v) for v in _values_by_batch(run, f"{prefix}-experiences").values())
+    assert summary["samples"] == 6 * N and summary["samples_out"] == 6 * N
+
+
+def test_generate_from_a_continuous_configuration_does_not_block_on_admission(recorded, tmp_path):
+    """A continuous run's topology (train.enabled) with a bound that admits only the first prompt record:
+    the replay has no trainer to raise it, so it must run with the loop off, not wait for ever."""
+    run, prefix = recorded
+    copy = tmp_path / "continuous"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("run"))
+    raw = yaml.safe_load((copy / "topology.yaml").read_text())
+    raw["train"] = {**raw.get("train", {}), "enabled": True, "batch_size": 8}
+    raw["async"] = {**raw.get("async", {}), "max_staleness": 0, "on_stale": "backpressure"}
+    (copy / "topology.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    prompts = list(iter_topic(copy, f"{prefix}-prompts"))
+    per_record = 2 * N  # run.prompt_batch_size x n: (v + k + 1) * B = 8 admits one record, not three
+    assert len(prompts) == 3 and all(len(decode(f.value)) * N == per_record for f in prompts)
+    out = tmp_path / "gen"
+    proc = subprocess.run([sys.executable, "-m", "expstream", "replay", str(copy), "--from", f"{prefix}-prompts",
+                           "--stages", "generate", "--output", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _values_by_batch(out, f"{prefix}-rollouts") == _values_by_batch(run, f"{prefix}-rollouts")
+    assert load_topology(out / "topology.yaml").train.enabled is False
+    assert json.loads((out / "summary.json").read_text())["loop_disabled"] is True
