@@ -20,7 +20,11 @@ configuration plus ``--set``. Protocol:
 4. Write ``topology.yaml`` (resolved), ``experiences.msgpack`` (when the span ends with the last
    enabled stage: the output values, a sample id kept once) and ``summary.json``.
 
-``--into TOPIC --bootstrap-servers B`` instead re-publishes the selected records into a live topic
+Every replay runs with ``train.enabled=false`` (:data:`NO_LOOP_OVERRIDE`): it has no trainer, so a
+continuous run's admission control would block generate for ever.
+
+``--bootstrap-servers B`` (without ``--into``) runs the span as stage processes through a broker
+instead: expstream/replaybroker.py. ``--into TOPIC --bootstrap-servers B`` instead re-publishes the selected records into a live topic
 (new ids under ``replay-<tag>/`` unless ``--keep-ids``), with confirmed sends.
 """
 

@@ -349,3 +349,24 @@ def test_generate_from_a_continuous_configuration_does_not_block_on_admission(re
     assert _values_by_batch(out, f"{prefix}-rollouts") == _values_by_batch(run, f"{prefix}-rollouts")
     assert load_topology(out / "topology.yaml").train.enabled is False
     assert json.loads((out / "summary.json").read_text())["loop_disabled"] is True
+
+
+def test_broker_topology_renames_the_span_and_disables_the_rest():
+    """Pure: the --set entries of a broker replay, and which samples a group estimator cannot emit."""
+    from expstream.replay import _Item
+    from expstream.replaybroker import broker_overrides, input_sample_ids, unreachable_samples
+    from schemas import PromptBatch
+
+    topo = load_topology(None)
+    sets = broker_overrides(topo, ["postprocess", "advantage"], "rewarded", "t1")
+    btopo = load_topology(None, sets)
+    assert [(s.name, s.input, s.output) for s in btopo.enabled_stages()] == [
+        ("postprocess", "replay-t1.rewarded", "replay-t1.scored"),
+        ("advantage", "replay-t1.scored", "replay-t1.experiences")]
+    prompts = _Item(None, PromptBatch(batch_id="p000000", prompt_id=["a", "b"], prompt=["x", "y"], label=["", ""],
+                                      reference=["", ""]))
+    assert input_sample_ids([prompts], 2) == ["a#0", "a#1", "b#0", "b#1"]
+    ids = ["a#0", "a#1", "a#2", "a#3", "b#0", "b#2"]  # group b cut by a --samples filter
+    assert unreachable_samples(topo, ["postprocess", "advantage"], ids) == {"b#0", "b#2"}
+    assert unreachable_samples(topo, ["postprocess"], ids) == set()
+    assert unreachable_samples(load_topology(None, ["algo.advantage_estimator=reinforce"]), ["advantage"], ids) == set()
