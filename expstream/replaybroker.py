@@ -202,7 +202,9 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
     # step 2: the configuration the stages read, under the replay's topic names
     btopo = load_topology(prep.topo_path, [*prep.overrides, "train.enabled=false",
                                            *broker_overrides(topo, span, from_topic, tag)])
-    assert [s.name for s in btopo.enabled_stages()] == span, "the broker topology's stages are the span"
+    if [s.name for s in btopo.enabled_stages()] != span:  # a bug here, not a user error: say what came out
+        raise ExpstreamError(f"replay: the broker topology enables {[s.name for s in btopo.enabled_stages()]}, "
+                             f"not the span {span}")
     names = {btopo.topics.input: from_topic, dlq_topic(btopo.topics.input): dlq_topic(from_topic)}
     for name in span:
         names[btopo.stages[name].output] = topo.stages[name].output
@@ -234,7 +236,16 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
         state = RedisState(redis_url, run_id)
         recorder = Recorder(bootstrap, btopo.kafka, [t for t in names if t != btopo.topics.input],
                             run_dir_ / BROKER_RECORDING_DIR, follow=True)
-        rec_thread = threading.Thread(target=recorder.run, name="replay-recorder", daemon=True)
+        rec_error: list[str] = []
+
+        def record() -> None:
+            try:
+                recorder.run()
+            except Exception as exc:  # noqa: BLE001 - reported in summary.json as the replay's failure
+                log.exception("replay: the recorder failed")
+                rec_error.append(f"recorder: {type(exc).__name__}: {exc}")
+
+        rec_thread = threading.Thread(target=record, name="replay-recorder", daemon=True)
         rec_thread.start()  # step 4
 
         def stop_recorder() -> None:
@@ -295,6 +306,9 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
         data, records, samples = _experiences(final)
         (out_dir / "experiences.msgpack").write_bytes(data)
         summary.update(experience_records=records, samples=samples)
+    error = error or (rec_error[0] if rec_error else None)
+    if not recorder.stats.drained:
+        error = error or "the recorder's drain deadline passed: the recording misses the last records"
     if error:
         summary.update(status="failed", error=error)
     summary["wall_s"] = round(time.monotonic() - started, 3)
