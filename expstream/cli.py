@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | train | topics | models | dlq.
+"""``expstream`` command line: run | stage | train | topics | models | dlq | rewind.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     from expstream.dlq import add_dlq_parser
 
     add_dlq_parser(sub, _add_topology_args)
+    from expstream.rewind import add_rewind_parser
+
+    add_rewind_parser(sub, _add_topology_args)
     return parser
 
 
@@ -117,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.dlq import dlq_command
 
             return dlq_command(topo, args)
+        if args.command == "rewind":
+            from expstream.rewind import rewind_command
+
+            return rewind_command(topo, args)
         if args.command == "models":
             for role in ("tokenizer", "actor", "critic", "reward"):
                 if getattr(topo.models, role):

@@ -51,6 +51,14 @@ start, polling and committing retry the same way; a commit refused because the g
 (``CommitFailedError``) is logged and skipped: the new owner gets the record again and processing
 is idempotent. SIGTERM/SIGINT finish the micro-batch in hand, commit, and exit 0; a stop during a
 retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
+
+Rewind (expstream/rewind.py has the whole handshake). Between two records, at most every
+``REWIND_CHECK_INTERVAL_S``, the loop reads the stage's rewind request from the run state. When one
+is set: 1. the micro-batch in hand is already done and committed (the check is between records);
+records polled but not yet handled are dropped, uncommitted; 2. the consumer is closed (it leaves
+the group); 3. the replica acknowledges under its heartbeat name ``<replica>:<pid>`` and waits,
+heartbeating, until the request is cleared (or expires: the tool died); 4. a new consumer joins the
+group and fetches from the committed offsets, which the tool has moved meanwhile.
 """
 
 from __future__ import annotations
@@ -113,6 +121,12 @@ _COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_U
 SLOW_SEND_WARN_S = 5.0
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
+# Why 0.5 s: how often a replica reads its stage's rewind request between records; one Redis GET per
+# replica per half second is nothing, and a rewind waits at most this long for an idle replica.
+REWIND_CHECK_INTERVAL_S = 0.5
+# Why 30 s: a waiting replica's acknowledgement lives this long unless renewed (every check), so a
+# replica that dies while waiting stops counting as acknowledged.
+REWIND_ACK_TTL_S = 30.0
 # Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
 UNASSIGNED_LOG_INTERVAL_S = 30.0
 
@@ -226,6 +240,8 @@ class StageRunner:
         self._unassigned_since: float | None = None
         self._poll_backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
         self.pausing: PausedPolling | None = None
+        self.rewinds = 0  # rewind requests this replica left its group for
+        self._next_rewind_check = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -252,13 +268,21 @@ class StageRunner:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
 
-    def run(self) -> int:
-        if not self._connect():
-            return 0
+    @property
+    def replica_key(self) -> str:
+        """This process's name in heartbeats and rewind acknowledgements: ``<replica>:<pid>``."""
+        return f"{self.ctx.replica_id}:{os.getpid()}"
+
+    def _subscribe(self) -> None:
         self.tracker = _RevocationTracker()
         self.consumer.subscribe([self.stage.input], listener=self.tracker)
         self.pausing = PausedPolling(self.consumer, self._poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
+
+    def run(self) -> int:
+        if not self._connect():
+            return 0
+        self._subscribe()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
@@ -267,6 +291,8 @@ class StageRunner:
         threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
+                if self._maybe_rewind():
+                    continue
                 polled = self._poll(POLL_TIMEOUT_MS)
                 self._handle_polled(polled)
                 if self.max_records is not None and self.handled >= self.max_records:
@@ -275,20 +301,22 @@ class StageRunner:
             self._closing.set()
             self._close()
         self.log.info("stage %s replica %s: stopped after %d records (%d dead letters, %d batches split, "
-                      "%d records rewound, %d commits skipped)", self.stage.name, self.ctx.replica_id,
-                      self.handled, self.dead_lettered, self.split_batches, self.rewound, self.commits_skipped)
+                      "%d records rewound, %d commits skipped, %d rewind requests)", self.stage.name,
+                      self.ctx.replica_id, self.handled, self.dead_lettered, self.split_batches, self.rewound,
+                      self.commits_skipped, self.rewinds)
         return 0
 
-    def _connect(self) -> bool:
-        """Create the producer and consumer, retrying while the broker is unreachable."""
+    def _connect(self, consumer_only: bool = False) -> bool:
+        """Create the producer (unless ``consumer_only``) and consumer, retrying while the broker is unreachable."""
         cfg = self.ctx.topology.kafka
 
         def connect() -> bool:
             try:
-                self.producer = make_producer(self.bootstrap, cfg)
+                if not consumer_only:
+                    self.producer = make_producer(self.bootstrap, cfg)
                 self.consumer = make_consumer(self.bootstrap, self.group_id, cfg)
             except BrokerUnavailableError:
-                if self.producer is not None:
+                if self.producer is not None and not consumer_only:
                     self.producer.close(timeout=1)
                     self.producer = None
                 raise
@@ -318,11 +346,55 @@ class StageRunner:
             if self.consumer is not None:
                 self.consumer.close(autocommit=False)
 
+    # -- rewind (main thread; expstream/rewind.py drives the handshake) --------------------------------
+    def _maybe_rewind(self) -> bool:
+        """Between records: when the stage has a rewind request, leave the group, acknowledge, wait until
+        the request is cleared and rejoin. True when that happened (anything polled before is stale)."""
+        now = time.monotonic()
+        if now < self._next_rewind_check:
+            return False
+        self._next_rewind_check = now + REWIND_CHECK_INTERVAL_S
+        try:
+            request = self.ctx.state.rewind_request(self.stage.name)
+        except ExpstreamError as exc:  # the state is away: the work path notices and retries; go on
+            self.log.warning("stage %s: could not read the rewind request: %s", self.stage.name, exc)
+            return False
+        if request is None:
+            return False
+        self.rewinds += 1
+        self.log.warning("stage %s replica %s: rewind request %s: leaving group %s (last record committed) and "
+                         "waiting until the offsets are moved", self.stage.name, self.replica_key, request,
+                         self.group_id)
+        self.consumer.close(autocommit=False)
+        self.consumer = None
+        acked = None
+        waited = time.monotonic()
+        while not self.stop_requested:
+            try:
+                request = self.ctx.state.rewind_request(self.stage.name)
+                if request is None:
+                    break
+                self.ctx.state.ack_rewind(self.stage.name, request, self.replica_key, REWIND_ACK_TTL_S)
+                if request != acked:
+                    self.log.info("stage %s replica %s: acknowledged rewind request %s; waiting", self.stage.name,
+                                  self.replica_key, request)
+                    acked = request
+            except ExpstreamError as exc:
+                self.log.warning("stage %s: rewind handshake: run state unreachable (%s); still waiting",
+                                 self.stage.name, exc)
+            self._stop.wait(REWIND_CHECK_INTERVAL_S)
+        if self.stop_requested or not self._connect(consumer_only=True):
+            return True
+        self._subscribe()
+        self.log.warning("stage %s replica %s: rewind request done after %.1fs; rejoining group %s at its committed "
+                         "offsets", self.stage.name, self.replica_key, time.monotonic() - waited, self.group_id)
+        return True
+
     def _heartbeats(self) -> None:
         """Redis heartbeats on their own thread: a slow Redis must never delay the consumer's polls."""
         while True:
             try:
-                self.ctx.state.heartbeat(self.stage.name, f"{self.ctx.replica_id}:{os.getpid()}")
+                self.ctx.state.heartbeat(self.stage.name, self.replica_key)
             except ExpstreamError as exc:  # heartbeats are best effort; the work path retries properly
                 self.log.warning("stage %s: heartbeat failed: %s", self.stage.name, exc)
             if self._closing.wait(HEARTBEAT_INTERVAL_S):
@@ -363,7 +435,7 @@ class StageRunner:
     def _handle_polled(self, polled: dict) -> None:
         todo = [(tp, rec) for tp, records in polled.items() for rec in records]
         for i, (tp, record) in enumerate(todo):
-            if self.stop_requested:
+            if self.stop_requested or self._maybe_rewind():
                 return
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
