@@ -321,9 +321,13 @@ def commit_when_empty(admin: Any, group: str, topic: str, targets: dict[int, int
 
 
 class RewindAborted(ExpstreamError):
-    """The handshake did not complete in time; nothing was moved."""
+    """The handshake did not complete in time (``moved``: some partitions were moved already)."""
 
     retriable = False
+
+    def __init__(self, message: str, *, moved: bool = False) -> None:
+        super().__init__(message)
+        self.moved = moved
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -400,7 +404,8 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
         try:
             moved = handshake(state, admin, stage.name, group, topic, targets, args.timeout)
         except RewindAborted as exc:
-            print(f"expstream rewind: aborted, nothing changed: {exc}", file=sys.stderr)
+            print(f"expstream rewind: aborted, {'PARTLY MOVED' if exc.moved else 'nothing changed'}: {exc}",
+                  file=sys.stderr)
             return EXIT_FAILED
         finally:
             state.close()
@@ -418,33 +423,53 @@ def live_replicas(state: Any, stage: str, now: float | None = None) -> set[str]:
     return {r for (s, r), t in state.heartbeats().items() if s == stage and now - t < LIVE_HEARTBEAT_S}
 
 
+def move_request(request: str, targets: dict[int, int]) -> str:
+    """The ``move`` step's request text: ``<id>/move/<p:offset,...>`` (stages/runner.py parses it)."""
+    return f"{request}/move/" + ",".join(f"{p}:{o}" for p, o in sorted(targets.items()))
+
+
 def handshake(state: Any, admin: Any, stage: str, group: str, topic: str, targets: dict[int, int],
               timeout_s: float) -> dict[int, int | None]:
-    """Steps 2-7; returns the offsets the group had committed when it was moved (before the move)."""
+    """Steps 2-7; returns the offsets the group had committed when it was paused (before the move)."""
     request = uuid.uuid4().hex[:12]
     deadline = time.monotonic() + timeout_s
+    current = [request]
 
     def refresh() -> None:
-        state.set_rewind_request(stage, request, REQUEST_TTL_S)
+        state.set_rewind_request(stage, current[0], REQUEST_TTL_S)
 
-    refresh()
-    log.info("rewind %s: request %s set; waiting for the replicas to leave group %s", stage, request, group)
-    try:
+    def wait_acks(step: str) -> set[str]:
         while True:
-            live, acked = live_replicas(state, stage), state.rewind_acks(stage, request)
-            missing = live - acked
-            if not missing:
-                break
+            live, acked = live_replicas(state, stage), state.rewind_acks(stage, current[0])
+            if not live - acked:
+                return acked & live
             if time.monotonic() > deadline:
-                raise RewindAborted(f"replica(s) {', '.join(sorted(missing))} of stage {stage} did not acknowledge "
-                                    f"the rewind within {timeout_s:.0f}s (acknowledged: "
+                raise RewindAborted(f"replica(s) {', '.join(sorted(live - acked))} of stage {stage} did not "
+                                    f"acknowledge the {step} step within {timeout_s:.0f}s (acknowledged: "
                                     f"{', '.join(sorted(acked & live)) or 'none'}); a micro-batch still in hand "
                                     "(raise --timeout) or a replica from before this version")
             refresh()
             time.sleep(ROUND_S)
-        log.info("rewind %s: acknowledged by %s", stage, ", ".join(sorted(acked)) or "no live replica")
+
+    refresh()
+    log.info("rewind %s: request %s set; waiting for the replicas to pause", stage, request)
+    try:
+        paused = wait_acks("pause")
+        log.info("rewind %s: paused by %s", stage, ", ".join(sorted(paused)) or "no live replica")
         before = committed_offsets(admin, group, topic, sorted(targets))
-        commit_when_empty(admin, group, topic, targets, deadline, refresh)
+        current[0] = move_request(request, targets)
+        refresh()
+        moved = wait_acks("move")
+        if not moved:  # no live replica: nobody in the group, so commit from outside
+            commit_when_empty(admin, group, topic, targets, deadline, refresh)
+        while (now := committed_offsets(admin, group, topic, sorted(targets))) != targets:
+            # a partition no live replica owned (a member that is not ours, or one still joining)
+            if time.monotonic() > deadline:
+                raise RewindAborted(f"the replicas moved {topic} partially: committed now "
+                                    f"{ {p: o for p, o in now.items()} }, wanted {targets}; partitions not yet "
+                                    "at their target were not owned by a live replica", moved=True)
+            refresh()
+            time.sleep(ROUND_S)
         log.info("rewind %s: committed %s for group %s", stage,
                  ", ".join(f"{topic}[{p}]@{o}" for p, o in sorted(targets.items())), group)
         return before

@@ -55,10 +55,11 @@ retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
 Rewind (expstream/rewind.py has the whole handshake). Between two records, at most every
 ``REWIND_CHECK_INTERVAL_S``, the loop reads the stage's rewind request from the run state. When one
 is set: 1. the micro-batch in hand is already done and committed (the check is between records);
-records polled but not yet handled are dropped, uncommitted; 2. the consumer is closed (it leaves
-the group); 3. the replica acknowledges under its heartbeat name ``<replica>:<pid>`` and waits,
-heartbeating, until the request is cleared (or expires: the tool died); 4. a new consumer joins the
-group and fetches from the committed offsets, which the tool has moved meanwhile.
+records polled but not handled yet are fetched again (their positions are set back); 2. every
+assigned partition is paused and the replica keeps polling (it stays in the group: no rebalance);
+3. it acknowledges each step under its heartbeat name ``<replica>:<pid>``; at the ``move`` step it
+seeks every partition it owns to the target and commits it (as a member: the commit is accepted);
+4. once the request is gone (cleared, or expired: the tool died) it resumes.
 """
 
 from __future__ import annotations
@@ -306,17 +307,16 @@ class StageRunner:
                       self.commits_skipped, self.rewinds)
         return 0
 
-    def _connect(self, consumer_only: bool = False) -> bool:
-        """Create the producer (unless ``consumer_only``) and consumer, retrying while the broker is unreachable."""
+    def _connect(self) -> bool:
+        """Create the producer and consumer, retrying while the broker is unreachable."""
         cfg = self.ctx.topology.kafka
 
         def connect() -> bool:
             try:
-                if not consumer_only:
-                    self.producer = make_producer(self.bootstrap, cfg)
+                self.producer = make_producer(self.bootstrap, cfg)
                 self.consumer = make_consumer(self.bootstrap, self.group_id, cfg)
             except BrokerUnavailableError:
-                if self.producer is not None and not consumer_only:
+                if self.producer is not None:
                     self.producer.close(timeout=1)
                     self.producer = None
                 raise
@@ -347,9 +347,12 @@ class StageRunner:
                 self.consumer.close(autocommit=False)
 
     # -- rewind (main thread; expstream/rewind.py drives the handshake) --------------------------------
-    def _maybe_rewind(self) -> bool:
-        """Between records: when the stage has a rewind request, leave the group, acknowledge, wait until
-        the request is cleared and rejoin. True when that happened (anything polled before is stale)."""
+    def _maybe_rewind(self, pending: dict[TopicPartition, int] | None = None) -> bool:
+        """Between records: when the stage has a rewind request, pause, acknowledge, move the owned
+        partitions when told, and resume once the request is gone. True when that happened.
+
+        ``pending``: the first record not handled yet of each partition polled (they are fetched again).
+        """
         now = time.monotonic()
         if now < self._next_rewind_check:
             return False
@@ -362,33 +365,57 @@ class StageRunner:
         if request is None:
             return False
         self.rewinds += 1
-        self.log.warning("stage %s replica %s: rewind request %s: leaving group %s (last record committed) and "
-                         "waiting until the offsets are moved", self.stage.name, self.replica_key, request,
-                         self.group_id)
-        self.consumer.close(autocommit=False)
-        self.consumer = None
-        acked = None
-        waited = time.monotonic()
+        for tp, offset in (pending or {}).items():
+            self.pausing.reposition(tp, offset)
+        self.log.warning("stage %s replica %s: rewind request %s: pausing %s (last record committed)",
+                         self.stage.name, self.replica_key, request.split("/")[0], self.stage.input)
+        started, moved, acked = time.monotonic(), set(), None
         while not self.stop_requested:
             try:
                 request = self.ctx.state.rewind_request(self.stage.name)
                 if request is None:
                     break
-                self.ctx.state.ack_rewind(self.stage.name, request, self.replica_key, REWIND_ACK_TTL_S)
-                if request != acked:
-                    self.log.info("stage %s replica %s: acknowledged rewind request %s; waiting", self.stage.name,
-                                  self.replica_key, request)
-                    acked = request
+                if self._rewind_move(request, moved):
+                    self.ctx.state.ack_rewind(self.stage.name, request, self.replica_key, REWIND_ACK_TTL_S)
+                    if request != acked:
+                        self.log.info("stage %s replica %s: acknowledged rewind step %s", self.stage.name,
+                                      self.replica_key, request)
+                        acked = request
             except ExpstreamError as exc:
-                self.log.warning("stage %s: rewind handshake: run state unreachable (%s); still waiting",
+                self.log.warning("stage %s: rewind handshake: run state unreachable (%s); still paused",
                                  self.stage.name, exc)
-            self._stop.wait(REWIND_CHECK_INTERVAL_S)
-        if self.stop_requested or not self._connect(consumer_only=True):
-            return True
-        self._subscribe()
-        self.log.warning("stage %s replica %s: rewind request done after %.1fs; rejoining group %s at its committed "
-                         "offsets", self.stage.name, self.replica_key, time.monotonic() - waited, self.group_id)
+            self.pausing.poll_paused()  # keeps the membership; ~BUSY_POLL_MS
+        self.pausing.resume_all()
+        self.log.warning("stage %s replica %s: rewind done after %.1fs; resuming at %s", self.stage.name,
+                         self.replica_key, time.monotonic() - started,
+                         ", ".join(f"{tp.topic}[{tp.partition}]@{self.consumer.position(tp)}"
+                                   for tp in sorted(self.consumer.assignment())) or "no partition")
         return True
+
+    def _rewind_move(self, request: str, moved: set[TopicPartition]) -> bool:
+        """``<id>/move/<p:offset,...>``: seek and commit every owned partition named; True when each is done."""
+        _, _, rest = request.partition("/")
+        if not rest.startswith("move/"):
+            return True  # the pause step: paused is all it asks
+        targets = dict(tuple(int(x) for x in item.split(":")) for item in filter(None, rest[5:].split(",")))
+        ok = True
+        for tp in sorted(self.consumer.assignment()):
+            if tp in moved or tp.partition not in targets:
+                continue
+            offset = targets[tp.partition]
+            try:
+                self.consumer.seek(tp, offset)
+                self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1)},
+                                     timeout_ms=self.ctx.topology.kafka.request_timeout_ms)
+            except (kafka_errors.KafkaError, AssertionError) as exc:  # rebalanced meanwhile: tried again
+                self.log.warning("stage %s: rewind of %s[%d] to %d not committed yet (%s); retrying",
+                                 self.stage.name, tp.topic, tp.partition, offset, exc)
+                ok = False
+                continue
+            moved.add(tp)
+            self.log.warning("stage %s replica %s: rewound %s[%d] to %d (committed)", self.stage.name,
+                             self.replica_key, tp.topic, tp.partition, offset)
+        return ok
 
     def _heartbeats(self) -> None:
         """Redis heartbeats on their own thread: a slow Redis must never delay the consumer's polls."""
@@ -435,7 +462,9 @@ class StageRunner:
     def _handle_polled(self, polled: dict) -> None:
         todo = [(tp, rec) for tp, records in polled.items() for rec in records]
         for i, (tp, record) in enumerate(todo):
-            if self.stop_requested or self._maybe_rewind():
+            if self.stop_requested:
+                return
+            if self._maybe_rewind(_first_offsets(todo[i:])):
                 return
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
@@ -845,6 +874,14 @@ def _subset(batch: Any, lo: int, hi: int) -> Any:
         return batch.select(list(range(lo, hi)), batch_id=batch_id)
     return PromptBatch(batch_id=batch_id, prompt_id=batch.prompt_id[lo:hi], prompt=batch.prompt[lo:hi],
                        label=batch.label[lo:hi], reference=batch.reference[lo:hi])
+
+
+def _first_offsets(todo: list[tuple[TopicPartition, Any]]) -> dict[TopicPartition, int]:
+    """The first offset of each partition in ``todo`` (records polled, not handled yet)."""
+    out: dict[TopicPartition, int] = {}
+    for tp, rec in todo:
+        out.setdefault(tp, rec.offset)
+    return out
 
 
 def _key(batch: Any) -> bytes:
