@@ -11,25 +11,31 @@
 * a batch id, ``batch:p000003/m0``: the first record carrying it goes back to its own offset (it is
   reprocessed); the other partitions go to the same moment (first record at or after its timestamp).
 
-The handshake (the tool T, each replica R of the stage; R's side is in stages/runner.py):
+The handshake (the tool T, each replica R of the stage; R's side is in stages/runner.py). The
+replicas stay in their consumer group throughout: no member leaves or joins, so no rebalance
+(measured on the embedded Tansu: two replicas that leave an emptied group and rejoin together
+waited over 90 s for an assignment; paused members move in about a second).
 
 1. T resolves the target, reads the group's committed offsets and prints what will be reprocessed
    (per partition: from -> to, record count, first/last batch ids). ``--dry-run`` stops here; without
    ``--yes`` T asks on a terminal and refuses without one.
-2. T sets the stage's rewind request (a fresh id) in the run's state, with a TTL it refreshes on every
-   round (``REQUEST_TTL_S``): a T that dies leaves no replica waiting for ever.
+2. T sets the stage's rewind request ``<id>`` in the run's state, with a TTL it refreshes on every
+   round (``REQUEST_TTL_S``): a T that dies leaves no replica paused for ever.
 3. R, between two records (at most every ``stages.runner.REWIND_CHECK_INTERVAL_S``), sees it: the
-   micro-batch it had is committed already, it closes its consumer (leaves the group), acknowledges
-   under its heartbeat name ``<replica>:<pid>`` and waits, still heartbeating, until the request is gone.
+   micro-batch it had is committed already; records it polled but did not handle are set back; it
+   pauses every assigned partition, keeps polling (membership kept) and acknowledges ``<id>`` under its
+   heartbeat name ``<replica>:<pid>``.
 4. T waits until every live replica (a heartbeat younger than ``LIVE_HEARTBEAT_S``; re-evaluated each
    round, so a replica started meanwhile must acknowledge too) has acknowledged. A replica that does
    not within ``--timeout``: T clears the request, names it, moves nothing, exits 1.
-5. T commits the new offsets for the group (OffsetCommit from outside the group: the broker refuses
-   it with UNKNOWN_MEMBER_ID while a member is still in the group, so a refusal means "not empty
-   yet" and is retried until the timeout; the group's last members may still be leaving).
-6. T re-reads the committed offsets (the replicas committed up to the moment they left) and prints
-   what the stage will reprocess from the positions it actually had.
-7. T clears the request; every R opens a new consumer, rejoins and fetches from the committed offsets.
+5. T reads the committed offsets (every replica committed what it handled) and sets the request to
+   ``<id>/move/<p:offset,...>``. Each R seeks every partition it owns to its target and commits it
+   (as a member of the current generation: accepted), then acknowledges that text. With no live
+   replica at all, T commits from outside the group instead (the broker accepts that only from an
+   empty group: refusals are retried until the timeout).
+6. T waits for the acknowledgements and until the group's committed offsets are the targets, then
+   prints what the stage will reprocess from the positions it actually had.
+7. T clears the request; every R resumes its partitions and fetches from the new positions.
 
 A rewound stage's outputs carry the same batch ids as before (ids are stable), so downstream stages
 and the experience reader dedupe them as usual.
@@ -305,7 +311,8 @@ def make_plan(view: TopicView, targets: dict[int, int], committed: dict[int, int
 
 def commit_when_empty(admin: Any, group: str, topic: str, targets: dict[int, int], deadline: float,
                       refresh: Any) -> None:
-    """Step 5: commit ``targets`` for ``group`` once no member is left (refusals retried until ``deadline``)."""
+    """Step 5 without live replicas: commit ``targets`` for ``group`` from outside; the broker refuses it
+    (UNKNOWN_MEMBER_ID) while a member is left, so refusals are retried until ``deadline``."""
     offsets = {TopicPartition(topic, p): OffsetAndMetadata(o, "", -1) for p, o in targets.items()}
     while True:
         errors = {tp: err for tp, err in admin.alter_group_offsets(group, offsets).items()
