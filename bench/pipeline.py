@@ -31,7 +31,10 @@ Per-hop overhead: the records each topic carried in the baseline run are sent, r
 the hops, through a LocalBroker with the stages' own client settings: encode, confirmed produce,
 fetch by a consumer-group member, decode, synchronous commit (what stages/runner.py does per record).
 
-Usage: ``.venv/bin/python bench/pipeline.py [--prompts 48] [--model-size tiny|small] [--set k=v]``.
+``--record`` measures the recording's cost instead (record.enabled=false vs true, interleaved;
+see :func:`record_cost`).
+
+Usage: ``.venv/bin/python bench/pipeline.py [--prompts 48] [--model-size tiny|small] [--set k=v] [--record]``.
 Nothing is asserted: the script reports; it exits non-zero only when a run fails.
 """
 
@@ -94,6 +97,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--baseline-repeats", type=int, default=3, help="in-process runs per thread count (median)")
     p.add_argument("--hop-records", type=int, default=30, help="records timed per hop (median)")
     p.add_argument("--keep-runs", action="store_true", help="keep the streaming runs' output directories")
+    p.add_argument("--record", action="store_true",
+                   help="instead: the recording's cost, streaming runs with record.enabled=false and true "
+                        "interleaved (no baseline, no hops); writes bench/results/pipeline-record.json")
+    p.add_argument("--record-repeats", type=int, default=3, help="with --record: (off, on) pairs per prompt count")
     return p.parse_args()
 
 
@@ -411,6 +418,7 @@ def stream_run(prompts: Path, sets: list[str], out: Path) -> dict[str, Any]:
     return {"prompts": summary["prompts"], "samples": summary["samples"], "wall_s": summary["wall_s"],
             "cmd_wall_s": cmd_wall, "summary_samples_per_s": summary["samples_per_s"],
             "log_steady_samples_per_s": log_steady_rate(out / "run" / "logs"), "stages": summary["stages"],
+            "recording_bytes": (summary.get("recording") or {}).get("bytes"),
             "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
 
 
@@ -469,6 +477,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     prompt_files = {args.prompts: write_prompts(work / f"prompts-{args.prompts}.jsonl", args.prompts),
                     2 * args.prompts: write_prompts(work / f"prompts-{2 * args.prompts}.jsonl", 2 * args.prompts)}
+    if args.record:
+        try:
+            result = record_cost(args, sets, prompt_files, work)
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(work, ignore_errors=True)
+        save("pipeline-record", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+                                 "end_loadavg": machine()["loadavg"], **result})
+        return 0
     try:
         baseline = Baseline(topo, prompt_files[args.prompts])
         runs: dict[int, list[dict[str, Any]]] = {k: [] for k in prompt_files}
@@ -497,6 +514,65 @@ def main() -> int:
     summary = report(args, topo, base, hops, stream, info_start, info_end, model_info)
     save(f"pipeline-{args.model_size}" if args.model_size != "tiny" else "pipeline", summary)
     return 0
+
+
+def record_cost(args: argparse.Namespace, sets: list[str], prompt_files: dict[int, Path],
+                work: Path) -> dict[str, Any]:
+    """``--record``: the recording's throughput cost, record.enabled=false vs true in the same bench.
+
+    Per repeat, for N then 2N prompts, one run with the recording off and one with it on, their
+    order alternating between repeats (off, on / on, off) so that slow drifts of the machine's load
+    hit both sides alike. Per pair the steady-state ratio on/off is taken from the advantage stage's
+    log (samples after its first micro-batch / time to its last: start-up and shutdown, where the
+    recorder starts and drains, are outside it), and per repeat from the two-point rate
+    (samples_2N - samples_N) / (wall_2N - wall_N) of each setting. Reported: median and range.
+    """
+    runs: dict[bool, dict[int, list[dict[str, Any]]]] = {on: {k: [] for k in prompt_files} for on in (False, True)}
+    pair_ratios: list[float] = []
+    two_point_ratios: list[float] = []
+    for rep in range(args.record_repeats):
+        order = (False, True) if rep % 2 == 0 else (True, False)
+        for count, path in prompt_files.items():
+            pair = {}
+            for on in order:
+                r = stream_run(path, sets + [f"record.enabled={str(on).lower()}"], work / f"rec-{on}-{count}-{rep}")
+                runs[on][count].append(r)
+                pair[on] = r["log_steady_samples_per_s"]
+                progress(f"record={'on ' if on else 'off'} {count} prompts run {rep + 1}/{args.record_repeats}: "
+                         f"summary wall {r['wall_s']:.1f}s, log steady {fmt(r['log_steady_samples_per_s'])}/s")
+            pair_ratios.append(ratio(pair[True], pair[False]))
+        (n1, _), (n2, _) = sorted(prompt_files.items())
+        tp = {}
+        for on in (False, True):
+            a, b = runs[on][n1][-1], runs[on][n2][-1]
+            tp[on] = (b["samples"] - a["samples"]) / (b["wall_s"] - a["wall_s"]) if b["wall_s"] > a["wall_s"] else float("nan")
+        two_point_ratios.append(ratio(tp[True], tp[False]))
+    steady = {on: median([r["log_steady_samples_per_s"] for rs in runs[on].values() for r in rs]) for on in runs}
+    rows = [[f"pair {i + 1}", x] for i, x in enumerate(pair_ratios)]
+    print()
+    print(table(["log steady ratio on/off", "ratio"], rows, title="recording cost, per (off, on) pair"))
+    print()
+    rows = [["log steady (median of pair ratios)", median(pair_ratios), min(pair_ratios), max(pair_ratios)],
+            ["two-point (median of repeats)", median(two_point_ratios), min(two_point_ratios), max(two_point_ratios)]]
+    print(table(["throughput record on / off", "median", "min", "max"], rows))
+    print(f"steady samples/s (median of runs): off {fmt(steady[False])}, on {fmt(steady[True])}")
+    rec_cpu = [r["cpu_s"]["stages"].get("recorder", 0.0) for rs in runs[True].values() for r in rs]
+    rec_share = [r["cpu_s"]["stages"].get("recorder", 0.0) / r["cpu_s"]["total"]
+                 for rs in runs[True].values() for r in rs]
+    broker = {on: median([r["cpu_s"]["broker"] for rs in runs[on].values() for r in rs]) for on in runs}
+    print(f"recorder CPU per run: median {fmt(median(rec_cpu))} s = {fmt(100 * median(rec_share))} % of the run's "
+          f"CPU (range {fmt(100 * min(rec_share))}-{fmt(100 * max(rec_share))} %); broker CPU median off "
+          f"{fmt(broker[False])} s, on {fmt(broker[True])} s")
+    return {"record_repeats": args.record_repeats, "prompts": sorted(prompt_files),
+            "pair_log_steady_ratios": [rounded(x, 4) for x in pair_ratios],
+            "two_point_ratios": [rounded(x, 4) for x in two_point_ratios],
+            "ratio_log_steady_median": rounded(median(pair_ratios), 4),
+            "ratio_two_point_median": rounded(median(two_point_ratios), 4),
+            "steady_samples_per_s": {"off": rounded(steady[False]), "on": rounded(steady[True])},
+            "recorder_cpu_s_median": rounded(median(rec_cpu)), "recorder_cpu_share_median": rounded(median(rec_share), 4),
+            "recorder_cpu_share_range": [rounded(min(rec_share), 4), rounded(max(rec_share), 4)],
+            "broker_cpu_s_median": {"off": rounded(broker[False]), "on": rounded(broker[True])},
+            "recording_bytes": median([r.get("recording_bytes") or 0 for rs in runs[True].values() for r in rs])}
 
 
 def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops: dict[str, Any],

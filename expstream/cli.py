@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | train | topics | models | dlq | rewind.
+"""``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay | rewind.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     from expstream.dlq import add_dlq_parser
 
     add_dlq_parser(sub, _add_topology_args)
+    from expstream.diff import add_diff_parser
+    from expstream.inspect import add_show_parser
+    from expstream.recorder import add_record_parser
+    from expstream.replay import add_replay_parser
+
+    add_show_parser(sub, _add_topology_args)
+    add_diff_parser(sub, _add_topology_args)
+    add_replay_parser(sub, _add_topology_args)
+    add_record_parser(sub, _add_topology_args)
     from expstream.rewind import add_rewind_parser
 
     add_rewind_parser(sub, _add_topology_args)
@@ -96,6 +105,18 @@ def main(argv: list[str] | None = None) -> int:
         args.redis_url = env_redis_url()
     _setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
     try:
+        if args.command == "show":  # these read a run directory: its recorded topology, not ./topology.yaml
+            from expstream.inspect import show_command
+
+            return show_command(args)
+        if args.command == "diff":
+            from expstream.diff import diff_command
+
+            return diff_command(args)
+        if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
+            from expstream.replay import replay_command
+
+            return replay_command(args)
         if getattr(args, "continuous", False):
             args.overrides.append("train.enabled=true")  # last, so it wins over a --set train.enabled=false
         topo = load_topology(find_topology(args.topology), args.overrides)
@@ -124,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.rewind import rewind_command
 
             return rewind_command(topo, args)
+        if args.command == "record":
+            from expstream.recorder import record_command
+
+            return record_command(topo, args)
         if args.command == "models":
             for role in ("tokenizer", "actor", "critic", "reward"):
                 if getattr(topo.models, role):

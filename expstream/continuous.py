@@ -34,7 +34,6 @@ from expstream.prompts import EpochFeeder, PromptRow, send_prompt_batches
 from expstream.topology import Topology
 
 if TYPE_CHECKING:
-    from expstream.outcome import ContinuousOutcome
     from expstream.state import State
     from expstream.supervisor import Supervisor
 
@@ -171,9 +170,13 @@ def step_line(step: dict[str, Any]) -> str:
             f"staleness {{{stale}}}{dropped}  {num('samples_per_s', '.2f')} samples/s")
 
 
-def run_continuous(topo: Topology, rows: list[PromptRow], out: ContinuousOutcome, sup: Supervisor, state: State,
+def run_continuous(topo: Topology, rows: list[PromptRow], out: Any, sup: Supervisor, state: State,
                    bootstrap: str, stop: dict[str, bool]) -> None:
-    """Step 4 of the module docstring; sets ``out.finished`` / ``out.status`` / ``out.fail``."""
+    """Step 4 of the module docstring; sets ``out.finished`` / ``out.status`` / ``out.fail``.
+
+    ``out`` is the run's :class:`expstream.outcome.ContinuousOutcome` (not imported here: outcome
+    imports this module's train-log reader).
+    """
     train, k = topo.train, topo.async_.max_staleness
     record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
     feeder = out.feeder = EpochFeeder(rows, topo.run.prompt_batch_size, topo.run.seed)

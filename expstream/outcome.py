@@ -79,6 +79,7 @@ class RunOutcome:
     dropped: int = 0
     finished: bool = False  # the loop stopped because every fed group was accounted for or the target met
     summary: dict | None = None  # once written
+    recording_dir: Path | None = None  # the run directory, when the recorder ran (summary.json "recording")
 
     def fail(self, error: str) -> None:
         """Mark the run failed; the first error is the one reported (a Redis password in it masked)."""
@@ -86,6 +87,18 @@ class RunOutcome:
             if self.secret:
                 error = error.replace(self.secret, REDACTED)
             self.status, self.error = EXIT_FAILED, error
+
+    def recording(self, problems: list[str]) -> dict | None:
+        """summary.json's ``recording`` (expstream.recorder.recording_summary), None when not recorded."""
+        if self.recording_dir is None:
+            return None
+        try:
+            from expstream.recorder import recording_summary
+
+            return recording_summary(self.recording_dir)
+        except Exception as exc:  # noqa: BLE001 - a bad recording is reported, never worth losing the summary
+            problems.append(f"recording not read: {type(exc).__name__}: {exc}")
+            return None
 
     def on_exit(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
         """``ExitStack.push`` hook: an exception while setting up still writes the outputs; never swallows it."""
@@ -168,6 +181,7 @@ class RunOutcome:
             "bootstrap_servers": self.bootstrap,
             "redis_url": self.redis_url,
             "topology": topo.source,
+            "recording": self.recording(problems),
         }
         try:
             dump_json(summary, self.out_dir / "summary.json")
@@ -249,6 +263,7 @@ class ContinuousOutcome(RunOutcome):
             "bootstrap_servers": self.bootstrap,
             "redis_url": self.redis_url,
             "topology": topo.source,
+            "recording": self.recording(problems),
         }
         try:
             dump_json(summary, self.out_dir / "summary.json")

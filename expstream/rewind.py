@@ -51,7 +51,6 @@ import re
 import sys
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +61,7 @@ from kafka.structs import OffsetAndMetadata
 
 from expstream.bus import KafkaConfig, end_offsets, make_admin, make_consumer
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
+from expstream.recorder import Position, parse_position
 from expstream.recording import PartitionReader, partition_path, recorded_partitions, recorded_topics
 from expstream.topology import Topology, load_topology
 from schemas.codec import peek_header
@@ -84,17 +84,6 @@ ROUND_S = 0.25
 SCAN_TIMEOUT_S = 30.0
 
 _OFFSETS_RE = re.compile(r"^\d+:\d+(,\d+:\d+)*$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Position:
-    """A parsed ``--to`` (exactly one of the fields besides ``text`` is set)."""
-
-    text: str
-    offset: int | None = None  # every partition to this offset
-    offsets: dict[int, int] | None = None  # partition -> offset, only these partitions
-    time_ms: int | None = None  # first record at or after this time (ms since the epoch)
-    batch_id: str | None = None  # the first record carrying this batch id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,32 +124,9 @@ class PartitionPlan:
 
 # --- positions ---------------------------------------------------------------------------------
 def parse_rewind_position(text: str) -> Position:
-    """``--to``: ``123`` | ``0:12,1:40`` | ISO 8601 time with a zone | ``@epoch_ms`` | ``batch:<id>``."""
-    t = (text or "").strip()
-    fix = "use an offset (123, or per partition 0:12,1:40), a time (2026-11-24T10:00:00Z or @1700000000000) " \
-          "or a batch id (batch:p000003)"
-    if t.startswith("batch:"):
-        if not t[6:]:
-            raise ConfigError("--to batch: names no batch id", field="--to", fix=fix)
-        return Position(t, batch_id=t[6:])
-    if t.isdigit():
-        return Position(t, offset=int(t))
-    if _OFFSETS_RE.match(t):
-        pairs = [tuple(int(x) for x in item.split(":")) for item in t.split(",")]
-        parts = [p for p, _ in pairs]
-        if len(set(parts)) != len(parts):
-            raise ConfigError(f"--to {t!r} names a partition twice", field="--to", fix=fix)
-        return Position(t, offsets=dict(pairs))
-    if t.startswith("@") and t[1:].isdigit():
-        return Position(t, time_ms=int(t[1:]))
-    try:
-        when = datetime.fromisoformat(t)
-    except ValueError:
-        raise ConfigError(f"--to {text!r} is not a position", field="--to", fix=fix) from None
-    if when.tzinfo is None:
-        raise ConfigError(f"--to {text!r} has no time zone", field="--to",
-                          fix="add one (2026-11-24T10:00:00Z, or +01:00): a rewind must not depend on the host's zone")
-    return Position(t, time_ms=round(when.timestamp() * 1000))
+    """``--to``: ``123`` | ``0:12,1:40`` | ISO 8601 time with a zone | ``@epoch_ms`` | ``batch:<id>``
+    (expstream/recorder.py's grammar)."""
+    return parse_position(text, "--to")
 
 
 def _first_at_or_after(entries: list[Entry], time_ms: int, end: int) -> int:
@@ -178,7 +144,7 @@ def resolve_targets(pos: Position, index: dict[int, list[Entry]], starts: dict[i
     the first offset still held and the high watermark of every partition of ``topic``.
     """
     parts = sorted(ends)
-    if pos.offset is not None or pos.offsets is not None:
+    if pos.kind == "offset":
         wanted = {p: pos.offset for p in parts} if pos.offset is not None else dict(pos.offsets or {})
         for p, off in wanted.items():
             if p not in ends:
@@ -189,7 +155,7 @@ def resolve_targets(pos: Position, index: dict[int, list[Entry]], starts: dict[i
                                   f"{starts[p]}..{ends[p]} (end {ends[p]} = after the last record)", field="--to",
                                   fix=f"choose an offset between {starts[p]} and {ends[p]}")
         return wanted
-    if pos.time_ms is not None:
+    if pos.kind == "time":
         return {p: _first_at_or_after(index.get(p, []), pos.time_ms, ends[p]) for p in parts}
     hits = [(e.offset, p, e) for p in parts for e in index.get(p, []) if e.batch_id == pos.batch_id]
     if not hits:

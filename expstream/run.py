@@ -5,12 +5,16 @@
 1. Build the built-in tiny models once, before any stage starts (the reward function and the
    model directories were checked by expstream.resolve right after loading the topology).
 2. Start a local broker and redis-server on free loopback ports unless addresses were given.
-3. Create every topic of the topology and its ``.dlq`` twin explicitly.
+3. Create every topic of the topology and its ``.dlq`` twin explicitly; write the resolved
+   configuration to ``run/topology.yaml`` (what the stages read) and ``<output>/topology.yaml``.
 4. Start every enabled stage replica as its own process under the supervisor.
 5. Feed the prompt file into the input topic (every send confirmed).
 6. Collect experiences (deduped by sample id) until every prompt group is accounted for:
    emitted complete, dropped by dynamic sampling, or dead-lettered.
-7. Stop stages (SIGTERM, then SIGKILL after a grace period), then redis and the broker.
+7. Stop stages (SIGTERM, then SIGKILL after a grace period), then redis and the broker. With
+   ``record`` on, the supervised ``recorder`` (started in step 4 with the stages, writing
+   ``<output>/topics/``) is stopped after the stages, so it drains what they wrote last, and
+   before the summary, which counts what it recorded.
 8. Write ``experiences.msgpack`` and ``summary.json`` whatever happened (expstream.outcome: a run
    that lost more than ``run.max_lost_group_share`` of its fed groups fails); print the summary.
 
@@ -41,6 +45,8 @@ from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
 from expstream.prompts import feed_prompts, read_prompts
+from expstream.recorder import RECORDER, record_topics, recorder_argv
+from expstream.recording import TOPICS_DIR
 from expstream.resolve import build_builtin_models
 from expstream.rundir import claim_run_dir
 from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
@@ -184,6 +190,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         state = out.state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
+        write_resolved_topology(topo, out_dir / "topology.yaml")  # the run directory's copy (replay reads it)
+        recording = topo.record.is_on(own_broker=not args.bootstrap_servers)
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
                          fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
                                                      **stage_env(redis_url)})
@@ -192,6 +200,11 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                 sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))
         if continuous:
             sup.add(TRAINER, 0, trainer_argv(topo_path, bootstrap, run_id, out_dir), one_shot=True)
+        if recording:  # stopped after the stages, so it drains what they wrote last (expstream/recorder.py)
+            topics = record_topics(topo)
+            sup.add(RECORDER, 0, recorder_argv(topo_path, bootstrap, topics, out_dir, run_id), stop_last=True)
+            out.recording_dir = out_dir
+            log.info("run %s: recording %s into %s", run_id, ", ".join(topics), out_dir / TOPICS_DIR)
         out.supervisor = sup
         sup.start()
         stack.callback(sup.stop)
@@ -248,8 +261,10 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                 log.exception("run %s: %s", run_id, exc)
             out.fail(f"{type(exc).__name__}: {exc}")
         finally:
-            if continuous:
-                sup.stop()  # the trainer's last steps are in train.jsonl before the summary reads it
+            if continuous or recording:
+                # the trainer's last steps are in train.jsonl, the recorder has drained and closed its
+                # files, before the summary reads them
+                sup.stop()
             summary = out.write()  # experiences.msgpack and summary.json, whatever happened
     print_summary(summary, out_dir)
     if out.error:

@@ -75,6 +75,7 @@ class Child:
     one_shot: bool = False  # exit 0 = finished: not restarted
     finished: bool = False  # a one-shot child that exited 0
     kind: str = "stage"  # how log lines and errors name it ("stage", "process")
+    stop_last: bool = False  # stopped after every other child has exited (the recorder drains what they wrote)
 
     @property
     def label(self) -> str:
@@ -109,10 +110,12 @@ class Supervisor:
         self.children: list[Child] = []
         self.stopping = False
 
-    def add(self, name: str, replica: int, argv: list[str], *, one_shot: bool = False) -> Child:
-        """Supervise ``argv`` as ``name[replica]``; ``one_shot``: an exit 0 means finished, not restarted."""
+    def add(self, name: str, replica: int, argv: list[str], *, one_shot: bool = False,
+            stop_last: bool = False) -> Child:
+        """Supervise ``argv`` as ``name[replica]``; ``one_shot``: an exit 0 means finished, not restarted;
+        ``stop_last``: :meth:`stop` signals it only once every other child has exited."""
         child = Child(name, replica, argv, self.log_dir / f"{name}-{replica}.log", one_shot=one_shot,
-                      kind="process" if one_shot else "stage")
+                      kind="process" if one_shot or stop_last else "stage", stop_last=stop_last)
         self.children.append(child)
         return child
 
@@ -196,8 +199,18 @@ class Supervisor:
                         child.restarts, delay, child.log_path)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Two waves: every child not ``stop_last``, then the ``stop_last`` ones (each wave: SIGTERM,
+        wait up to ``grace_s``, SIGKILL), so a recorder sees every record the stages wrote."""
         self.stopping = True
-        live = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for last in (False, True):
+            self._stop_wave([c for c in self.children if c.stop_last == last], grace_s)
+        for child in self.children:
+            if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
+                log.warning("%s %s exited with code %s on stop", child.kind, child.label, child.proc.returncode)
+        self._write_pids()
+
+    def _stop_wave(self, children: list[Child], grace_s: float) -> None:
+        live = [c for c in children if c.proc is not None and c.proc.poll() is None]
         for child in live:
             try:
                 child.proc.send_signal(signal.SIGTERM)
@@ -208,13 +221,10 @@ class Supervisor:
             try:
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("stage %s did not stop within %.0fs of SIGTERM; killing it", child.label, grace_s)
+                log.warning("%s %s did not stop within %.0fs of SIGTERM; killing it", child.kind, child.label,
+                            grace_s)
                 child.proc.kill()
                 child.proc.wait()
-        for child in self.children:
-            if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
-                log.warning("stage %s exited with code %s on stop", child.label, child.proc.returncode)
-        self._write_pids()
 
     def _write_pids(self) -> None:
         """``pids.json`` beside the logs: what is running now, for operators and kill tests."""

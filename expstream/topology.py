@@ -249,6 +249,26 @@ class AsyncConfig:
 
 
 @dataclass
+class RecordConfig:
+    """What the run records into ``<output>/topics/`` (the ``record:`` block; docs/replay.md "Recording")."""
+
+    enabled: bool | None = None  # null: on when `expstream run` starts its own broker, off with --bootstrap-servers
+    topics: list[str] | None = None  # null: every topology topic, its .dlq twin and `policy`; or these names
+
+    def __post_init__(self) -> None:
+        if self.topics is not None:
+            _check(len(self.topics) > 0, "record.topics",
+                   "an empty list records nothing; give topic names, null for every topic, or set record.enabled=false")
+            for t in self.topics:
+                _check(bool(t) and "/" not in t and t not in (".", ".."), "record.topics",
+                       f"{t!r} cannot name a topic (nor a recording folder)")
+
+    def is_on(self, own_broker: bool) -> bool:
+        """Whether `expstream run` records, given whether it started its own broker."""
+        return own_broker if self.enabled is None else bool(self.enabled)
+
+
+@dataclass
 class StageConfig:
     output: str = ""
     replicas: int = 1
@@ -281,6 +301,7 @@ class Topology:
     topics: TopicsConfig = field(default_factory=TopicsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # the `async:` block
+    record: RecordConfig = field(default_factory=RecordConfig)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     # Which file this was read from (a path, or PACKAGED_SOURCE); logged and kept in summary.json.
     source: str = PACKAGED_SOURCE
@@ -353,6 +374,7 @@ def _valid_tree() -> dict[str, Any]:
         "topics": fields_of(TopicsConfig),
         "train": fields_of(TrainConfig),
         "async": fields_of(AsyncConfig),
+        "record": fields_of(RecordConfig),
     }
 
 
@@ -412,6 +434,7 @@ def build_topology(raw: dict[str, Any]) -> Topology:
         topics=_from_dict(TopicsConfig, raw.get("topics"), "topics"),
         train=_from_dict(TrainConfig, raw.get("train"), "train"),
         async_=_from_dict(AsyncConfig, raw.get("async"), "async"),
+        record=_from_dict(RecordConfig, raw.get("record"), "record"),
         raw=raw,
     )
     for name in STAGE_ORDER:

@@ -31,8 +31,9 @@ from kafka import TopicPartition
 from expstream.bus import make_admin, make_producer, read_topic
 from expstream.cli import main
 from expstream.errors import ConfigError
+from expstream.recorder import Position
 from expstream.recording import RecordFrame, RecordingWriter
-from expstream.rewind import Entry, Position, group_id_of, parse_rewind_position, resolve_targets
+from expstream.rewind import Entry, group_id_of, parse_rewind_position, resolve_targets
 from expstream.state import RedisState
 from expstream.topics import create_topics
 from expstream.topology import load_topology
@@ -47,18 +48,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # --- positions (pure) ------------------------------------------------------------------------------
 def test_parse_positions() -> None:
-    assert parse_rewind_position("123") == Position("123", offset=123)
-    assert parse_rewind_position("0:12,1:40") == Position("0:12,1:40", offsets={0: 12, 1: 40})
-    assert parse_rewind_position("@1700000000000") == Position("@1700000000000", time_ms=1700000000000)
+    assert parse_rewind_position("123") == Position("offset", "123", offset=123)
+    assert parse_rewind_position("0:12,1:40") == Position("offset", "0:12,1:40", offsets={0: 12, 1: 40})
+    assert parse_rewind_position("@1700000000000") == Position("time", "@1700000000000", time_ms=1700000000000)
     # 2023-11-14T22:13:20Z is 1_700_000_000 s after the epoch
     assert parse_rewind_position("2023-11-14T22:13:20Z").time_ms == 1_700_000_000_000
     assert parse_rewind_position("2023-11-14T23:13:20.5+01:00").time_ms == 1_700_000_000_500
-    assert parse_rewind_position("batch:p000003/m0") == Position("batch:p000003/m0", batch_id="p000003/m0")
+    assert parse_rewind_position("batch:p000003/m0") == Position("batch", "batch:p000003/m0",
+                                                                          batch_id="p000003/m0")
 
 
 @pytest.mark.parametrize("text, says", [
-    ("yesterday", "not a position"), ("2023-11-14T22:13:20", "no time zone"), ("0:1,0:2", "partition twice"),
-    ("batch:", "no batch id"), ("-3", "not a position")])
+    ("yesterday", "as a position"), ("2023-11-14T22:13:20", "no time zone"), ("0:1,0:2", "partition 0 twice"),
+    ("batch:", "no batch id"), ("-3", "as a position")])
 def test_bad_positions_name_the_flag(text: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says) as info:
         parse_rewind_position(text)

@@ -227,3 +227,28 @@ def test_recomputed_old_log_probs_keep_learning_from_stale_samples():
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
     clipped = grads("stage")
     assert sum(float(g.abs().sum()) for g in clipped) < 1e-6 * sum(float(e.abs().sum()) for e in expected)
+
+
+@pytest.mark.integration
+def test_the_custom_trainer_of_docs_async_runs_and_publishes(broker, redis_url, run_id, fresh_topic, tmp_path):
+    """docs/async.md "Writing your own trainer", run as written (addresses, paths and the number of
+    steps substituted): it trains on real experience records and announces version 1."""
+    import re
+
+    from expstream.state import RedisState
+    from expstream.weights import open_store
+
+    doc = (ROOT / "docs" / "async.md").read_text()
+    section = doc[doc.index("## Writing your own trainer"):]
+    code = section[section.index("```python") + len("```python"): section.index("```", section.index("```python") + 9)]
+    assert code.count("\n") <= 45  # "a 40-line example"
+    topic = fresh_topic(2)
+    _produce_experiences(broker, topic, 2)  # 16 samples: one step of train.batch_size=16
+    actor_dir = model_dir(load_topology(find_topology(None), []), "actor")
+    code = re.sub(r"^BOOT, REDIS, RUN = .*$", f"BOOT, REDIS, RUN = {broker!r}, {redis_url!r}, {run_id!r}", code,
+                  flags=re.M)
+    code = (code.replace('"runs/rl/final"', repr(str(actor_dir))).replace('"runs/rl/weights"', repr(str(tmp_path)))
+            .replace('"experiences"', repr(topic)).replace("while version < 20:", "while version < 1:"))
+    exec(compile(code, "docs/async.md", "exec"), {"__name__": "docs_example"})  # noqa: S102 - our own docs
+    assert open_store(str(tmp_path)).versions("actor") == [1]
+    assert RedisState(redis_url, run_id).policy_version() == 1

@@ -1,0 +1,464 @@
+"""The recorder: what crosses the topics, copied into a run directory's recording while it flows.
+
+``expstream run`` starts it as the supervised process ``recorder`` (when ``record`` is on, see
+``expstream.topology.RecordConfig.is_on``) and stops it after the stages; ``expstream record`` runs the same
+:class:`Recorder` against a live deployment. Both write ``<output>/topics/<topic>/partition-<p>.rec``
+in the format of expstream/recording.py (schemas/README.md section 10).
+
+Protocol (:meth:`Recorder.run`):
+
+1. Find every partition of every topic. A topic missing is a ConfigError in export mode; in follow
+   mode it is logged and looked for again every ``MISSING_TOPIC_RETRY_S`` until it appears.
+2. Start offsets, per partition: the ``start`` position (an offset; a time reads from the
+   beginning and keeps records whose timestamp is >= it), else the beginning; and never at or
+   below what the recording already holds (``RecordingWriter.last_offset``), so a restarted
+   recorder records nothing twice.
+3. End: export mode takes the end offsets at start (``bus.end_offsets``), lowered by an offset
+   ``end``; follow mode has none until a stop is requested (SIGTERM), then takes the end offsets
+   at that moment and drains up to them for at most ``DRAIN_DEADLINE_S``. A time ``end`` keeps
+   records whose timestamp is < it, and in follow mode ends a partition at its first record at or
+   after it.
+4. Poll (no consumer group: partitions are assigned), append every record in range as a
+   RecordFrame, flush the files after every poll: a killed recorder leaves whole frames plus at
+   most one torn frame per file.
+5. Close the files, log what was recorded per topic, exit 0.
+
+Times are resolved by reading record timestamps, not with the broker's ``offsets_for_times``:
+the embedded Tansu broker answers it with an earlier offset and a timestamp that is not the
+record's (measured: asked for record 7's timestamp it named offset 6), so only the records
+themselves are trusted. On Apache Kafka this reads the partitions from their beginning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import struct
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+
+from expstream.bus import KafkaConfig, end_offsets, make_consumer
+from expstream.errors import EXIT_OK, BrokerUnavailableError, ConfigError
+from expstream.recording import (
+    MAGIC,
+    PartitionReader,
+    RecordFrame,
+    RecordingWriter,
+    partition_path,
+    recorded_partitions,
+    recorded_topics,
+)
+
+__all__ = ["Position", "parse_position", "Recorder", "RecordStats", "record_topics",
+           "recorder_argv", "recording_summary", "add_record_parser", "record_command", "RECORDER"]
+
+log = logging.getLogger("expstream.recorder")
+
+#: The supervised recorder's name in `expstream run` (its log: run/logs/recorder-0.log).
+RECORDER = "recorder"
+# Why 200 ms: a poll returns as soon as records arrive; the timeout only bounds how late a stop
+# request or a drained partition is noticed. Flushing once per poll keeps the syscalls per batch.
+POLL_MS = 200
+# Why 500: a fetch of up to 500 records is one write per file; records are micro-batches (KBs).
+MAX_POLL_RECORDS = 500
+# Why 15 s: after SIGTERM the stages are already stopped (the recorder stops last), so what is left
+# is at most a poll's worth of fetches; 15 s covers a slow broker and stays under the supervisor's
+# 20 s SIGKILL grace (STOP_GRACE_S), so the files are closed by us, not cut by a kill.
+DRAIN_DEADLINE_S = 15.0
+# Why 2 s: a topic missing in follow mode is looked for again this often (a deployment creating it).
+MISSING_TOPIC_RETRY_S = 2.0
+# How long export mode waits for the broker's metadata and end offsets.
+METADATA_TIMEOUT_S = 30.0
+
+# The frame header of expstream/recording.py (length, crc32; big-endian uint32 each).
+_FRAME_HEAD = struct.Struct(">II")
+_PER_PARTITION = re.compile(r"^\d+:\d+(,\d+:\d+)*$")
+
+
+# ------------------------------------------------------------------------------------------------
+# positions on the command line
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Position:
+    """A place in a topic, as ``--from`` / ``--to`` give it (see :func:`parse_position`)."""
+
+    kind: str  # "offset" | "time" | "batch"
+    text: str  # what was typed, for messages
+    offset: int | None = None  # kind offset: the same offset in every partition
+    offsets: dict[int, int] | None = None  # kind offset: per partition (partitions not named: unbounded)
+    time_ms: int | None = None  # kind time: ms since the epoch
+    batch_id: str | None = None  # kind batch: a batch id (expstream rewind)
+
+    def offset_for(self, partition: int) -> int | None:
+        """The offset this position names in ``partition`` (None: not an offset, or not named)."""
+        if self.kind != "offset":
+            return None
+        if self.offsets is not None:
+            return self.offsets.get(int(partition))
+        return self.offset
+
+
+POSITION_FIX = ("an offset (123), offsets per partition (0:12,1:40), an ISO 8601 time with a zone "
+                "(2026-11-24T10:00:00Z), epoch milliseconds (@1700000000000) or a batch id (batch:p000003)")
+
+
+def parse_position(text: str, flag: str = "--from") -> Position:
+    """``123`` | ``0:12,1:40`` | ``2026-11-24T10:00:00Z`` | ``@1700000000000`` | ``batch:p000003``.
+
+    A time needs a zone (``Z`` or ``+01:00``): a zoneless time would depend on the machine's. Bad
+    text is a ConfigError naming ``flag``.
+    """
+    raw = text
+    text = (text or "").strip()
+    if not text:
+        raise ConfigError("empty position", field=flag, fix=f"give {POSITION_FIX}")
+    if text.startswith("batch:"):
+        batch = text[len("batch:"):]
+        if not batch:
+            raise ConfigError(f"{raw!r} names no batch id", field=flag, fix="e.g. batch:p000003")
+        return Position("batch", raw, batch_id=batch)
+    if text.isdigit():
+        return Position("offset", raw, offset=int(text))
+    if _PER_PARTITION.match(text):
+        offsets: dict[int, int] = {}
+        for item in text.split(","):
+            p, _, o = item.partition(":")
+            if int(p) in offsets:
+                raise ConfigError(f"{raw!r} names partition {p} twice", field=flag, fix="name each partition once")
+            offsets[int(p)] = int(o)
+        return Position("offset", raw, offsets=offsets)
+    if text.startswith("@"):
+        if not text[1:].isdigit():
+            raise ConfigError(f"{raw!r}: after @ come epoch milliseconds", field=flag, fix="e.g. @1700000000000")
+        return Position("time", raw, time_ms=int(text[1:]))
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise ConfigError(f"cannot read {raw!r} as a position", field=flag, fix=f"give {POSITION_FIX}") from None
+    if when.tzinfo is None:
+        raise ConfigError(f"{raw!r} has no time zone", field=flag,
+                          fix=f"add one: {text}Z for UTC, or {text}+01:00")
+    return Position("time", raw, time_ms=int(round(when.timestamp() * 1000)))
+
+
+# ------------------------------------------------------------------------------------------------
+# the recorder
+# ------------------------------------------------------------------------------------------------
+
+
+def cut_torn_tail(path: Path, topic: str, partition: int) -> int:
+    """Cut an incomplete last frame (a recorder killed mid-write) off ``path`` before appending to
+    it again, so that new frames never follow a torn one (which readers would call corruption).
+    Returns the bytes cut; a corrupt file (bad frame with data after it) raises RecordingError."""
+    reader = PartitionReader(path, topic, partition)
+    for _ in reader:  # validates: raises on corruption, sets torn_tail
+        pass
+    if not reader.torn_tail:
+        return 0
+    data = path.read_bytes()
+    pos = len(MAGIC) if data.startswith(MAGIC) else 0
+    while pos and pos + _FRAME_HEAD.size <= len(data):
+        length, crc = _FRAME_HEAD.unpack_from(data, pos)
+        end = pos + _FRAME_HEAD.size + length
+        if end > len(data) or zlib.crc32(data[pos + _FRAME_HEAD.size:end]) != crc:
+            break
+        pos = end
+    with open(path, "r+b") as fh:
+        fh.truncate(pos)
+    log.warning("recorder: %s[%d]: cut a torn last frame (%d bytes) off %s before appending", topic, partition,
+                len(data) - pos, path)
+    return len(data) - pos
+
+
+@dataclass
+class RecordStats:
+    """What one :meth:`Recorder.run` recorded."""
+
+    records: dict[str, int] = field(default_factory=dict)  # topic -> frames written
+    skipped: int = 0  # records already in the recording (a restart), not written again
+    filtered: int = 0  # records outside the --from/--to times
+    drained: bool = True  # False: the drain deadline passed before the end offsets were reached
+
+
+class Recorder:
+    """Copies ``topics`` into the recording under ``root`` (a run directory); see the module doc.
+
+    ``start`` / ``end``: a :class:`Position` applied to every topic, or a mapping
+    ``(topic, partition) -> offset``; None: the beginning / no bound. ``follow``: keep recording until
+    :meth:`request_stop` (SIGTERM in the CLI), else stop at the end offsets taken at start.
+    """
+
+    def __init__(self, bootstrap: str, kafka_config: KafkaConfig | None, topics: Iterable[str], root: str | Path,
+                 start: Position | Mapping[tuple[str, int], int] | None = None,
+                 end: Position | Mapping[tuple[str, int], int] | None = None, *, follow: bool = False) -> None:
+        self.bootstrap, self.cfg = bootstrap, kafka_config or KafkaConfig()
+        self.topics = list(dict.fromkeys(topics))
+        if not self.topics:
+            raise ConfigError("no topics to record", field="--topics", fix="e.g. --topics rollouts,scored")
+        for pos, flag in ((start, "--from"), (end, "--to")):
+            if isinstance(pos, Position) and pos.kind == "batch":
+                raise ConfigError(f"{pos.text!r}: a batch id is a rewind target, not a recording bound", field=flag,
+                                  fix="give an offset or a time")
+        self.root = Path(root)
+        self.start, self.end, self.follow = start, end, follow
+        self._stop = threading.Event()
+        self.stats = RecordStats()
+
+    def request_stop(self) -> None:
+        """Drain up to the end offsets of this moment, then return from :meth:`run` (thread/signal safe)."""
+        self._stop.set()
+
+    # -- steps 1-3 ------------------------------------------------------------------------------
+    def _partitions(self, consumer: Any) -> list[TopicPartition]:
+        deadline = time.monotonic() + METADATA_TIMEOUT_S
+        missing = list(self.topics)
+        tps: list[TopicPartition] = []
+        warned: set[str] = set()
+        while True:
+            existing = consumer.topics()
+            for topic in list(missing):
+                parts = consumer.partitions_for_topic(topic) if topic in existing else None
+                if parts:
+                    tps += [TopicPartition(topic, p) for p in sorted(parts)]
+                    missing.remove(topic)
+            if not missing:
+                return tps
+            if not self.follow:
+                if time.monotonic() > deadline or not all(t in existing for t in missing):
+                    raise ConfigError(f"topic(s) {', '.join(missing)} not on the broker {self.bootstrap}",
+                                      field="--topics", fix="name existing topics (`expstream topics list` shows "
+                                                            "them), or add --follow to wait for them")
+                time.sleep(0.05)
+                continue
+            for topic in set(missing) - warned:
+                log.warning("recorder: topic %s not on the broker yet; looking again every %.0fs", topic,
+                            MISSING_TOPIC_RETRY_S)
+                warned.add(topic)
+            if self._stop.wait(MISSING_TOPIC_RETRY_S):
+                return tps
+
+    @staticmethod
+    def _bound(pos: Position | Mapping[tuple[str, int], int] | None, tp: TopicPartition) -> int | None:
+        if pos is None:
+            return None
+        if isinstance(pos, Position):
+            return pos.offset_for(tp.partition)
+        return pos.get((tp.topic, tp.partition))
+
+    def _time(self, pos: Any) -> int | None:
+        return pos.time_ms if isinstance(pos, Position) and pos.kind == "time" else None
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> RecordStats:
+        """Steps 1-5 of the module doc; returns what was recorded."""
+        consumer = make_consumer(self.bootstrap, None, self.cfg, max_poll_records=MAX_POLL_RECORDS)
+        writer = RecordingWriter(self.root)
+        try:
+            tps = self._partitions(consumer)
+            if not tps:
+                return self.stats
+            for tp in tps:
+                path = partition_path(self.root, tp.topic, tp.partition)
+                if path.exists():
+                    cut_torn_tail(path, tp.topic, tp.partition)
+                else:  # an empty partition is recorded as empty (magic only), not left out
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(MAGIC)
+            begin = consumer.beginning_offsets(tps)
+            ends: dict[TopicPartition, int] | None = None
+            if not self.follow:
+                ends = end_offsets(self.bootstrap, self.cfg, tps, timeout_s=METADATA_TIMEOUT_S)
+            stop_at: dict[TopicPartition, int | None] = {}
+            consumer.assign(tps)
+            for tp in tps:
+                start = max(self._bound(self.start, tp) or 0, begin[tp])
+                last = writer.last_offset(tp.topic, tp.partition)
+                if last is not None and last + 1 > start:
+                    start = last + 1
+                consumer.seek(tp, start)
+                upper = self._bound(self.end, tp)
+                if ends is not None:
+                    upper = ends[tp] if upper is None else min(upper, ends[tp])
+                stop_at[tp] = upper
+                log.info("recorder: %s[%d] from offset %d to %s", tp.topic, tp.partition, start,
+                         "the end" if upper is None else f"offset {upper} (exclusive)")
+            t_from, t_to = self._time(self.start), self._time(self.end)
+            active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}
+            drain_deadline: float | None = None
+            while active:
+                if self._stop.is_set() and drain_deadline is None:
+                    drain_deadline = time.monotonic() + DRAIN_DEADLINE_S
+                    try:
+                        now_ends = end_offsets(self.bootstrap, self.cfg, sorted(active), timeout_s=DRAIN_DEADLINE_S)
+                    except (KafkaError, BrokerUnavailableError) as exc:  # the broker went first: keep what was recorded
+                        log.error("recorder: stop requested but the end offsets could not be read (%s: %s); "
+                                  "records after the last poll are not recorded", type(exc).__name__, exc)
+                        self.stats.drained = False
+                        break
+                    for tp in active:
+                        stop_at[tp] = now_ends[tp] if stop_at[tp] is None else min(stop_at[tp], now_ends[tp])
+                    log.info("recorder: stop requested; draining up to %s",
+                             ", ".join(f"{tp.topic}[{tp.partition}]@{stop_at[tp]}" for tp in sorted(active)))
+                if drain_deadline is not None and time.monotonic() > drain_deadline:
+                    left = {f"{tp.topic}[{tp.partition}]": stop_at[tp] - consumer.position(tp) for tp in active}
+                    log.error("recorder: drain deadline (%.0fs) passed; records left unrecorded: %s",
+                              DRAIN_DEADLINE_S, left)
+                    self.stats.drained = False
+                    break
+                for tp, recs in consumer.poll(timeout_ms=POLL_MS).items():
+                    for rec in recs:
+                        if tp not in active:
+                            break
+                        limit = stop_at.get(tp)
+                        if limit is not None and rec.offset >= limit:
+                            active.discard(tp)
+                            break
+                        if t_to is not None and rec.timestamp >= t_to and self.follow:
+                            active.discard(tp)  # follow mode: the first record at or past --to ends it
+                            break
+                        if (t_from is not None and rec.timestamp < t_from) or (t_to is not None and rec.timestamp >= t_to):
+                            self.stats.filtered += 1
+                            continue
+                        if writer.append(RecordFrame.from_consumer_record(rec)):
+                            self.stats.records[tp.topic] = self.stats.records.get(tp.topic, 0) + 1
+                writer.flush()  # step 4: whole frames on disk after every poll
+                for tp in list(active):
+                    limit = stop_at.get(tp)
+                    if limit is not None and consumer.position(tp) >= limit:
+                        active.discard(tp)
+            self.stats.skipped = writer.skipped
+            return self.stats
+        finally:
+            writer.close()
+            consumer.close(autocommit=False)
+            log.info("recorder: recorded %s into %s", ", ".join(f"{t}: {n}" for t, n in sorted(
+                self.stats.records.items())) or "nothing", self.root)
+
+
+# ------------------------------------------------------------------------------------------------
+# expstream run's recorder
+# ------------------------------------------------------------------------------------------------
+
+
+def record_topics(topo: Any) -> list[str]:
+    """``record.topics``, or every topology topic, its ``.dlq`` twin and (continuous) ``policy``."""
+    from expstream.topics import dlq_topic, loop_topics
+
+    if topo.record.topics is not None:
+        return list(topo.record.topics)
+    out: list[str] = []
+    for t in topo.all_topics():
+        out += [t, dlq_topic(t)]
+    return out + list(loop_topics(topo))
+
+
+def recorder_argv(topo_path: Path, bootstrap: str, topics: list[str], out_dir: Path, run_id: str) -> list[str]:
+    """The supervised recorder's command line (like a stage's: ``python -m expstream record ...``)."""
+    return [sys.executable, "-m", "expstream", "record", "--topology", str(topo_path), "--bootstrap-servers", bootstrap,
+            "--topics", ",".join(topics), "--output", str(Path(out_dir).resolve()), "--follow", "--run-id", run_id]
+
+
+def recording_summary(root: str | Path) -> dict[str, Any]:
+    """``{topics: {name: records}, bytes, torn_tails}`` of the recording under ``root`` (summary.json)."""
+    topics: dict[str, int] = {}
+    size = torn = 0
+    for topic in recorded_topics(root):
+        n = 0
+        for p in recorded_partitions(root, topic):
+            path = partition_path(root, topic, p)
+            reader = PartitionReader(path, topic, p)
+            n += sum(1 for _ in reader)
+            torn += reader.torn_tail
+            size += path.stat().st_size
+        topics[topic] = n
+    return {"topics": topics, "bytes": size, "torn_tails": torn}
+
+
+# ------------------------------------------------------------------------------------------------
+# expstream record
+# ------------------------------------------------------------------------------------------------
+
+
+def _stop_when_orphaned(recorder: Recorder) -> None:
+    from expstream.procs import watch_parent
+
+    def on_orphan(parent: int) -> None:
+        log.error("recorder: parent process %d is gone (now %d); stopping", parent, os.getppid())
+        recorder.request_stop()
+
+    watch_parent(on_orphan)
+
+
+def record_command(topo: Any, args: argparse.Namespace,
+                   install_signals: Callable[[Recorder], None] | None = None) -> int:
+    """``expstream record`` (wired in expstream/cli.py)."""
+    if args.run_id:  # `ps` and `top` name the run, like its stages (expstream/procs.py)
+        from setproctitle import setproctitle
+
+        setproctitle(f"expstream {RECORDER} run={args.run_id}")
+    if not args.bootstrap_servers:
+        raise ConfigError("needed to read the topics", field="--bootstrap-servers", fix="e.g. --bootstrap-servers kafka:9092")
+    topics = [t.strip() for t in (args.topics or "").split(",") if t.strip()]
+    if not topics:
+        raise ConfigError("no topics given", field="--topics", fix="e.g. --topics rollouts,scored")
+    start = parse_position(args.from_, "--from") if args.from_ else None
+    end = parse_position(args.to, "--to") if args.to else None
+    out = Path(args.output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {str(out)!r} ({exc.strerror or exc})", field="--output",
+                          fix="give a writable directory") from exc
+    recorder = Recorder(args.bootstrap_servers, topo.kafka, topics, out, start, end, follow=args.follow)
+    if install_signals is None:
+        def _on_signal(signum: int, _frame: Any) -> None:
+            log.info("recorder: got signal %d; draining", signum)
+            recorder.request_stop()
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+    else:
+        install_signals(recorder)
+    from expstream.supervisor import EXIT_WITH_PARENT_ENV
+
+    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
+        _stop_when_orphaned(recorder)
+    stats = recorder.run()
+    total = sum(stats.records.values())
+    print(f"recorded {total} record(s) into {out}/topics: "
+          + (", ".join(f"{t} {n}" for t, n in sorted(stats.records.items())) or "nothing")
+          + (f"; {stats.skipped} already recorded" if stats.skipped else "")
+          + (f"; {stats.filtered} outside the --from/--to times" if stats.filtered else ""))
+    return EXIT_OK
+
+
+def add_record_parser(sub: Any, add_topology_args: Any) -> None:
+    """The ``record`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
+    rec = sub.add_parser("record", help="export topics from a live broker into a recording (runs/<name>/topics/)")
+    add_topology_args(rec)
+    rec.add_argument("--topics", required=True, help="comma-separated topic names, e.g. rollouts,scored,scored.dlq")
+    rec.add_argument("--from", dest="from_", default=None, metavar="POS",
+                     help="first record: an offset (123, or 0:12,1:40 per partition; inclusive), an ISO 8601 time "
+                          "with a zone or @epoch-ms (records with timestamp >= it); default: the beginning")
+    rec.add_argument("--to", default=None, metavar="POS",
+                     help="end: an offset (exclusive, like a Kafka end offset) or a time (records with timestamp "
+                          "< it); default: the end offsets at start (with --follow: until SIGTERM)")
+    rec.add_argument("--output", required=True, help="run directory to write (topics/<topic>/partition-<p>.rec)")
+    rec.add_argument("--run-id", default=None, help="the run this recorder belongs to (shown in its process title)")
+    rec.add_argument("--follow", action="store_true",
+                     help="keep recording new records until SIGTERM/Ctrl-C (then drain and exit 0)")
