@@ -119,7 +119,7 @@ class PartitionPlan:
         ids = [e.batch_id or "?" for e in self.entries]
         span = f"batches {ids[0]} .. {ids[-1]}" if ids else "batch ids not read"
         verb = "reprocessed" if self.records > 0 else "SKIPPED (moving forward)"
-        return f"  {where}: {src} -> {self.target} (end {self.end}): {abs(self.records)} records {verb}, {span}"
+        return f"  {where}: {src} -> {self.target} (end {self.end}): {abs(self.records)} record(s) {verb}, {span}"
 
 
 # --- positions ---------------------------------------------------------------------------------
@@ -382,7 +382,7 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
             return EXIT_FAILED
         finally:
             state.close()
-        print(f"rewound {stage.name}: offsets committed; the replicas rejoin and reprocess from there:")
+        print(f"rewound {stage.name}: offsets committed; the replicas resume and reprocess from there:")
         for pp in make_plan(view, targets, moved, cfg):
             print(pp.line(topic))
         return EXIT_OK

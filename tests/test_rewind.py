@@ -208,8 +208,8 @@ def test_rewind_by_offsets_reprocesses_exactly_the_records_after_the_target(rig:
     # dry run first: the plan, nothing moved
     assert rig.rewind("--to", "0:2,1:5", "--dry-run") == 0
     out = capsys.readouterr().out
-    assert f"{rig.src}[0]: 6 -> 2 (end 6): 4 records reprocessed, batches b04 .. b10" in out
-    assert f"{rig.src}[1]: 6 -> 5 (end 6): 1 records reprocessed, batches b11 .. b11" in out
+    assert f"{rig.src}[0]: 6 -> 2 (end 6): 4 record(s) reprocessed, batches b04 .. b10" in out
+    assert f"{rig.src}[1]: 6 -> 5 (end 6): 1 record(s) reprocessed, batches b11 .. b11" in out
     time.sleep(1.0)
     assert rig.committed() == {0: 6, 1: 6} and len(rig.outputs()) == 12
     # partition 0 from offset 2 (b04 b06 b08 b10), partition 1 from offset 5 (b11)
@@ -323,11 +323,13 @@ def test_rewind_reward_on_a_live_run(tmp_path: Path, tmp_path_factory: pytest.Te
         # rewind partition by partition to half way (at least one record back on each non-empty one)
         targets = {p: e // 2 for p, e in ends.items()}
         to = ",".join(f"{p}:{o}" for p, o in targets.items())
+        started = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "expstream", "rewind", "--stage", "reward", "--to", to,
                                "--bootstrap-servers", run.bootstrap, "--redis-url", run.redis_url, "--run-id",
                                run.run_id, "--run-dir", str(run.out), "--yes", "--timeout", "60"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        print(f"rewind of reward took {time.monotonic() - started:.1f}s (process start included)\n{proc.stdout}")
         expected = Counter(b for (p, o), b in inputs.items() if o >= targets[p])
         assert sum(expected.values()) == sum(ends.values()) - sum(targets.values()) > 0
         total = 8 + sum(expected.values())
@@ -340,9 +342,9 @@ def test_rewind_reward_on_a_live_run(tmp_path: Path, tmp_path_factory: pytest.Te
         assert counts - Counter(first_outputs.keys()) == expected, "exactly the records after the target, once more"
         for r in outs:  # every copy identical to the first output (stable ids, deterministic stage)
             assert r.value == first_outputs[peek_header(r.value)[2]]
-        m = re.search(r"(\d+) records reprocessed", proc.stdout)
+        m = re.search(r"(\d+) record\(s\) reprocessed", proc.stdout)
         assert m, proc.stdout
-        assert sum(int(x) for x in re.findall(r"(\d+) records reprocessed", proc.stdout.split("rewound")[1])) \
+        assert sum(int(x) for x in re.findall(r"(\d+) record\(s\) reprocessed", proc.stdout.split("rewound")[1])) \
             == sum(expected.values())
         os.kill(adv, signal.SIGCONT)
         assert run.wait(180) == 0, run.diagnostics()
