@@ -386,10 +386,9 @@ class StageRunner:
                                  self.stage.name, exc)
             self.pausing.poll_paused()  # keeps the membership; ~BUSY_POLL_MS
         self.pausing.resume_all()
-        self.log.warning("stage %s replica %s: rewind done after %.1fs; resuming at %s", self.stage.name,
+        self.log.warning("stage %s replica %s: rewind done after %.1fs; resuming (moved here: %s)", self.stage.name,
                          self.replica_key, time.monotonic() - started,
-                         ", ".join(f"{tp.topic}[{tp.partition}]@{self.consumer.position(tp)}"
-                                   for tp in sorted(self.consumer.assignment())) or "no partition")
+                         ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(moved)) or "none")
         return True
 
     def _rewind_move(self, request: str, moved: set[TopicPartition]) -> bool:
