@@ -1,4 +1,4 @@
-"""``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay.
+"""``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay | rewind.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_diff_parser(sub, _add_topology_args)
     add_replay_parser(sub, _add_topology_args)
     add_record_parser(sub, _add_topology_args)
+    from expstream.rewind import add_rewind_parser
+
+    add_rewind_parser(sub, _add_topology_args)
     return parser
 
 
@@ -138,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.dlq import dlq_command
 
             return dlq_command(topo, args)
+        if args.command == "rewind":
+            from expstream.rewind import rewind_command
+
+            return rewind_command(topo, args)
         if args.command == "record":
             from expstream.recorder import record_command
 

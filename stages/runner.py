@@ -51,6 +51,15 @@ start, polling and committing retry the same way; a commit refused because the g
 (``CommitFailedError``) is logged and skipped: the new owner gets the record again and processing
 is idempotent. SIGTERM/SIGINT finish the micro-batch in hand, commit, and exit 0; a stop during a
 retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
+
+Rewind (expstream/rewind.py has the whole handshake). Between two records, at most every
+``REWIND_CHECK_INTERVAL_S``, the loop reads the stage's rewind request from the run state. When one
+is set: 1. the micro-batch in hand is already done and committed (the check is between records);
+records polled but not handled yet are fetched again (their positions are set back); 2. every
+assigned partition is paused and the replica keeps polling (it stays in the group: no rebalance);
+3. it acknowledges each step under its heartbeat name ``<replica>:<pid>``; at the ``move`` step it
+seeks every partition it owns to the target and commits it (as a member: the commit is accepted);
+4. once the request is gone (cleared, or expired: the tool died) it resumes.
 """
 
 from __future__ import annotations
@@ -113,6 +122,12 @@ _COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_U
 SLOW_SEND_WARN_S = 5.0
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
+# Why 0.5 s: how often a replica reads its stage's rewind request between records; one Redis GET per
+# replica per half second is nothing, and a rewind waits at most this long for an idle replica.
+REWIND_CHECK_INTERVAL_S = 0.5
+# Why 30 s: a waiting replica's acknowledgement lives this long unless renewed (every check), so a
+# replica that dies while waiting stops counting as acknowledged.
+REWIND_ACK_TTL_S = 30.0
 # Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
 UNASSIGNED_LOG_INTERVAL_S = 30.0
 
@@ -226,6 +241,8 @@ class StageRunner:
         self._unassigned_since: float | None = None
         self._poll_backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
         self.pausing: PausedPolling | None = None
+        self.rewinds = 0  # rewind requests this replica left its group for
+        self._next_rewind_check = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -252,13 +269,21 @@ class StageRunner:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
 
-    def run(self) -> int:
-        if not self._connect():
-            return 0
+    @property
+    def replica_key(self) -> str:
+        """This process's name in heartbeats and rewind acknowledgements: ``<replica>:<pid>``."""
+        return f"{self.ctx.replica_id}:{os.getpid()}"
+
+    def _subscribe(self) -> None:
         self.tracker = _RevocationTracker()
         self.consumer.subscribe([self.stage.input], listener=self.tracker)
         self.pausing = PausedPolling(self.consumer, self._poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
+
+    def run(self) -> int:
+        if not self._connect():
+            return 0
+        self._subscribe()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
@@ -267,6 +292,8 @@ class StageRunner:
         threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
+                if self._maybe_rewind():
+                    continue
                 polled = self._poll(POLL_TIMEOUT_MS)
                 self._handle_polled(polled)
                 if self.max_records is not None and self.handled >= self.max_records:
@@ -275,8 +302,9 @@ class StageRunner:
             self._closing.set()
             self._close()
         self.log.info("stage %s replica %s: stopped after %d records (%d dead letters, %d batches split, "
-                      "%d records rewound, %d commits skipped)", self.stage.name, self.ctx.replica_id,
-                      self.handled, self.dead_lettered, self.split_batches, self.rewound, self.commits_skipped)
+                      "%d records rewound, %d commits skipped, %d rewind requests)", self.stage.name,
+                      self.ctx.replica_id, self.handled, self.dead_lettered, self.split_batches, self.rewound,
+                      self.commits_skipped, self.rewinds)
         return 0
 
     def _connect(self) -> bool:
@@ -318,11 +346,81 @@ class StageRunner:
             if self.consumer is not None:
                 self.consumer.close(autocommit=False)
 
+    # -- rewind (main thread; expstream/rewind.py drives the handshake) --------------------------------
+    def _maybe_rewind(self, pending: dict[TopicPartition, int] | None = None) -> bool:
+        """Between records: when the stage has a rewind request, pause, acknowledge, move the owned
+        partitions when told, and resume once the request is gone. True when that happened.
+
+        ``pending``: the first record not handled yet of each partition polled (they are fetched again).
+        """
+        now = time.monotonic()
+        if now < self._next_rewind_check:
+            return False
+        self._next_rewind_check = now + REWIND_CHECK_INTERVAL_S
+        try:
+            request = self.ctx.state.rewind_request(self.stage.name)
+        except ExpstreamError as exc:  # the state is away: the work path notices and retries; go on
+            self.log.warning("stage %s: could not read the rewind request: %s", self.stage.name, exc)
+            return False
+        if request is None:
+            return False
+        self.rewinds += 1
+        for tp, offset in (pending or {}).items():
+            self.pausing.reposition(tp, offset)
+        self.log.warning("stage %s replica %s: rewind request %s: pausing %s (last record committed)",
+                         self.stage.name, self.replica_key, request.split("/")[0], self.stage.input)
+        started, moved, acked = time.monotonic(), set(), None
+        while not self.stop_requested:
+            try:
+                request = self.ctx.state.rewind_request(self.stage.name)
+                if request is None:
+                    break
+                if self._rewind_move(request, moved):
+                    self.ctx.state.ack_rewind(self.stage.name, request, self.replica_key, REWIND_ACK_TTL_S)
+                    if request != acked:
+                        self.log.info("stage %s replica %s: acknowledged rewind step %s", self.stage.name,
+                                      self.replica_key, request)
+                        acked = request
+            except ExpstreamError as exc:
+                self.log.warning("stage %s: rewind handshake: run state unreachable (%s); still paused",
+                                 self.stage.name, exc)
+            self.pausing.poll_paused()  # keeps the membership; ~BUSY_POLL_MS
+        self.pausing.resume_all()
+        self.log.warning("stage %s replica %s: rewind done after %.1fs; resuming (moved here: %s)", self.stage.name,
+                         self.replica_key, time.monotonic() - started,
+                         ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(moved)) or "none")
+        return True
+
+    def _rewind_move(self, request: str, moved: set[TopicPartition]) -> bool:
+        """``<id>/move/<p:offset,...>``: seek and commit every owned partition named; True when each is done."""
+        _, _, rest = request.partition("/")
+        if not rest.startswith("move/"):
+            return True  # the pause step: paused is all it asks
+        targets = dict(tuple(int(x) for x in item.split(":")) for item in filter(None, rest[5:].split(",")))
+        ok = True
+        for tp in sorted(self.consumer.assignment()):
+            if tp in moved or tp.partition not in targets:
+                continue
+            offset = targets[tp.partition]
+            try:
+                self.consumer.seek(tp, offset)
+                self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1)},
+                                     timeout_ms=self.ctx.topology.kafka.request_timeout_ms)
+            except (kafka_errors.KafkaError, AssertionError) as exc:  # rebalanced meanwhile: tried again
+                self.log.warning("stage %s: rewind of %s[%d] to %d not committed yet (%s); retrying",
+                                 self.stage.name, tp.topic, tp.partition, offset, exc)
+                ok = False
+                continue
+            moved.add(tp)
+            self.log.warning("stage %s replica %s: rewound %s[%d] to %d (committed)", self.stage.name,
+                             self.replica_key, tp.topic, tp.partition, offset)
+        return ok
+
     def _heartbeats(self) -> None:
         """Redis heartbeats on their own thread: a slow Redis must never delay the consumer's polls."""
         while True:
             try:
-                self.ctx.state.heartbeat(self.stage.name, f"{self.ctx.replica_id}:{os.getpid()}")
+                self.ctx.state.heartbeat(self.stage.name, self.replica_key)
             except ExpstreamError as exc:  # heartbeats are best effort; the work path retries properly
                 self.log.warning("stage %s: heartbeat failed: %s", self.stage.name, exc)
             if self._closing.wait(HEARTBEAT_INTERVAL_S):
@@ -364,6 +462,8 @@ class StageRunner:
         todo = [(tp, rec) for tp, records in polled.items() for rec in records]
         for i, (tp, record) in enumerate(todo):
             if self.stop_requested:
+                return
+            if self._maybe_rewind(_first_offsets(todo[i:])):
                 return
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
@@ -773,6 +873,14 @@ def _subset(batch: Any, lo: int, hi: int) -> Any:
         return batch.select(list(range(lo, hi)), batch_id=batch_id)
     return PromptBatch(batch_id=batch_id, prompt_id=batch.prompt_id[lo:hi], prompt=batch.prompt[lo:hi],
                        label=batch.label[lo:hi], reference=batch.reference[lo:hi])
+
+
+def _first_offsets(todo: list[tuple[TopicPartition, Any]]) -> dict[TopicPartition, int]:
+    """The first offset of each partition in ``todo`` (records polled, not handled yet)."""
+    out: dict[TopicPartition, int] = {}
+    for tp, rec in todo:
+        out.setdefault(tp, rec.offset)
+    return out
 
 
 def _key(batch: Any) -> bytes:

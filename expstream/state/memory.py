@@ -75,6 +75,8 @@ class MemoryState:
         self._stages: dict[str, dict[str, float]] = {}
         self._stage_applied: dict[str, set[str]] = {}
         self._heartbeats: dict[tuple[str, str], float] = {}
+        self._rewind: dict[str, tuple[str, float]] = {}  # stage -> (request id, monotonic expiry)
+        self._rewind_acks: dict[str, dict[str, tuple[str, float]]] = {}  # stage -> replica -> (request id, expiry)
         self._policy_version = 0
         self._once: dict[str, set[str]] = {}
         self._counters: dict[str, float] = {}
@@ -302,3 +304,27 @@ class MemoryState:
         with self._lock:
             prev = self._admitted_of.get(batch_id)
             return prev[0] if prev is not None else None
+
+    # --- the rewind handshake (expstream/rewind.py) -----------------------------------------------
+    def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:
+        with self._lock:
+            self._rewind[stage] = (request_id, time.monotonic() + ttl_s)
+
+    def rewind_request(self, stage: str) -> str | None:
+        with self._lock:
+            req = self._rewind.get(stage)
+            return req[0] if req is not None and req[1] > time.monotonic() else None
+
+    def ack_rewind(self, stage: str, request_id: str, replica_id: str, ttl_s: float) -> None:
+        with self._lock:
+            self._rewind_acks.setdefault(stage, {})[str(replica_id)] = (request_id, time.monotonic() + ttl_s)
+
+    def rewind_acks(self, stage: str, request_id: str) -> set[str]:
+        with self._lock:
+            now = time.monotonic()
+            return {r for r, (req, exp) in self._rewind_acks.get(stage, {}).items() if req == request_id and exp > now}
+
+    def clear_rewind_request(self, stage: str) -> None:
+        with self._lock:
+            self._rewind.pop(stage, None)
+            self._rewind_acks.pop(stage, None)

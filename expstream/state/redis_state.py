@@ -42,6 +42,8 @@ Keys (``P`` = prefix):
 ``P admission:admitted``        hash    version -> samples admitted under it
 ``P admission:lost``            hash    version -> samples lost of it
 ``P admission:totals``          hash    admitted, lost (sums over versions, for the O(1) check)
+``P rewind:<stage>``            string  the pending rewind request id (TTL, refreshed by the tool)
+``P rewind:<stage>:acks``       hash    replica -> request id it acknowledged (TTL)
 ==============================  ======  =================================================
 """
 
@@ -656,6 +658,34 @@ class RedisState:
         """The version ``batch_id`` is admitted under, None when it never was."""
         raw = self._call("admitted_version", self._r.hget, self.key("admission", "of"), batch_id)
         return int(raw.split(b" ", 1)[0]) if raw is not None else None
+
+    # --- the rewind handshake (expstream/rewind.py) -----------------------------------------------
+    def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:
+        """Set (or refresh) ``stage``'s rewind request; it expires after ``ttl_s`` unless refreshed."""
+        self._call("set_rewind_request", self._r.set, self.key("rewind", stage), request_id,
+                   px=max(1, int(ttl_s * 1000)))
+
+    def rewind_request(self, stage: str) -> str | None:
+        """The pending rewind request id of ``stage`` (None: none, or expired)."""
+        raw = self._call("rewind_request", self._r.get, self.key("rewind", stage))
+        return raw.decode() if raw is not None else None
+
+    def ack_rewind(self, stage: str, request_id: str, replica_id: str, ttl_s: float) -> None:
+        """``replica_id`` has left the group for ``request_id`` and waits (the ack expires with ``ttl_s``)."""
+        def fill(pipe: redis.client.Pipeline) -> None:
+            pipe.hset(self.key("rewind", stage, "acks"), str(replica_id), request_id)
+            pipe.pexpire(self.key("rewind", stage, "acks"), max(1, int(ttl_s * 1000)))
+
+        self._pipeline("ack_rewind", fill, transaction=True)
+
+    def rewind_acks(self, stage: str, request_id: str) -> set[str]:
+        """Replicas that acknowledged ``request_id``."""
+        raw = self._call("rewind_acks", self._r.hgetall, self.key("rewind", stage, "acks"))
+        return {k.decode() for k, v in raw.items() if v.decode() == request_id}
+
+    def clear_rewind_request(self, stage: str) -> None:
+        """Remove the request and its acknowledgements: waiting replicas rejoin their group."""
+        self._call("clear_rewind_request", self._r.delete, self.key("rewind", stage), self.key("rewind", stage, "acks"))
 
 
 def is_auth_error(exc: BaseException) -> bool:
