@@ -597,7 +597,10 @@ def _broker_topics(bootstrap: str, cfg: Any) -> set[str]:
 
 def add_replay_parser(sub: Any, add_topology_args: Any) -> None:
     """The ``replay`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
-    p = sub.add_parser("replay", help="run recorded records through a stage span again (docs/replay.md)")
+    p = sub.add_parser("replay", help="run recorded records through a stage span again (docs/replay.md)",
+                       description="Without --bootstrap-servers the span runs in this process (no broker is "
+                                   "started); with it, as stage processes through that broker on fresh replay-<tag>. "
+                                   "topics; with --into, the records are re-published into a live topic instead.")
     add_topology_args(p)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a recording (runs/<name>)")
     p.add_argument("--from", dest="from_topic", required=True, metavar="TOPIC",
