@@ -41,6 +41,11 @@ PY = sys.executable
 # ------------------------------------------------------------------------------------------------
 
 
+
+def _env() -> dict[str, str]:
+    """This checkout first on the path: the command runs from a scratch directory."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
 def test_parse_position_grammar() -> None:
     assert parse_position("123").offset_for(0) == 123 and parse_position("123").offset_for(5) == 123
     per = parse_position("0:12,1:40")
@@ -154,13 +159,13 @@ def test_record_cli_export_with_iso_times_and_offsets(broker: str, fresh_topic, 
     iso = datetime.fromtimestamp(recs[1].timestamp / 1000, UTC).isoformat(timespec="milliseconds")
     out = tmp_path / "cli"
     proc = subprocess.run([PY, "-m", "expstream", "record", "--bootstrap-servers", broker, "--topics", topic,
-                           "--from", iso, "--to", "3", "--output", str(out)], cwd=tmp_path, capture_output=True,
+                           "--from", iso, "--to", "3", "--output", str(out)], cwd=tmp_path, env=_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     want = [r.offset for r in recs if r.timestamp >= recs[1].timestamp and r.offset < 3]
     assert [f.offset for f in iter_topic(out, topic)] == want and want[0] <= 1
     bad = subprocess.run([PY, "-m", "expstream", "record", "--bootstrap-servers", broker, "--topics", "no-such-topic",
-                          "--output", str(tmp_path / "x")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          "--output", str(tmp_path / "x")], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--topics" in bad.stderr and "no-such-topic" in bad.stderr
 
 
