@@ -1,0 +1,550 @@
+"""Reward at scale: a slow remote judge, reward replicas 1/2/4, in-flight 1 vs 8, and the autoscaler.
+
+Starts one ``expstream serve-reward --fn expstream.rewards:response_length --latency-ms 200`` (a
+judge that answers every request after a fixed latency) on a free loopback port, then runs
+``expstream run`` as a subprocess once per setting (each with its embedded broker and
+redis-server, the same prompts, seed and knobs), with ``rewards.sources`` = that one http source:
+
+* **replicas**: ``stages.reward.replicas`` 1, 2, 4 at ``max_in_flight`` 1 (``batch_size`` 1, so a
+  micro-batch of 8 samples costs 8 sequential requests of one item: the judge's latency is the
+  reward stage's work);
+* **in-flight**: one replica at ``max_in_flight`` 8 against the replicas=1 setting above (the same
+  run: ``max_in_flight`` 1, ``batch_size`` 1): the 8 requests of a micro-batch overlap;
+* **autoscale**: ``stages.reward.autoscale: {min: 1, max: 4, target_lag_per_replica, cooldown_s}``
+  on the same workload (``max_in_flight`` 1): replicas and lag over time, the time to reach steady
+  state and the final throughput against the best fixed replica count.
+
+Every run uses ``topics.partitions`` = 4 (the most replicas any setting runs: a replica without a
+partition idles) and small generation knobs (``max_new_tokens``, ``n_samples_per_prompt``) so that
+generate is not the bottleneck; the output names the bottleneck stage of every run (runner time
+per replica over the run's wall, and the reward stage's backlog).
+
+Throughput is summary.json's ``steady_samples_per_s`` (first to last experience arrival: start-up
+excluded). A sampler thread in this script reads, every second, the reward group's lag on its input
+topic (``expstream.bus.topic_lag``), the records on the reward stage's output topic, and the
+group's member count (the replicas actually consuming); the autoscaled run's scale events come
+from its summary.json (``scale_events``). Ratios are measured in the same invocation, never
+asserted; the script exits non-zero only when a run fails.
+
+Writes ``bench/results/reward_scale.json`` (the one-line summary) and, with matplotlib (optional
+extra ``bench``), ``bench/results/reward_scale-autoscale.png``.
+
+Usage: ``.venv/bin/python bench/reward_scale.py [--prompts 64] [--latency-ms 200] [--replicas 1,2,4]
+[--in-flight 8] [--no-autoscale] [--set key=value] [--keep-runs]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS_DIR, ROOT, fmt, machine, progress, ratio, rounded, save, table, write_prompts
+
+SCORE_FN = "expstream.rewards:response_length"
+SOURCE = "judge"  # the one reward source's name (its key in reward_metrics)
+#: Every setting's partitions: the most replicas of any setting (4) each get one.
+PARTITIONS = 4
+#: Knobs that keep generation and the other stages well ahead of the reward stage (see the docstring).
+BASE_SETS = [
+    "generate.max_new_tokens=8",
+    "generate.n_samples_per_prompt=4",
+    "run.prompt_batch_size=2",           # 2 groups x 4 samples = one micro-batch of 8 per record
+    "algo.micro_rollout_batch_size=8",
+    f"topics.partitions={PARTITIONS}",
+    "models.reward=null",                # the http source replaces the reward model
+    "record.enabled=false",              # the recorder's CPU is not what is measured here
+]
+# Why 30 min: the slowest setting (1 replica, 1 request in flight) takes ~1 min at the defaults.
+RUN_TIMEOUT_S = 1800
+# Why 1 s: the issue's cadence for the lag sampler; a tick costs an admin round trip and one probe fetch.
+SAMPLE_EVERY_S = 1.0
+# Why 20 s: the judge's start is an interpreter plus aiohttp import; 20 s is ~5x that on a busy machine.
+JUDGE_START_TIMEOUT_S = 20.0
+# Why 60 s: services.json is written once the broker and redis answer (~2-5 s); past 60 s the run failed.
+SERVICES_TIMEOUT_S = 60.0
+#: A window's rate within this share of the best fixed rate counts as "steady" for the autoscaler.
+STEADY_SHARE = 0.9
+# Why 5 s: a micro-batch takes ~1.6 s on one replica at in-flight 1; 5 s holds several of them.
+RATE_WINDOW_S = 5.0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=64, help="generated prompts per run (x n_samples_per_prompt samples)")
+    p.add_argument("--latency-ms", type=int, default=200, help="the judge's fixed latency per request")
+    p.add_argument("--replicas", default="1,2,4", help="reward replica counts (1 first: the baseline)")
+    p.add_argument("--in-flight", type=int, default=8, help="max_in_flight of the in-flight setting (vs 1)")
+    p.add_argument("--batch-size", type=int, default=1, help="items per request (several requests per micro-batch)")
+    p.add_argument("--target-lag", type=int, default=2, help="autoscale target_lag_per_replica (records)")
+    p.add_argument("--cooldown-s", type=float, default=4.0, help="autoscale cooldown_s")
+    p.add_argument("--no-autoscale", action="store_true", help="skip the autoscaled run")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                   help="topology override passed to every run; repeatable")
+    p.add_argument("--keep-runs", action="store_true", help="keep the runs' output directories")
+    return p.parse_args()
+
+
+# -- the judge --------------------------------------------------------------------------------------------
+
+class Judge:
+    """``expstream serve-reward`` on a free loopback port, stopped by its pid."""
+
+    def __init__(self, latency_ms: int, log_path: Path) -> None:
+        from expstream.localservers import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_path.open("w")
+        cmd = [sys.executable, "-m", "expstream", "serve-reward", "--fn", SCORE_FN, "--host", "127.0.0.1",
+               "--port", str(self.port), "--latency-ms", str(latency_ms)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.health = self._wait_healthy(log_path)
+
+    def _wait_healthy(self, log_path: Path) -> dict[str, Any]:
+        deadline = time.monotonic() + JUDGE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"serve-reward exited with {self.proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+                    return json.loads(resp.read())
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise SystemExit(f"serve-reward did not answer GET /health within {JUDGE_START_TIMEOUT_S:.0f}s "
+                         f"(log: {log_path.read_text()[-3000:]})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def source_set(url: str, in_flight: int, batch_size: int) -> str:
+    spec = {SOURCE: {"kind": "http", "url": url, "timeout_s": 10, "max_in_flight": in_flight,
+                     "batch_size": batch_size, "retries": 3}}
+    return "rewards.sources=" + json.dumps(spec)  # JSON is YAML: --set parses the value as YAML
+
+
+# -- the sampler ------------------------------------------------------------------------------------------
+
+@dataclass
+class Tick:
+    t: float           # seconds since the `expstream run` process started
+    lag: int           # records of the reward stage's input not committed by its group
+    lag_parts: dict[int, int]
+    out_records: int   # records on the reward stage's output topic
+    members: int | None  # consumers in the reward group (None: the broker did not say)
+
+
+@dataclass
+class Sampler:
+    """Every second: the reward group's lag, its output's records and its member count."""
+
+    out_dir: Path
+    t0: float
+    ticks: list[Tick] = field(default_factory=list)
+    error: str | None = None
+    input_ends: dict[int, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lag-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            self._sample()
+        except Exception as exc:  # noqa: BLE001 - reported with the results, the run goes on
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _sample(self) -> None:
+        from kafka import TopicPartition
+
+        from expstream.bus import end_offsets, make_admin, topic_lag
+        from expstream.topology import load_topology
+
+        services = self.out_dir / "run" / "services.json"
+        topo_file = self.out_dir / "run" / "topology.yaml"
+        deadline = time.monotonic() + SERVICES_TIMEOUT_S
+        while not (services.exists() and topo_file.exists()):
+            if self._stop.wait(0.2) or time.monotonic() > deadline:
+                return
+        time.sleep(0.5)  # topics are created right after services.json
+        info = json.loads(services.read_text())
+        topo = load_topology(topo_file)
+        reward = topo.stages["reward"]
+        group = f"expstream.{info['run_id']}.reward"
+        bootstrap = info["bootstrap_servers"]
+        admin = make_admin(bootstrap, topo.kafka)
+        out_tps = [TopicPartition(reward.output, p) for p in range(topo.topics.partitions)]
+        try:
+            while not self._stop.is_set():
+                began = time.monotonic()
+                try:
+                    lag = topic_lag(bootstrap, topo.kafka, group, reward.input, admin=admin, timeout_s=5)
+                    out = end_offsets(bootstrap, topo.kafka, out_tps, timeout_s=5)
+                except Exception as exc:  # noqa: BLE001 - topics not there yet or the broker stopping
+                    self.error = f"{type(exc).__name__}: {exc}"
+                else:
+                    self.ticks.append(Tick(round(began - self.t0, 3), sum(lag.values()), lag,
+                                           sum(out.values()), _members(admin, group)))
+                self._stop.wait(max(0.0, SAMPLE_EVERY_S - (time.monotonic() - began)))
+            in_tps = [TopicPartition(reward.input, p) for p in range(topo.topics.partitions)]
+            try:  # how the keys spread the records over the partitions (the replicas' shares)
+                self.input_ends = {tp.partition: n for tp, n in end_offsets(bootstrap, topo.kafka, in_tps,
+                                                                            timeout_s=5).items()}
+            except Exception:  # noqa: BLE001 - the run's broker may already be gone
+                pass
+        finally:
+            admin.close()
+
+
+def _members(admin: Any, group: str) -> int | None:  # noqa: ANN401 - a KafkaAdminClient
+    try:
+        desc = admin.describe_consumer_groups([group])
+    except Exception:  # noqa: BLE001 - not every broker answers DescribeGroups
+        return None
+    if not desc:
+        return None
+    d = desc[0]
+    members = d.get("members") if isinstance(d, dict) else getattr(d, "members", None)
+    return len(members) if members is not None else None
+
+
+# -- one run ------------------------------------------------------------------------------------------------
+
+def run_setting(label: str, prompts: Path, sets: list[str], out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
+           "--run-id", f"rs-{label}", "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = Sampler(out, t0)
+    sampler.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise SystemExit(f"{label}: expstream run took over {RUN_TIMEOUT_S}s (output in {out})") from None
+    finally:
+        sampler.stop()
+    cmd_wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(stdout[-3000:] + stderr[-6000:])
+        raise SystemExit(f"{label}: expstream run failed with exit code {proc.returncode} (output in {out})")
+    summary = json.loads((out / "summary.json").read_text())
+    topo = summary_topology(out)
+    return {
+        "label": label,
+        "cmd_wall_s": round(cmd_wall, 3),
+        "wall_s": summary["wall_s"],
+        "samples": summary["samples"],
+        "steady_samples_per_s": summary.get("steady_samples_per_s"),
+        "samples_per_s": summary.get("samples_per_s"),
+        "first_experience_after_s": summary.get("first_experience_after_s"),
+        "dead_letters": len(summary.get("dead_letters") or []),
+        "stage_restarts": summary.get("stage_restarts") or {},
+        "scale_events": summary.get("scale_events") or [],
+        "stages": busy_shares(summary, topo),
+        "samples_per_record": topo["mrb"],
+        "ticks": [t.__dict__ for t in sampler.ticks],
+        "sampler_error": sampler.error,
+        "input_partition_records": sampler.input_ends,
+    }
+
+
+def summary_topology(out: Path) -> dict[str, Any]:
+    from expstream.topology import load_topology
+
+    topo = load_topology(out / "topology.yaml")
+    return {"replicas": {st.name: st.replicas for st in topo.enabled_stages()},
+            "mrb": topo.algo.micro_rollout_batch_size}
+
+
+def busy_shares(summary: dict[str, Any], topo: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per stage: runner seconds per replica over the run's wall (1.0 = every replica busy all the time).
+
+    A stage's runner time includes waiting on the judge, so the reward stage's share is its
+    occupancy, not CPU. The stage with the highest share is the bottleneck.
+    """
+    wall = summary["wall_s"] or float("nan")
+    out = {}
+    for name, s in (summary.get("stages") or {}).items():
+        replicas = topo["replicas"].get(name, 1)
+        out[name] = {"replicas": replicas, "batches": s.get("batches"), "ms_per_batch": s.get("ms_per_batch"),
+                     "busy": round(s.get("seconds", 0.0) / (replicas * wall), 3)}
+    return out
+
+
+def bottleneck(r: dict[str, Any]) -> str:
+    stages = r["stages"]
+    if not stages:
+        return "n/a"
+    name = max(stages, key=lambda n: stages[n]["busy"])
+    return f"{name} ({stages[name]['busy']:.0%} busy)"
+
+
+def backlog(r: dict[str, Any]) -> tuple[int | None, float | None]:
+    """The reward group's largest lag and its mean over the ticks with work in flight (records)."""
+    lags = [t["lag"] for t in r["ticks"]]
+    busy = [x for x in lags if x > 0]
+    return (max(lags) if lags else None, sum(busy) / len(busy) if busy else None)
+
+
+# -- the autoscaler's curves -----------------------------------------------------------------------------
+
+def windowed_rates(ticks: list[dict[str, Any]], per_record: int) -> list[tuple[float, float]]:
+    """(t, samples/s of the reward stage's output over the last RATE_WINDOW_S) at each tick."""
+    out = []
+    for i, t in enumerate(ticks):
+        j = i
+        while j > 0 and t["t"] - ticks[j - 1]["t"] <= RATE_WINDOW_S:
+            j -= 1
+        span = t["t"] - ticks[j]["t"]
+        if span >= RATE_WINDOW_S / 2:
+            out.append((t["t"], (t["out_records"] - ticks[j]["out_records"]) * per_record / span))
+    return out
+
+
+def event_time(ev: dict[str, Any], t0_epoch: float | None) -> float | None:
+    """A scale event's time in the run's seconds, whatever field carries it."""
+    for key in ("t", "t_s", "elapsed_s", "at_s"):
+        if isinstance(ev.get(key), int | float):
+            return float(ev[key])
+    for key in ("time", "at", "ts"):
+        if isinstance(ev.get(key), int | float) and t0_epoch is not None:
+            return float(ev[key]) - t0_epoch
+    return None
+
+
+def autoscale_report(r: dict[str, Any], best_fixed: float | None) -> dict[str, Any]:
+    ticks = r["ticks"]
+    rates = windowed_rates(ticks, r["samples_per_record"])
+    start = next((t["t"] for t in ticks if t["lag"] > 0 or t["out_records"] > 0), None)  # work arrived
+    target = STEADY_SHARE * best_fixed if best_fixed else None
+    reached = next((t for t, v in rates if target is not None and v >= target), None)
+    members = [(t["t"], t["members"]) for t in ticks if t["members"] is not None]
+    peak = max((m for _, m in members), default=None)
+    at_peak = next((t for t, m in members if m == peak), None)
+    ups = [e for e in r["scale_events"] if _to(e) is not None and _from(e) is not None and _to(e) > _from(e)]
+    downs = [e for e in r["scale_events"] if _to(e) is not None and _from(e) is not None and _to(e) < _from(e)]
+    return {
+        "work_arrived_at_s": start,
+        "peak_members": peak,
+        "peak_members_at_s": at_peak,
+        "time_to_peak_replicas_s": rounded(at_peak - start, 1) if at_peak is not None and start is not None else None,
+        "time_to_steady_s": rounded(reached - start, 1) if reached is not None and start is not None else None,
+        "steady_target_samples_per_s": rounded(target or float("nan")),
+        "peak_window_rate": rounded(max((v for _, v in rates), default=float("nan"))),
+        "scale_ups": len(ups),
+        "scale_downs": len(downs),
+        "steady_vs_best_fixed": rounded(ratio(r["steady_samples_per_s"] or float("nan"), best_fixed or float("nan"))),
+        "rates": [(round(t, 2), round(v, 2)) for t, v in rates],
+    }
+
+
+def _to(ev: dict[str, Any]) -> int | None:
+    for key in ("to", "replicas", "new", "after"):
+        if isinstance(ev.get(key), int):
+            return ev[key]
+    return None
+
+
+def _from(ev: dict[str, Any]) -> int | None:
+    for key in ("from", "old", "before"):
+        if isinstance(ev.get(key), int):
+            return ev[key]
+    return None
+
+
+def plot(r: dict[str, Any], rep: dict[str, Any], best_fixed: float | None, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed in this environment: no PNG written (pip install 'expstream[bench]')"
+    ticks = r["ticks"]
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    mt = [(t["t"], t["members"]) for t in ticks if t["members"] is not None]
+    if mt:
+        ax1.plot([t for t, _ in mt], [m for _, m in mt], ".", label="reward group members (sampled)")
+    steps = _replica_steps(r)
+    if steps:
+        ax1.step([t for t, _ in steps], [n for _, n in steps], where="post", label="replicas (scale events)")
+    ax1.set_ylabel("reward replicas")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax2.plot([t["t"] for t in ticks], [t["lag"] for t in ticks], label="lag (records)")
+    ax2.set_ylabel("reward input lag (records)")
+    ax3.plot([t for t, _ in rep["rates"]], [v for _, v in rep["rates"]], label=f"output rate ({RATE_WINDOW_S:.0f} s window)")
+    if best_fixed:
+        ax3.axhline(best_fixed, linestyle="--", color="grey", label="best fixed replica count (steady)")
+    ax3.set_ylabel("samples/s")
+    ax3.set_xlabel("seconds since `expstream run` started")
+    ax3.legend(loc="upper right", fontsize=8)
+    ax1.set_title("reward autoscaler: replicas, backlog and throughput")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def _replica_steps(r: dict[str, Any]) -> list[tuple[float, int]]:
+    start = r["stages"].get("reward", {}).get("replicas")
+    events = [(event_time(e, None), _to(e)) for e in r["scale_events"]]
+    events = [(t, n) for t, n in events if t is not None and n is not None]
+    if not events:
+        return []
+    first = _from(r["scale_events"][0]) or start or 1
+    last_t = r["ticks"][-1]["t"] if r["ticks"] else events[-1][0]
+    return [(0.0, first)] + events + [(last_t, events[-1][1])]
+
+
+# -- main ---------------------------------------------------------------------------------------------------
+
+def main() -> int:
+    args = parse_args()
+    replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
+    work = Path(tempfile.mkdtemp(prefix="bench-reward-scale-"))
+    prompts = write_prompts(work / "prompts.jsonl", args.prompts)
+    info = machine()
+    progress(f"machine: {info}")
+    judge = Judge(args.latency_ms, work / "judge.log")
+    progress(f"judge at {judge.url} ({args.latency_ms} ms per request): {judge.health}")
+    base = BASE_SETS + args.overrides
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        plan = [(f"r{n}", n, 1) for n in replicas] + [(f"r1-if{args.in_flight}", 1, args.in_flight)]
+        for label, n, in_flight in plan:
+            progress(f"{label}: {n} reward replica(s), max_in_flight {in_flight}, batch_size {args.batch_size}")
+            sets = base + [source_set(judge.url, in_flight, args.batch_size), f"stages.reward.replicas={n}"]
+            r = run_setting(label, prompts, sets, work / label)
+            results[label] = r
+            progress(f"{label}: steady {fmt(r['steady_samples_per_s'])} samples/s, wall {r['wall_s']:.1f}s, "
+                     f"bottleneck {bottleneck(r)}")
+        fixed = {k: v["steady_samples_per_s"] for k, v in results.items() if v["steady_samples_per_s"]}
+        best_label = max((f"r{n}" for n in replicas if f"r{n}" in fixed), key=lambda k: fixed[k], default=None)
+        best_fixed = fixed.get(best_label) if best_label else None
+        if not args.no_autoscale:
+            label = "autoscale"
+            spec = {"min": 1, "max": max(replicas), "target_lag_per_replica": args.target_lag,
+                    "cooldown_s": args.cooldown_s}
+            progress(f"{label}: stages.reward.autoscale={spec}")
+            sets = base + [source_set(judge.url, 1, args.batch_size), "stages.reward.replicas=1",
+                           "stages.reward.autoscale=" + json.dumps(spec)]
+            results[label] = run_setting(label, prompts, sets, work / label)
+            results[label]["autoscale"] = spec
+            progress(f"{label}: steady {fmt(results[label]['steady_samples_per_s'])} samples/s, "
+                     f"{len(results[label]['scale_events'])} scale events")
+    finally:
+        judge.stop()
+        if not args.keep_runs:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            progress(f"runs kept in {work}")
+    return report(args, replicas, results, best_label, best_fixed, info)
+
+
+def report(args: argparse.Namespace, replicas: list[int], results: dict[str, dict[str, Any]],
+           best_label: str | None, best_fixed: float | None, info: dict[str, Any]) -> int:
+    base = results[f"r{replicas[0]}"]
+    rows = []
+    for label, r in results.items():
+        peak, mean = backlog(r)
+        parts = r["input_partition_records"]
+        spread = "/".join(str(parts[p]) for p in sorted(parts)) if parts else "n/a"
+        rows.append([label, r["samples"], r["wall_s"], r["steady_samples_per_s"],
+                     ratio(r["steady_samples_per_s"] or float("nan"), base["steady_samples_per_s"] or float("nan")),
+                     fmt(peak), fmt(mean, ".1f"), spread, bottleneck(r), r["dead_letters"]])
+    print(table(["setting", "samples", "wall s", "steady samples/s", f"x vs {base['label']}", "max lag", "mean lag",
+                 "records per partition", "bottleneck (busy)", "dead letters"], rows,
+                title=f"reward stage behind a {args.latency_ms} ms judge (batch_size {args.batch_size}; "
+                      f"r<N> = N replicas at max_in_flight 1; lag in records of "
+                      f"{base['samples_per_record']} samples)"))
+    print()
+    names = list(base["stages"])
+    print(table(["stage"] + list(results), [[n] + [f"{r['stages'].get(n, {}).get('busy', float('nan')):.0%}"
+                                                    for r in results.values()] for n in names],
+                title="busy share per stage (runner seconds / (replicas x wall)); the highest is the bottleneck"))
+    print()
+    ratios = {f"r{n}/r{replicas[0]}": rounded(ratio(results[f"r{n}"]["steady_samples_per_s"] or float("nan"),
+                                                    base["steady_samples_per_s"] or float("nan")))
+              for n in replicas[1:]}
+    inflight = f"r1-if{args.in_flight}"
+    ratios[f"in_flight {args.in_flight}/1"] = rounded(ratio(results[inflight]["steady_samples_per_s"] or float("nan"),
+                                                           results["r1"]["steady_samples_per_s"] or float("nan")))
+    for k, v in ratios.items():
+        print(f"{k}: {fmt(v)}x")
+    print(f"goals (never asserted): r4/r1 >= 3.5x, in_flight 8/1 >= 4x; ideal r4/r1 given the records per partition: "
+          f"{fmt(ideal_ratio(base['input_partition_records'], 4))}x")
+    auto = None
+    note = "no autoscaled run"
+    if "autoscale" in results:
+        r = results["autoscale"]
+        auto = autoscale_report(r, best_fixed)
+        print()
+        print(f"autoscale {r['autoscale']}: best fixed = {best_label} at {fmt(best_fixed)} samples/s")
+        print(f"  steady {fmt(r['steady_samples_per_s'])} samples/s = {fmt(auto['steady_vs_best_fixed'])}x the best fixed; "
+              f"peak {RATE_WINDOW_S:.0f}-s window {fmt(auto['peak_window_rate'])} samples/s")
+        print(f"  work arrived at {fmt(auto['work_arrived_at_s'], '.1f')} s; peak replicas {fmt(auto['peak_members'])} "
+              f"after {fmt(auto['time_to_peak_replicas_s'], '.1f')} s; {STEADY_SHARE:.0%} of the best fixed rate after "
+              f"{fmt(auto['time_to_steady_s'], '.1f')} s; scale-ups {auto['scale_ups']}, scale-downs {auto['scale_downs']}")
+        for ev in r["scale_events"]:
+            print(f"  scale event: {json.dumps(ev, default=str)}")
+        if r["sampler_error"]:
+            print(f"  sampler: last error {r['sampler_error']}")
+        note = plot(r, auto, best_fixed, RESULTS_DIR / "reward_scale-autoscale.png")
+        print(note)
+    save("reward_scale", {
+        "bench": "reward_scale", "latency_ms": args.latency_ms, "batch_size": args.batch_size,
+        "prompts": args.prompts, "sets": BASE_SETS + args.overrides, "machine": info,
+        "machine_end": {"loadavg": machine()["loadavg"]},
+        "steady_samples_per_s": {k: v["steady_samples_per_s"] for k, v in results.items()},
+        "ratios": ratios, "bottleneck": {k: bottleneck(v) for k, v in results.items()},
+        "input_partition_records": {k: v["input_partition_records"] for k, v in results.items()},
+        "autoscale": auto, "scale_events": results.get("autoscale", {}).get("scale_events"),
+        "results": {k: {kk: vv for kk, vv in v.items() if kk != "ticks"} for k, v in results.items()},
+        "ticks": {k: v["ticks"] for k, v in results.items()}, "png": note,
+    })
+    return 0
+
+
+def ideal_ratio(parts: dict[int, int], n: int) -> float:
+    """Total / the busiest replica's records when ``n`` replicas split the partitions round-robin."""
+    if not parts:
+        return float("nan")
+    loads = [0] * n
+    for p in sorted(parts):
+        loads[p % n] += parts[p]
+    total = sum(parts.values())
+    return total / max(loads) if max(loads) else float("nan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
