@@ -149,18 +149,18 @@ class Tick:
     lag: int           # records of the reward stage's input not committed by its group
     lag_parts: dict[int, int]
     out_records: int   # records on the reward stage's output topic
-    members: int | None  # consumers in the reward group (None: the broker did not say)
+    in_parts: dict[int, int]  # records on each partition of the reward stage's input topic
+    replicas: int      # live reward replica processes (by their process title)
 
 
 @dataclass
 class Sampler:
-    """Every second: the reward group's lag, its output's records and its member count."""
+    """Every second: the reward group's lag, its input's and output's records, its live replicas."""
 
     out_dir: Path
     t0: float
     ticks: list[Tick] = field(default_factory=list)
     error: str | None = None
-    input_ends: dict[int, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -199,38 +199,39 @@ class Sampler:
         bootstrap = info["bootstrap_servers"]
         admin = make_admin(bootstrap, topo.kafka)
         out_tps = [TopicPartition(reward.output, p) for p in range(topo.topics.partitions)]
+        in_tps = [TopicPartition(reward.input, p) for p in range(topo.topics.partitions)]
         try:
             while not self._stop.is_set():
                 began = time.monotonic()
                 try:
                     lag = topic_lag(bootstrap, topo.kafka, group, reward.input, admin=admin, timeout_s=5)
-                    out = end_offsets(bootstrap, topo.kafka, out_tps, timeout_s=5)
+                    ends = end_offsets(bootstrap, topo.kafka, out_tps + in_tps, timeout_s=5)
                 except Exception as exc:  # noqa: BLE001 - topics not there yet or the broker stopping
                     self.error = f"{type(exc).__name__}: {exc}"
                 else:
                     self.ticks.append(Tick(round(began - self.t0, 3), sum(lag.values()), lag,
-                                           sum(out.values()), _members(admin, group)))
+                                           sum(ends[tp] for tp in out_tps), {tp.partition: ends[tp] for tp in in_tps},
+                                           replica_processes("reward", info["run_id"])))
                 self._stop.wait(max(0.0, SAMPLE_EVERY_S - (time.monotonic() - began)))
-            in_tps = [TopicPartition(reward.input, p) for p in range(topo.topics.partitions)]
-            try:  # how the keys spread the records over the partitions (the replicas' shares)
-                self.input_ends = {tp.partition: n for tp, n in end_offsets(bootstrap, topo.kafka, in_tps,
-                                                                            timeout_s=5).items()}
-            except Exception:  # noqa: BLE001 - the run's broker may already be gone
-                pass
         finally:
             admin.close()
 
 
-def _members(admin: Any, group: str) -> int | None:  # noqa: ANN401 - a KafkaAdminClient
-    try:
-        desc = admin.describe_consumer_groups([group])
-    except Exception:  # noqa: BLE001 - not every broker answers DescribeGroups
-        return None
-    if not desc:
-        return None
-    d = desc[0]
-    members = d.get("members") if isinstance(d, dict) else getattr(d, "members", None)
-    return len(members) if members is not None else None
+def replica_processes(stage: str, run_id: str) -> int:
+    """Live processes titled ``expstream stage <stage>[i] run=<run_id>`` (expstream.procs.stage_title).
+
+    Counted from /proc rather than the consumer group: kafka-python 3.0's DescribeGroups cannot
+    parse Tansu's answer (its authorized_operations bits are not valid ACL operations).
+    """
+    head, tail = f"expstream stage {stage}[".encode(), f" run={run_id}".encode()
+    n = 0
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            title = (pid_dir / "cmdline").read_bytes().split(b"\0")[0].rstrip()
+        except OSError:  # the process ended while we looked
+            continue
+        n += title.startswith(head) and title.endswith(tail)
+    return n
 
 
 # -- one run ------------------------------------------------------------------------------------------------
@@ -269,11 +270,11 @@ def run_setting(label: str, prompts: Path, sets: list[str], out: Path) -> dict[s
         "dead_letters": len(summary.get("dead_letters") or []),
         "stage_restarts": summary.get("stage_restarts") or {},
         "scale_events": summary.get("scale_events") or [],
-        "stages": busy_shares(summary, topo),
+        "stages": busy_shares(summary, topo, active_span(summary)),
         "samples_per_record": topo["mrb"],
         "ticks": [t.__dict__ for t in sampler.ticks],
         "sampler_error": sampler.error,
-        "input_partition_records": sampler.input_ends,
+        "input_partition_records": sampler.ticks[-1].in_parts if sampler.ticks else {},
     }
 
 
@@ -285,13 +286,23 @@ def summary_topology(out: Path) -> dict[str, Any]:
             "mrb": topo.algo.micro_rollout_batch_size}
 
 
-def busy_shares(summary: dict[str, Any], topo: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per stage: runner seconds per replica over the run's wall (1.0 = every replica busy all the time).
+def active_span(summary: dict[str, Any]) -> float:
+    """Seconds the pipeline worked: first to last experience (steady rate) when known, else the wall
+    after the first experience; start-up (process start, model loads, group joins) left out."""
+    steady = summary.get("steady_samples_per_s")
+    if steady:
+        return summary["samples"] / steady
+    return max(summary["wall_s"] - (summary.get("first_experience_after_s") or 0.0), 1e-3)
+
+
+def busy_shares(summary: dict[str, Any], topo: dict[str, Any], span: float) -> dict[str, dict[str, Any]]:
+    """Per stage: runner seconds per replica over the active span (1.0 = every replica always busy).
 
     A stage's runner time includes waiting on the judge, so the reward stage's share is its
-    occupancy, not CPU. The stage with the highest share is the bottleneck.
+    occupancy, not CPU. The stage with the highest share is the bottleneck. The share can pass
+    1.0 a little: the first micro-batches are worked on before the first experience arrives.
     """
-    wall = summary["wall_s"] or float("nan")
+    wall = span
     out = {}
     for name, s in (summary.get("stages") or {}).items():
         replicas = topo["replicas"].get(name, 1)
@@ -347,15 +358,15 @@ def autoscale_report(r: dict[str, Any], best_fixed: float | None) -> dict[str, A
     start = next((t["t"] for t in ticks if t["lag"] > 0 or t["out_records"] > 0), None)  # work arrived
     target = STEADY_SHARE * best_fixed if best_fixed else None
     reached = next((t for t, v in rates if target is not None and v >= target), None)
-    members = [(t["t"], t["members"]) for t in ticks if t["members"] is not None]
+    members = [(t["t"], t["replicas"]) for t in ticks if t["replicas"] is not None]
     peak = max((m for _, m in members), default=None)
     at_peak = next((t for t, m in members if m == peak), None)
     ups = [e for e in r["scale_events"] if _to(e) is not None and _from(e) is not None and _to(e) > _from(e)]
     downs = [e for e in r["scale_events"] if _to(e) is not None and _from(e) is not None and _to(e) < _from(e)]
     return {
         "work_arrived_at_s": start,
-        "peak_members": peak,
-        "peak_members_at_s": at_peak,
+        "peak_replicas": peak,
+        "peak_replicas_at_s": at_peak,
         "time_to_peak_replicas_s": rounded(at_peak - start, 1) if at_peak is not None and start is not None else None,
         "time_to_steady_s": rounded(reached - start, 1) if reached is not None and start is not None else None,
         "steady_target_samples_per_s": rounded(target or float("nan")),
@@ -391,9 +402,9 @@ def plot(r: dict[str, Any], rep: dict[str, Any], best_fixed: float | None, path:
         return "matplotlib is not installed in this environment: no PNG written (pip install 'expstream[bench]')"
     ticks = r["ticks"]
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    mt = [(t["t"], t["members"]) for t in ticks if t["members"] is not None]
+    mt = [(t["t"], t["replicas"]) for t in ticks if t["replicas"] is not None]
     if mt:
-        ax1.plot([t for t, _ in mt], [m for _, m in mt], ".", label="reward group members (sampled)")
+        ax1.plot([t for t, _ in mt], [m for _, m in mt], ".", label="live reward replica processes (sampled)")
     steps = _replica_steps(r)
     if steps:
         ax1.step([t for t, _ in steps], [n for _, n in steps], where="post", label="replicas (scale events)")
@@ -512,7 +523,7 @@ def report(args: argparse.Namespace, replicas: list[int], results: dict[str, dic
         print(f"autoscale {r['autoscale']}: best fixed = {best_label} at {fmt(best_fixed)} samples/s")
         print(f"  steady {fmt(r['steady_samples_per_s'])} samples/s = {fmt(auto['steady_vs_best_fixed'])}x the best fixed; "
               f"peak {RATE_WINDOW_S:.0f}-s window {fmt(auto['peak_window_rate'])} samples/s")
-        print(f"  work arrived at {fmt(auto['work_arrived_at_s'], '.1f')} s; peak replicas {fmt(auto['peak_members'])} "
+        print(f"  work arrived at {fmt(auto['work_arrived_at_s'], '.1f')} s; peak replicas {fmt(auto['peak_replicas'])} "
               f"after {fmt(auto['time_to_peak_replicas_s'], '.1f')} s; {STEADY_SHARE:.0%} of the best fixed rate after "
               f"{fmt(auto['time_to_steady_s'], '.1f')} s; scale-ups {auto['scale_ups']}, scale-downs {auto['scale_downs']}")
         for ev in r["scale_events"]:
