@@ -241,7 +241,7 @@ def run_setting(label: str, prompts: Path, sets: list[str], out: Path) -> dict[s
            "--run-id", f"rs-{label}", "--no-progress"]
     for s in sets:
         cmd += ["--set", s]
-    t0 = time.monotonic()
+    t0, t0_epoch = time.monotonic(), time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = Sampler(out, t0)
     sampler.start()
@@ -261,6 +261,7 @@ def run_setting(label: str, prompts: Path, sets: list[str], out: Path) -> dict[s
     topo = summary_topology(out)
     return {
         "label": label,
+        "t0_epoch": t0_epoch,
         "cmd_wall_s": round(cmd_wall, 3),
         "wall_s": summary["wall_s"],
         "samples": summary["samples"],
@@ -341,15 +342,14 @@ def windowed_rates(ticks: list[dict[str, Any]], per_record: int) -> list[tuple[f
     return out
 
 
-def event_time(ev: dict[str, Any], t0_epoch: float | None) -> float | None:
-    """A scale event's time in the run's seconds, whatever field carries it."""
-    for key in ("t", "t_s", "elapsed_s", "at_s"):
-        if isinstance(ev.get(key), int | float):
-            return float(ev[key])
-    for key in ("time", "at", "ts"):
-        if isinstance(ev.get(key), int | float) and t0_epoch is not None:
-            return float(ev[key]) - t0_epoch
-    return None
+def event_time(ev: dict[str, Any], t0_epoch: float) -> float | None:
+    """A scale event's time on the sampler's clock (seconds since `expstream run` started).
+
+    summary.json's events carry ``time`` (unix) and ``t_s`` (since the run's scaler started, a
+    clock this script does not see): the unix time is the one to align with the ticks.
+    """
+    t = ev.get("time")
+    return float(t) - t0_epoch if isinstance(t, int | float) else None
 
 
 def autoscale_report(r: dict[str, Any], best_fixed: float | None) -> dict[str, Any]:
@@ -379,17 +379,11 @@ def autoscale_report(r: dict[str, Any], best_fixed: float | None) -> dict[str, A
 
 
 def _to(ev: dict[str, Any]) -> int | None:
-    for key in ("to", "replicas", "new", "after"):
-        if isinstance(ev.get(key), int):
-            return ev[key]
-    return None
+    return ev["to"] if isinstance(ev.get("to"), int) else None
 
 
 def _from(ev: dict[str, Any]) -> int | None:
-    for key in ("from", "old", "before"):
-        if isinstance(ev.get(key), int):
-            return ev[key]
-    return None
+    return ev["from"] if isinstance(ev.get("from"), int) else None
 
 
 def plot(r: dict[str, Any], rep: dict[str, Any], best_fixed: float | None, path: Path) -> str:
@@ -428,7 +422,7 @@ def plot(r: dict[str, Any], rep: dict[str, Any], best_fixed: float | None, path:
 
 def _replica_steps(r: dict[str, Any]) -> list[tuple[float, int]]:
     start = r["stages"].get("reward", {}).get("replicas")
-    events = [(event_time(e, None), _to(e)) for e in r["scale_events"]]
+    events = [(event_time(e, r["t0_epoch"]), _to(e)) for e in r["scale_events"]]
     events = [(t, n) for t, n in events if t is not None and n is not None]
     if not events:
         return []
