@@ -108,7 +108,8 @@ class FnScorer(Scorer):
         try:
             self.fn: Callable = reward_fn(path)
         except ConfigError as exc:
-            raise ConfigError(str(exc).replace("models.reward_fn", "--fn"), field="--fn", fix=exc.fix) from exc
+            text = str(exc).replace(f" (fix: {exc.fix})", "").replace("models.reward_fn", "--fn")
+            raise ConfigError(text, field="--fn", fix=exc.fix) from exc
         self.name = path
 
     def _call(self, items: list[dict[str, str]]) -> list[float]:
