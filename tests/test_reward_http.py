@@ -269,3 +269,93 @@ def test_serve_reward_refuses_both_or_neither():
     proc = subprocess.run([sys.executable, "-m", "expstream", "serve-reward", "--fn", "no_such_module:f"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--fn" in proc.stderr and "no_such_module" in proc.stderr
+
+
+# --- the tests: `expstream run` with one http reward source (real broker, redis, server) ----------
+
+
+def run_with_judge(tmp_path: Path, rows: list[dict], port: int, *sets: str) -> subprocess.Popen:
+    pytest.importorskip("expstream.reward_sources", reason="waits for part 'sources' (rewards.sources) on main")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(tmp_path / "out"),
+           "--no-progress", "--set", f"models.cache_dir={ROOT / '.cache/expstream/models'}",
+           "--set", "generate.max_new_tokens=4", "--set", "models.reward=null", "--set", "run.timeout_s=180",
+           "--set", "rewards.sources.judge.kind=http", "--set", f"rewards.sources.judge.url=http://127.0.0.1:{port}",
+           "--set", "rewards.sources.judge.batch_size=2", "--set", "rewards.sources.judge.retries=1"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(run: subprocess.Popen, tmp_path: Path) -> tuple[dict, list]:
+    from expstream import read_experiences
+
+    out, err = run.communicate(timeout=400)
+    assert run.returncode == 0, f"exit {run.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    return summary, read_experiences(tmp_path / "out" / "experiences.msgpack")
+
+
+def health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_run_survives_its_reward_server_killed_and_restarted(tmp_path):
+    from collections import Counter
+
+    port = free_port()
+    serve = ("--fn", "tests.rewardfns:label_length", "--latency-ms", "500")  # each request sleeps: killed mid-request
+    server = serve_reward(port, *serve)
+    rows = [{"id": f"q{i}", "prompt": f"Question {i}?", "label": "x" * (i + 1)} for i in range(4)]
+    run = run_with_judge(tmp_path, rows, port, "generate.n_samples_per_prompt=2", "run.prompt_batch_size=1")
+    try:
+        deadline = time.monotonic() + 300
+        while health(port)["requests"] == 0:  # the first request is asleep in the server: kill it now
+            assert run.poll() is None and time.monotonic() < deadline, "the run never asked the reward server"
+            time.sleep(0.05)
+        kill(server)
+        time.sleep(3)  # the reward stage fails over retries and the open breaker, and backs off
+        server = serve_reward(port, *serve)
+        summary, exps = finish(run, tmp_path)
+        served_after = health(port)["items"]
+    finally:
+        if run.poll() is None:
+            run.kill()
+        kill(server)
+    assert summary["status"] == "ok" and summary["groups_complete"] == 4
+    assert not summary["dead_letters"] and not summary["groups_dead_lettered"], "nothing dead-lettered for an outage"
+    ids = Counter(s for e in exps for s in e.sample_ids)
+    assert set(ids) == {f"q{i}#{k}" for i in range(4) for k in range(2)} and set(ids.values()) == {1}
+    assert served_after >= 2, "the micro-batch in flight at the kill was scored by the restarted server"
+    for e in exps:  # every reward is the server's: len(label) = i + 1 for prompt q{i}
+        for sid, r in zip(e.sample_ids, e.info["reward"].tolist(), strict=True):
+            assert r == float(int(sid[1:].split("#")[0]) + 1), sid
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_a_400_for_one_sample_dead_letters_that_sample_only(tmp_path):
+    from collections import Counter
+
+    port = free_port()
+    server = serve_reward(port, "--fn", "tests.rewardfns:reject_poison")
+    rows = [{"id": f"ok{i}", "prompt": f"Question {i}?"} for i in range(4)] + [{"id": "bad", "prompt": "a poison question"}]
+    # one sample per prompt, all five prompts in one micro-batch: the server refuses one item of it
+    run = run_with_judge(tmp_path, rows, port, "generate.n_samples_per_prompt=1", "run.prompt_batch_size=5",
+                         "algo.advantage_estimator=reinforce", "run.max_lost_group_share=0.5")
+    try:
+        summary, exps = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        kill(server)
+    assert summary["groups_complete"] == 4 and summary["groups_dead_lettered"] == ["bad"]
+    assert [d["stage"] for d in summary["dead_letters"]] == ["reward"]
+    assert "bad#0" in summary["lost_groups"]["bad"] and "this prompt is poison" in summary["lost_groups"]["bad"]
+    ids = Counter(s for e in exps for s in e.sample_ids)
+    assert set(ids) == {f"ok{i}#0" for i in range(4)} and set(ids.values()) == {1}
