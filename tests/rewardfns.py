@@ -27,16 +27,3 @@ def nan_for_poison(queries, prompts, labels):
 def wrong_signature(queries):
     """Takes one argument where reward functions take three: every call raises TypeError."""
     return [1.0 for _ in queries]
-
-
-def reject_poison(queries, prompts, labels):
-    """A reward server's function: ValueError (-> HTTP 400 for that item) for prompts that mention
-    poison; 1.0 for the others."""
-    if any("poison" in p for p in prompts):
-        raise ValueError("this prompt is poison")
-    return [1.0 for _ in prompts]
-
-
-def server_fault(queries, prompts, labels):
-    """A reward server's function that fails on every call with a non-ValueError (-> HTTP 500)."""
-    raise RuntimeError("the judge crashed")

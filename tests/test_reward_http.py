@@ -45,7 +45,7 @@ def items(labels: list[str], prompts: list[str] | None = None) -> list[dict[str,
 def fn_server():
     started: list[ServerThread] = []
 
-    def start(fn: str = "tests.rewardfns:label_length", **kw) -> ServerThread:
+    def start(fn: str = "tests.rewardfns_http:label_length", **kw) -> ServerThread:
         srv = ServerThread(FnScorer(fn), **kw)
         srv.start()
         started.append(srv)
@@ -79,7 +79,7 @@ def test_round_trip_keeps_order_across_requests(fn_server):
         src.close()
     with urllib.request.urlopen(srv.url + "/health", timeout=5) as resp:
         health = json.loads(resp.read())
-    assert health["status"] == "ok" and health["model"] == "tests.rewardfns:label_length"
+    assert health["status"] == "ok" and health["model"] == "tests.rewardfns_http:label_length"
     assert health["kind"] == "fn" and health["requests"] == 4 and health["items"] == 11
 
 
@@ -99,7 +99,7 @@ def test_server_names_the_bad_field_and_index(fn_server):
 
 
 def test_a_400_for_one_item_names_that_sample(fn_server):
-    srv = fn_server("tests.rewardfns:reject_poison")
+    srv = fn_server("tests.rewardfns_http:reject_poison")
     src = HttpRewardSource("judge", srv.url, batch_size=4)
     try:
         prompts = ["fine", "also fine", "a poison prompt", "fine again", "fine 5"]
@@ -116,7 +116,7 @@ def test_a_400_for_one_item_names_that_sample(fn_server):
 
 
 def test_a_server_fault_is_retriable_not_poison(fn_server):
-    srv = fn_server("tests.rewardfns:server_fault")
+    srv = fn_server("tests.rewardfns_http:server_fault")
     src = HttpRewardSource("judge", srv.url, retries=2, breaker=CircuitBreaker(failures=100))
     try:
         with pytest.raises(RewardServerUnavailable) as info:
@@ -190,7 +190,7 @@ def kill(proc: subprocess.Popen) -> None:
 
 def test_retries_ride_out_a_restart_and_the_breaker_fails_fast_until_a_probe_succeeds():
     port = free_port()
-    proc = serve_reward(port, "--fn", "tests.rewardfns:label_length")
+    proc = serve_reward(port, "--fn", "tests.rewardfns_http:label_length")
     breaker = CircuitBreaker(failures=3, reset_s=0.5)
     src = HttpRewardSource("judge", f"http://127.0.0.1:{port}", retries=1, timeout_s=5, breaker=breaker)
     try:
@@ -207,7 +207,7 @@ def test_retries_ride_out_a_restart_and_the_breaker_fails_fast_until_a_probe_suc
         with pytest.raises(RewardServerUnavailable, match="circuit breaker open"):
             src.score_items(items(["ab"]))
         assert src.stats["requests"] == sent and src.stats["fast_failures"] == 1  # failed fast: no request
-        proc = serve_reward(port, "--fn", "tests.rewardfns:label_length")
+        proc = serve_reward(port, "--fn", "tests.rewardfns_http:label_length")
         time.sleep(breaker.reset_s)  # not a timing assertion: wait out the open state
         assert src.score_items(items(["abc", "d"])).tolist() == [3.0, 1.0]  # the probe closes it
         assert breaker.state == "closed"
@@ -216,7 +216,7 @@ def test_retries_ride_out_a_restart_and_the_breaker_fails_fast_until_a_probe_suc
         patient = HttpRewardSource("patient", f"http://127.0.0.1:{port}", retries=8,
                                    breaker=CircuitBreaker(failures=100))
         restarted: list[subprocess.Popen] = []
-        later = threading.Timer(0.3, lambda: restarted.append(serve_reward(port, "--fn", "tests.rewardfns:label_length")))
+        later = threading.Timer(0.3, lambda: restarted.append(serve_reward(port, "--fn", "tests.rewardfns_http:label_length")))
         later.start()
         try:
             assert patient.score_items(items(["abcd"])).tolist() == [4.0]
@@ -309,7 +309,7 @@ def test_run_survives_its_reward_server_killed_and_restarted(tmp_path):
     from collections import Counter
 
     port = free_port()
-    serve = ("--fn", "tests.rewardfns:label_length", "--latency-ms", "500")  # each request sleeps: killed mid-request
+    serve = ("--fn", "tests.rewardfns_http:label_length", "--latency-ms", "500")  # each request sleeps: killed mid-request
     server = serve_reward(port, *serve)
     rows = [{"id": f"q{i}", "prompt": f"Question {i}?", "label": "x" * (i + 1)} for i in range(4)]
     run = run_with_judge(tmp_path, rows, port, "generate.n_samples_per_prompt=2", "run.prompt_batch_size=1")
@@ -343,7 +343,7 @@ def test_a_400_for_one_sample_dead_letters_that_sample_only(tmp_path):
     from collections import Counter
 
     port = free_port()
-    server = serve_reward(port, "--fn", "tests.rewardfns:reject_poison")
+    server = serve_reward(port, "--fn", "tests.rewardfns_http:reject_poison")
     rows = [{"id": f"ok{i}", "prompt": f"Question {i}?"} for i in range(4)] + [{"id": "bad", "prompt": "a poison question"}]
     # one sample per prompt, all five prompts in one micro-batch: the server refuses one item of it
     run = run_with_judge(tmp_path, rows, port, "generate.n_samples_per_prompt=1", "run.prompt_batch_size=5",
