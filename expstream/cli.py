@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             return diff_command(args)
         if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
             from expstream.replay import replay_command
+            from expstream.replaybroker import broker_replay  # handed in: replaybroker imports replay
 
-            return replay_command(args)
+            return replay_command(args, broker_replay=broker_replay)
         if args.command == "serve-reward":  # no topology: the flags say everything
             from expstream.reward_server import serve_reward_command
 
