@@ -293,7 +293,7 @@ class ServerThread:
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
             await site.start()
-            return site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
+            return self._runner.addresses[0][1]  # the bound port when 0 was asked
 
         self.port = asyncio.run_coroutine_threadsafe(up(), self._loop).result(10)
         return self.url
