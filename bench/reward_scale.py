@@ -72,7 +72,7 @@ SAMPLE_EVERY_S = 1.0
 JUDGE_START_TIMEOUT_S = 20.0
 # Why 60 s: services.json is written once the broker and redis answer (~2-5 s); past 60 s the run failed.
 SERVICES_TIMEOUT_S = 60.0
-#: A window's rate within this share of the best fixed rate counts as "steady" for the autoscaler.
+#: The autoscaled run is "steady" from the first window at this share of its own plateau (best window).
 STEADY_SHARE = 0.9
 # Why 5 s: a micro-batch takes ~1.6 s on one replica at in-flight 1; 5 s holds several of them.
 RATE_WINDOW_S = 5.0
@@ -259,6 +259,9 @@ def run_setting(label: str, prompts: Path, sets: list[str], out: Path) -> dict[s
         raise SystemExit(f"{label}: expstream run failed with exit code {proc.returncode} (output in {out})")
     summary = json.loads((out / "summary.json").read_text())
     topo = summary_topology(out)
+    ups = [e["to"] for e in summary.get("scale_events") or [] if e.get("stage") == "reward" and isinstance(e.get("to"), int)]
+    if ups:  # an autoscaled run: the busy share over the most replicas it ran
+        topo["replicas"]["reward"] = max([topo["replicas"]["reward"], *ups])
     return {
         "label": label,
         "t0_epoch": t0_epoch,
@@ -361,22 +364,26 @@ def peak_window_rate(r: dict[str, Any]) -> float:
 def autoscale_report(r: dict[str, Any], best: dict[str, Any] | None) -> dict[str, Any]:
     """Replicas, time to steady state and throughput of the autoscaled run against ``best``.
 
-    * work arrives: the first tick with a lag, or the first scale-up if the autoscaler saw it first;
+    * work arrives: the first tick with records on the reward stage's input topic (or the first
+      scale-up, if the autoscaler saw them first);
     * time to peak replicas: from then to the scale event that reached the largest count;
-    * time to steady: from then to the first RATE_WINDOW_S window whose rate is STEADY_SHARE of
-      the best fixed run's peak window rate (the same measure on both sides).
+    * time to steady: from then to the end of the first RATE_WINDOW_S window whose rate is
+      STEADY_SHARE of the run's own plateau (its best window): the settling time, conservative
+      by up to one window;
+    * final throughput: steady samples/s and the plateau against the best fixed replica count.
     """
     ticks = r["ticks"]
     rates = windowed_rates(ticks, r["samples_per_record"])
     events = [(event_time(e, r["t0_epoch"]), e) for e in r["scale_events"] if e.get("stage") == "reward"]
     ups = [(t, e) for t, e in events if t is not None and _to(e) is not None and _to(e) > (_from(e) or 0)]
     downs = [(t, e) for t, e in events if t is not None and _to(e) is not None and _to(e) < (_from(e) or 0)]
-    first_lag = next((t["t"] for t in ticks if t["lag"] > 0), None)
-    start = min([x for x in (first_lag, ups[0][0] if ups else None) if x is not None], default=None)
+    first_work = next((t["t"] for t in ticks if t["lag"] > 0 or sum(t["in_parts"].values()) > 0), None)
+    start = min([x for x in (first_work, ups[0][0] if ups else None) if x is not None], default=None)
     peak = max((_to(e) for _, e in ups), default=r["stages"].get("reward", {}).get("replicas"))
     at_peak = next((t for t, e in ups if _to(e) == peak), None)
     best_window = peak_window_rate(best) if best else float("nan")
-    target = STEADY_SHARE * best_window if best_window == best_window else None
+    plateau = peak_window_rate(r)
+    target = STEADY_SHARE * plateau if plateau == plateau else None
     reached = next((t for t, v in rates if target is not None and v >= target), None)
     alive = [t["replicas"] for t in ticks]
     return {
@@ -386,7 +393,7 @@ def autoscale_report(r: dict[str, Any], best: dict[str, Any] | None) -> dict[str
         "time_to_peak_replicas_s": rounded(at_peak - start, 1) if at_peak is not None and start is not None else None,
         "time_to_steady_s": rounded(reached - start, 1) if reached is not None and start is not None else None,
         "steady_target_samples_per_s": rounded(target or float("nan")),
-        "peak_window_rate": rounded(peak_window_rate(r)),
+        "peak_window_rate": rounded(plateau),
         "best_fixed_peak_window_rate": rounded(best_window),
         "peak_window_vs_best_fixed": rounded(ratio(peak_window_rate(r), best_window)),
         "scale_ups": len(ups),
@@ -422,7 +429,7 @@ def plot(r: dict[str, Any], rep: dict[str, Any], best_fixed: float | None, path:
     if steps:
         ax1.step([t for t, _ in steps], [n for _, n in steps], where="post", label="replicas (scale events)")
     ax1.set_ylabel("reward replicas")
-    ax1.legend(loc="upper right", fontsize=8)
+    ax1.legend(loc="center right", fontsize=8)
     ax2.plot([t["t"] for t in ticks], [t["lag"] for t in ticks], label="lag (records)")
     ax2.set_ylabel("reward input lag (records)")
     ax3.plot([t for t, _ in rep["rates"]], [v for _, v in rep["rates"]], label=f"output rate ({RATE_WINDOW_S:.0f} s window)")
@@ -433,7 +440,7 @@ def plot(r: dict[str, Any], rep: dict[str, Any], best_fixed: float | None, path:
                     label="best fixed replica count (peak window)")
     ax3.set_ylabel("samples/s")
     ax3.set_xlabel("seconds since `expstream run` started")
-    ax3.legend(loc="upper right", fontsize=8)
+    ax3.legend(loc="lower right", fontsize=8)
     ax1.set_title("reward autoscaler: replicas, backlog and throughput")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -559,7 +566,7 @@ def report(args: argparse.Namespace, replicas: list[int], results: dict[str, dic
               f"{fmt(auto['peak_window_vs_best_fixed'])}x")
         print(f"  work arrived at {fmt(auto['work_arrived_at_s'], '.1f')} s (since the command started); "
               f"{fmt(auto['peak_replicas'])} replicas after {fmt(auto['time_to_peak_replicas_s'], '.1f')} s; "
-              f"steady state ({STEADY_SHARE:.0%} of the best fixed peak window) after "
+              f"steady state ({STEADY_SHARE:.0%} of its plateau) after "
               f"{fmt(auto['time_to_steady_s'], '.1f')} s; scale-ups {auto['scale_ups']}, "
               f"scale-downs {auto['scale_downs']}")
         for ev in r["scale_events"]:
