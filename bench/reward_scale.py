@@ -52,7 +52,7 @@ from common import RESULTS_DIR, ROOT, fmt, machine, progress, ratio, rounded, sa
 
 SCORE_FN = "expstream.rewards:response_length"
 SOURCE = "judge"  # the one reward source's name (its key in reward_metrics)
-#: Every setting's partitions: the most replicas of any setting (4) each get one.
+#: Every setting's partitions (--partitions): the most replicas of any setting (4) each get one.
 PARTITIONS = 4
 #: Knobs that keep generation and the other stages well ahead of the reward stage (see the docstring).
 BASE_SETS = [
@@ -60,7 +60,6 @@ BASE_SETS = [
     "generate.n_samples_per_prompt=4",
     "run.prompt_batch_size=2",           # 2 groups x 4 samples = one micro-batch of 8 per record
     "algo.micro_rollout_batch_size=8",
-    f"topics.partitions={PARTITIONS}",
     "models.reward=null",                # the http source replaces the reward model
     "record.enabled=false",              # the recorder's CPU is not what is measured here
 ]
@@ -84,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--latency-ms", type=int, default=200, help="the judge's fixed latency per request")
     p.add_argument("--replicas", default="1,2,4", help="reward replica counts (1 first: the baseline)")
     p.add_argument("--in-flight", type=int, default=8, help="max_in_flight of the in-flight setting (vs 1)")
+    p.add_argument("--partitions", type=int, default=PARTITIONS,
+                   help="topics.partitions of every run (at least the largest replica count)")
     p.add_argument("--batch-size", type=int, default=1, help="items per request (several requests per micro-batch)")
     p.add_argument("--target-lag", type=int, default=2, help="autoscale target_lag_per_replica (records)")
     p.add_argument("--cooldown-s", type=float, default=4.0, help="autoscale cooldown_s")
@@ -471,7 +472,7 @@ def main() -> int:
     progress(f"machine: {info}")
     judge = Judge(args.latency_ms, work / "judge.log")
     progress(f"judge at {judge.url} ({args.latency_ms} ms per request): {judge.health}")
-    base = BASE_SETS + args.overrides
+    base = BASE_SETS + [f"topics.partitions={args.partitions}"] + args.overrides
     results: dict[str, dict[str, Any]] = {}
     try:
         plan = [(f"r{n}", n, 1) for n in replicas] + [(f"r1-if{args.in_flight}", 1, args.in_flight)]
@@ -579,7 +580,8 @@ def report(args: argparse.Namespace, replicas: list[int], results: dict[str, dic
             print(f"{label}: the lag sampler read nothing: {r['sampler_error']}")
     save("reward_scale", {
         "bench": "reward_scale", "latency_ms": args.latency_ms, "batch_size": args.batch_size,
-        "prompts": args.prompts, "sets": BASE_SETS + args.overrides, "machine": info,
+        "prompts": args.prompts,
+        "sets": BASE_SETS + [f"topics.partitions={args.partitions}"] + args.overrides, "machine": info,
         "machine_end": {"loadavg": machine()["loadavg"]},
         "steady_samples_per_s": {k: v["steady_samples_per_s"] for k, v in results.items()},
         "ratios": ratios, "bottleneck": {k: bottleneck(v) for k, v in results.items()},
