@@ -246,3 +246,56 @@ def test_the_documented_recipe_example_loads(cache):
     topo = load_topology(Path(__file__).resolve().parents[1] / "examples" / "recipe.yaml", overrides=[cache])
     check_models(topo)
     assert topo.rewards.route_of("math") == ["rule"] and topo.rewards.route_of("chat") == ["rm"]
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_recipe_through_expstream_run_scores_by_route_and_dead_letters_only_the_unrouted_group(tmp_path):
+    """Real broker and redis-server: math -> rule, chat -> rm, a label with no route -> its samples alone
+    to the dead-letter topic (the micro-batch is bisected); every other sample once, with both metrics."""
+    import json
+    import subprocess
+    from collections import Counter
+    from pathlib import Path
+
+    from expstream import read_experiences
+
+    root = Path(__file__).resolve().parents[1]
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(yaml.safe_dump({"rewards": {
+        "sources": {"rm": {"kind": "model", "path": "builtin:tiny"},
+                    "rule": {"kind": "fn", "fn": "expstream.rewards:reference_in_response"}},
+        "recipe": {"math": ["rule"], "chat": ["rm"]}}}))
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": "m1", "prompt": "What is 2 + 3?", "label": "math", "reference": "5"},
+            {"id": "m2", "prompt": "What is 1 + 1?", "label": "math", "reference": "e"},
+            {"id": "c1", "prompt": "Say hello.", "label": "chat"},
+            {"id": "poem", "prompt": "A line about the sea.", "label": "poem"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "expstream", "run", "--topology", str(topo), "--prompts", str(prompts),
+         "--output", str(out), "--no-progress", "--set", f"models.cache_dir={tmp_path / 'models'}",
+         "--set", "generate.n_samples_per_prompt=2", "--set", "generate.max_new_tokens=6",
+         "--set", "run.prompt_batch_size=4", "--set", "run.timeout_s=120", "--set", "run.max_lost_group_share=0.5"],
+        cwd=root, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["groups_dead_lettered"] == ["poem"] and summary["groups_complete"] == 3
+    assert summary["lost_groups"]["poem"].startswith("dead letter from reward: ")
+    exps = read_experiences(out / "experiences.msgpack")
+    ids = Counter(s for e in exps for s in e.sample_ids)
+    assert set(ids) == {f"{g}#{k}" for g in ("m1", "m2", "c1") for k in range(2)} and set(ids.values()) == {1}
+    seen = set()
+    for e in exps:
+        for i, sid in enumerate(e.sample_ids):
+            info = {k: float(v[i]) for k, v in e.info.items()}
+            raw, rm, rule = info["reward"], info["reward_metrics.rm"], info["reward_metrics.rule"]
+            if sid.startswith("m"):
+                assert (info["reward_routed.rule"], info["reward_routed.rm"]) == (1.0, 0.0)
+                assert rm == 0.0 and rule in (0.0, 1.0) and raw == rule
+            else:
+                assert (info["reward_routed.rule"], info["reward_routed.rm"]) == (0.0, 1.0)
+                assert rule == 0.0 and raw == pytest.approx(rm) and rm != 0.0
+            seen.add(sid[0])
+    assert seen == {"m", "c"}
