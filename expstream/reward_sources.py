@@ -139,19 +139,20 @@ def build_sources(topo: Topology, ctx: Any) -> dict[str, RewardSource]:
         elif cfg.kind == "fn":
             out[name] = FnSource(name, import_function(cfg.fn or "", f"{cfg.where}.fn"), tok(), what=f"{cfg.where}.fn")
         else:
-            out[name] = _http_source(cfg)
+            out[name] = _http_source(cfg, tok())
     return out
 
 
-def _http_source(cfg: Any) -> RewardSource:
+def _http_source(cfg: Any, tokenizer: Any) -> RewardSource:
     try:
         from expstream.reward_http import HttpRewardSource
     except ImportError as exc:
         raise ConfigError(f"http sources need expstream.reward_http ({exc})", field=f"{cfg.where}.kind",
                           fix="install aiohttp (pip install 'aiohttp>=3.9') in this environment, or use a "
                               "model or fn source") from exc
+    # the tokenizer: each item's "query" is decoded from the token ids, exactly as a fn source sees it
     return HttpRewardSource(cfg.name, cfg.url, timeout_s=cfg.timeout_s, max_in_flight=cfg.max_in_flight,
-                            batch_size=cfg.batch_size, retries=cfg.retries)
+                            batch_size=cfg.batch_size, retries=cfg.retries, tokenizer=tokenizer)
 
 
 def close_sources(sources: Mapping[str, RewardSource]) -> None:
