@@ -299,3 +299,29 @@ def test_recipe_through_expstream_run_scores_by_route_and_dead_letters_only_the_
                 assert rule == 0.0 and raw == pytest.approx(rm) and rm != 0.0
             seen.add(sid[0])
     assert seen == {"m", "c"}
+
+
+def test_an_http_source_in_a_recipe_gets_only_its_rows_from_a_real_server(cache):
+    """A real aiohttp server on a loopback port (serve-reward's app, len(label) per item) next to a fn source."""
+    from expstream.reward_server import FnScorer, ServerThread
+
+    srv = ServerThread(FnScorer("tests.rewardfns_http:label_length"))
+    url = srv.start()
+    try:
+        cfg = {"sources": {"judge": {"kind": "http", "url": url, "batch_size": 1, "max_in_flight": 2},
+                           "rule": {"kind": "fn", "fn": "tests.rewardfns:minus_prompt_length"}},
+               "recipe": {"chat": ["judge"], "*": ["judge", "rule"]}, "combine": "sum"}
+        topo = rewards_topology(cache, cfg)
+        ctx = make_context(topo, "reward")
+        reward.setup(ctx)
+        sources = ctx.models["reward_sources"]
+        sources["judge"] = judge = Recorder(sources["judge"])
+        batch = make_batch(["chat", "maths", "chat"], prompts=["p", "qq", "rrr"])
+        [out] = reward.process(batch, ctx)
+        reward.teardown(ctx)
+    finally:
+        srv.stop()
+    assert judge.seen == [batch.sample_ids()]  # every row is routed to the judge: one call, the whole batch
+    assert out.reward_metrics["judge"].tolist() == [4.0, 5.0, 4.0]  # len("chat"), len("maths")
+    assert out.reward_metrics["rule"].tolist() == [0.0, -2.0, 0.0]  # only "maths" goes to rule
+    assert out.rewards.tolist() == [4.0, 3.0, 4.0]
