@@ -274,11 +274,6 @@ def test_serve_reward_refuses_both_or_neither():
 # --- the issue's tests: `expstream run` with one http reward source (real broker, redis, server) ----------
 
 
-def needs_sources() -> None:
-    """Before any server starts (a skip must not leave one behind)."""
-    pytest.importorskip("expstream.reward_sources", reason="waits for part 'sources' (rewards.sources) on main")
-
-
 def run_with_judge(tmp_path: Path, rows: list[dict], port: int, *sets: str) -> subprocess.Popen:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -311,8 +306,6 @@ def health(port: int) -> dict:
 @pytest.mark.integration
 def test_run_survives_its_reward_server_killed_and_restarted(tmp_path):
     from collections import Counter
-
-    needs_sources()
     port = free_port()
     serve = ("--fn", "tests.rewardfns_http:label_length", "--latency-ms", "500")  # each request sleeps: killed mid-request
     server = serve_reward(port, *serve)
@@ -346,8 +339,6 @@ def test_run_survives_its_reward_server_killed_and_restarted(tmp_path):
 @pytest.mark.integration
 def test_a_400_for_one_sample_dead_letters_that_sample_only(tmp_path):
     from collections import Counter
-
-    needs_sources()
     port = free_port()
     server = serve_reward(port, "--fn", "tests.rewardfns_http:reject_poison")
     rows = [{"id": f"ok{i}", "prompt": f"Question {i}?"} for i in range(4)] + [{"id": "bad", "prompt": "a poison question"}]
