@@ -537,7 +537,7 @@ def report(args: argparse.Namespace, replicas: list[int], results: dict[str, dic
     print(table(["stage"] + list(results), [[n] + [f"{r['stages'].get(n, {}).get('busy', float('nan')):.0%}"
                                                     for r in results.values()] for n in names],
                 title="busy share per stage (runner seconds / (replicas x first-to-last-experience span)); "
-                      "the highest is the bottleneck (autoscale: over its starting replica count)"))
+                      "the highest is the bottleneck (autoscale: over the most replicas it ran)"))
     print()
     inflight = f"r1-if{args.in_flight}"
     ratios: dict[str, Any] = {}
