@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     from expstream.rewind import add_rewind_parser
 
     add_rewind_parser(sub, _add_topology_args)
+    from expstream.scale import add_scale_parser
+
+    add_scale_parser(sub)
     return parser
 
 
@@ -113,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.diff import diff_command
 
             return diff_command(args)
+        if args.command == "scale":  # talks to a running run through its directory (its own topology)
+            from expstream.scale import scale_command
+
+            return scale_command(args)
         if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
             from expstream.replay import replay_command
 
