@@ -134,7 +134,7 @@ def check_counts(topo: Topology, counts: dict[str, int]) -> None:
 
 def _write_atomic(path: Path, obj: object) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True))
+    tmp.write_text(json.dumps(obj))  # key order kept: requests are applied in the order given
     os.replace(tmp, path)
 
 

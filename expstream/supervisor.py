@@ -25,7 +25,9 @@ while it runs. Scale-up starts replicas with the lowest free replica ids (a repl
 earlier is reused: its label, log and restart count carry on); scale-down sends SIGTERM to the
 highest ids, which finish the micro-batch in hand, commit and leave the group. A retiring
 replica is never restarted and its exit is not a failure; one still alive ``STOP_GRACE_S`` after
-SIGTERM is SIGKILLed (its uncommitted micro-batch is redelivered to the others).
+SIGTERM is SIGKILLed (its uncommitted micro-batch is redelivered to the others). Call it from the
+thread that runs the supervisor for the whole run (the run loop's main thread): ``PDEATHSIG`` fires
+when the *thread* that forked a child ends, not only its process.
 
 Fault injection (``EXPSTREAM_FAULT``, see stages/runner.py) is one-shot per replica: the first
 process of a replica gets the variable as given, a restarted one gets it without the entries that
