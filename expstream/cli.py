@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             return scale_command(args)
         if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
             from expstream.replay import replay_command
+            from expstream.replaybroker import broker_replay  # handed in: replaybroker imports replay
 
-            return replay_command(args)
+            return replay_command(args, broker_replay=broker_replay)
         if getattr(args, "continuous", False):
             args.overrides.append("train.enabled=true")  # last, so it wins over a --set train.enabled=false
         topo = load_topology(find_topology(args.topology), args.overrides)

@@ -85,13 +85,17 @@ def compute_approx_kl(
         raise ValueError(f"log_probs {tuple(lp.shape)} and base_log_probs {tuple(blp.shape)} differ")
     m = as_bool_mask(action_mask, lp)
     d = torch.where(m, lp.double() - blp.double(), torch.zeros((), dtype=torch.float64))
+    return torch.where(m, kl_of_log_ratio(d, estimator), torch.zeros((), dtype=torch.float64)).to(torch.float32)
+
+
+def kl_of_log_ratio(d: Tensor, estimator: str) -> Tensor:
+    """k1 = d, k2 = d²/2, k3 = exp(−d) − 1 + d of ``d = log π − log π_ref`` (docs/numerics.md §3),
+    elementwise in ``d``'s dtype (differentiable: the trainer's KL-in-loss uses it too)."""
     if estimator == "k1":
-        k = d
-    elif estimator == "k2":
-        k = d * d / 2
-    else:
-        k = torch.expm1(-d) + d
-    return torch.where(m, k, torch.zeros((), dtype=torch.float64)).to(torch.float32)
+        return d
+    if estimator == "k2":
+        return d * d / 2
+    return torch.expm1(-d) + d
 
 
 def masked_sum(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tensor:

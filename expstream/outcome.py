@@ -35,6 +35,15 @@ LINE_REASONS = 2
 STATUS_NAMES = {EXIT_OK: "ok", EXIT_INTERRUPTED: "interrupted"}
 
 
+def write_summary(summary: dict, out_dir: Path, run_id: str) -> dict:
+    """``summary.json`` in ``out_dir``; a write error is logged, never raised (the run's outcome stands)."""
+    try:
+        dump_json(summary, out_dir / "summary.json")
+    except OSError as exc:
+        log.error("run %s: cannot write summary.json: %s", run_id, exc)
+    return summary
+
+
 def dump_json(obj: object, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -185,11 +194,7 @@ class RunOutcome:
             "topology": topo.source,
             "recording": self.recording(problems),
         }
-        try:
-            dump_json(summary, self.out_dir / "summary.json")
-        except OSError as exc:
-            log.error("run %s: cannot write summary.json: %s", self.run_id, exc)
-        self.summary = summary
+        self.summary = write_summary(summary, self.out_dir, self.run_id)
         return summary
 
 
@@ -268,9 +273,5 @@ class ContinuousOutcome(RunOutcome):
             "topology": topo.source,
             "recording": self.recording(problems),
         }
-        try:
-            dump_json(summary, self.out_dir / "summary.json")
-        except OSError as exc:
-            log.error("run %s: cannot write summary.json: %s", self.run_id, exc)
-        self.summary = summary
+        self.summary = write_summary(summary, self.out_dir, self.run_id)
         return summary

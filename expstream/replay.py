@@ -37,7 +37,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -617,8 +617,9 @@ def add_replay_parser(sub: Any, add_topology_args: Any) -> None:
     p.add_argument("--tag", help="with --into: the namespace replay-<tag>/ (default: the time)")
 
 
-def replay_command(args: argparse.Namespace) -> int:
-    """``expstream replay``: dispatch to :func:`replay_run` or :func:`republish`; prints a short report."""
+def replay_command(args: argparse.Namespace, broker_replay: Callable[..., dict] | None = None) -> int:
+    """``expstream replay``: dispatch to :func:`replay_run`, ``broker_replay`` (expstream.replaybroker, handed in
+    by the command line: it imports this module) or :func:`republish`; prints a short report."""
     import json
 
     filters = Filters(samples=parse_ids(args.samples, "--samples"), groups=parse_ids(args.groups, "--groups"),
@@ -645,8 +646,9 @@ def replay_command(args: argparse.Namespace) -> int:
                           fix="add --stages NAME or --stages A..B (the first reads --from)")
     try:
         if args.bootstrap_servers:
-            from expstream.replaybroker import broker_replay
-
+            if broker_replay is None:
+                raise ConfigError("this caller runs replays in process only", field="--bootstrap-servers",
+                                  fix="leave --bootstrap-servers out, or call through `expstream replay`")
             summary = broker_replay(args.run_dir, args.from_topic, args.stages, args.bootstrap_servers,
                                     redis_url=args.redis_url, overrides=args.overrides, output=args.output,
                                     filters=filters, topology=args.topology)

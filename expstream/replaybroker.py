@@ -319,22 +319,12 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
 def _release_held(topo: Topology, state: Any, outstanding: int, bootstrap: str) -> bool:
     """Step 6: when the only samples missing are those the last stage holds (a cross-batch window),
     call its ``end_of_input`` and publish what it returns (as ``expstream run`` does)."""
-    from expstream.bus import send_all_and_confirm
-    from schemas import encode
-    from stages import end_of_input, held_samples
+    from expstream.run import publish_end_of_input
+    from stages import held_samples
     from stages.context import make_context
 
     ctx = make_context(topo, topo.enabled_stages()[-1].name, state=state)
     held = held_samples(ctx)
     if held == 0 or held < outstanding:
         return False
-    outputs = end_of_input(ctx)
-    producer = make_producer(bootstrap, topo.kafka)
-    try:
-        send_all_and_confirm(producer, [(topo.output_topic, encode(b), b.batch_id.encode(), None) for b in outputs],
-                             topo.kafka.produce_timeout_s)
-    finally:
-        producer.close(timeout=10)
-    log.info("replay: %s end of input: published %d held micro-batches, %d samples", ctx.stage.name, len(outputs),
-             held)
-    return bool(outputs)
+    return publish_end_of_input(topo, ctx, bootstrap, held) > 0

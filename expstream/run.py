@@ -59,6 +59,7 @@ from expstream.topology import Topology
 
 if TYPE_CHECKING:
     from expstream.state import State
+    from stages.context import StageContext
 
 log = logging.getLogger("expstream.run")
 # Why 5 s: often enough to see progress in a CI log, rare enough not to flood it.
@@ -307,7 +308,7 @@ def flush_last_window(topo: Topology, state: State, collector: ExperienceCollect
     samples); a finite run's last window never fills. So once the held samples are the only ones
     missing, the run calls the stage's ``end_of_input`` hook and publishes what it returns.
     """
-    from stages import end_of_input, held_samples
+    from stages import held_samples
     from stages.context import make_context
 
     ctx = make_context(topo, topo.enabled_stages()[-1].name, state=state)
@@ -316,8 +317,15 @@ def flush_last_window(topo: Topology, state: State, collector: ExperienceCollect
     expected = (prompts - dropped) * n - len(collector.dead_samples - collector.samples)
     if pending == 0 or len(collector.samples) + pending < expected:
         return
+    publish_end_of_input(topo, ctx, bootstrap, pending)
+
+
+def publish_end_of_input(topo: Topology, ctx: StageContext, bootstrap: str, held: int) -> int:
+    """Call the last stage's ``end_of_input`` and publish what it returns to the output topic (every send
+    confirmed); returns the number of micro-batches published."""
     from expstream.bus import make_producer, send_all_and_confirm
     from schemas import encode
+    from stages import end_of_input
 
     outputs = end_of_input(ctx)
     producer = make_producer(bootstrap, topo.kafka)
@@ -326,7 +334,8 @@ def flush_last_window(topo: Topology, state: State, collector: ExperienceCollect
                              topo.kafka.produce_timeout_s)
     finally:
         producer.close(timeout=10)
-    log.info("%s end of input: published %d held micro-batches, %d samples", ctx.stage.name, len(outputs), pending)
+    log.info("%s end of input: published %d held micro-batches, %d samples", ctx.stage.name, len(outputs), held)
+    return len(outputs)
 
 
 def print_summary(summary: dict, out_dir: Path) -> None:

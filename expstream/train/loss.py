@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from expstream.numerics import kl_of_log_ratio
+
 __all__ = [
     "KL_LOSS_ESTIMATORS",
     "OFF_POLICY_MODES",
@@ -119,12 +121,7 @@ def kl_loss_terms(log_probs: Tensor, base_log_probs: Tensor, action_mask: Tensor
         raise ValueError(f"algo.kl_estimator: got {estimator!r}; use one of {', '.join(KL_LOSS_ESTIMATORS)}")
     mask = action_mask.bool()
     d = torch.where(mask, log_probs - base_log_probs.detach(), torch.zeros_like(log_probs))
-    if estimator == "k1":
-        k = d
-    elif estimator == "k2":
-        k = d * d / 2
-    else:
-        k = torch.expm1(-d) + d
+    k = kl_of_log_ratio(d, estimator)
     return torch.where(mask, k, torch.zeros_like(k))
 
 
