@@ -16,8 +16,8 @@ directory is already the one thing an operator names):
    ``resp-<id>.json`` ``{"id", "ok", "error", "counts": {every stage: n}, "events"}`` atomically
    and deletes the request.
 4. The command waits for the answer (up to :data:`ANSWER_TIMEOUT_S`), prints the new counts,
-   deletes the answer and exits 0 (1 when the run refused it or did not answer; the request is
-   then deleted so that it is not applied later by surprise).
+   deletes the answer and exits 0 (1 when the run refused it, ended first (its lock released) or
+   did not answer; the request is then deleted so that it is not applied later by surprise).
 
 The autoscaler (``stages.<name>.autoscale``, off by default) runs in the same tick: every
 :data:`AUTOSCALE_INTERVAL_S` it reads the consumer lag of the stage's input topic for the group
@@ -273,10 +273,11 @@ def scale_command(args: argparse.Namespace) -> int:
     _write_atomic(req, {"id": rid, "counts": counts})
     deadline = time.monotonic() + args.timeout
     while not resp.exists():
-        if time.monotonic() > deadline:
+        ended = not _locked(out_dir / LOCK_NAME)
+        if (ended or time.monotonic() > deadline) and not resp.exists():
             req.unlink(missing_ok=True)
-            print(f"expstream scale: the run in {out_dir} did not answer within {args.timeout:.0f}s; request "
-                  "withdrawn", file=sys.stderr)
+            why = "ended before answering" if ended else f"did not answer within {args.timeout:.0f}s"
+            print(f"expstream scale: the run in {out_dir} {why}; request withdrawn", file=sys.stderr)
             return EXIT_FAILED
         time.sleep(ANSWER_POLL_S)
     answer = json.loads(resp.read_text())
