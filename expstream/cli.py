@@ -1,4 +1,5 @@
-"""``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay | rewind.
+"""``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay | rewind
+| serve-reward.
 
 Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from expstream.rewind import add_rewind_parser
 
     add_rewind_parser(sub, _add_topology_args)
+    from expstream.reward_server import add_serve_reward_parser
+
+    add_serve_reward_parser(sub)
     from expstream.scale import add_scale_parser
 
     add_scale_parser(sub)
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.replaybroker import broker_replay  # handed in: replaybroker imports replay
 
             return replay_command(args, broker_replay=broker_replay)
+        if args.command == "serve-reward":  # no topology: the flags say everything
+            from expstream.reward_server import serve_reward_command
+
+            return serve_reward_command(args)
         if getattr(args, "continuous", False):
             args.overrides.append("train.enabled=true")  # last, so it wins over a --set train.enabled=false
         topo = load_topology(find_topology(args.topology), args.overrides)

@@ -27,6 +27,8 @@ import msgpack
 import numpy as np
 import torch
 
+from schemas.messages import sample_id  # the id is the wire format's; re-exported here
+
 __all__ = [
     "ACTION_FIELDS",
     "BufferItem",
@@ -59,10 +61,6 @@ _REQUIRED = ("sequences", "action_log_probs", "returns", "advantages", "attentio
 
 _CHUNK = 1 << 20  # bytes read at a time from an experiences file
 
-
-def sample_id(group_id: str, sample_index: int) -> str:
-    """The stable id of one sample: ``f"{group_id}#{sample_index}"`` (docs/ARCHITECTURE.md, ids)."""
-    return f"{group_id}#{sample_index}"
 
 
 # ----------------------------------------------------------------------------------------------

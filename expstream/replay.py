@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
-from expstream.experience import sample_id
 from expstream.letters import letter_headers
 from expstream.outcome import dump_json
 from expstream.recording import (
@@ -57,7 +56,7 @@ from expstream.recording import (
 from expstream.state import MemoryState
 from expstream.topics import dlq_topic
 from expstream.topology import STAGE_ORDER, Topology, load_topology
-from schemas import PromptBatch, SampleBatch, decode, encode
+from schemas import PromptBatch, SampleBatch, decode, encode, sample_id
 from schemas.errors import SchemaError
 
 log = logging.getLogger("expstream.replay")

@@ -42,13 +42,12 @@ from kafka import TopicPartition
 
 from expstream.bus import KafkaConfig, make_consumer, make_producer
 from expstream.errors import ExpstreamError
-from expstream.experience import sample_id
 from expstream.outcome import dump_json
 from expstream.recording import RecordFrame, RecordingWriter, iter_topic, recorded_topics
 from expstream.replay import Filters, Prepared, _experiences, _Item, prepare_replay, summary_head
 from expstream.topics import dlq_topic
 from expstream.topology import Topology, load_topology
-from schemas import PromptBatch, decode
+from schemas import PromptBatch, decode, sample_id
 from schemas.errors import SchemaError
 
 log = logging.getLogger("expstream.replay")

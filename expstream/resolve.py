@@ -1,9 +1,10 @@
-"""What the topology names outside itself: model directories and the reward function.
+"""What the topology names outside itself: model directories and the reward functions.
 
 ``expstream/topology.py`` checks the file on its own terms (keys, ranges, combinations). This module
 checks what can only be checked against the machine: that ``models.reward_fn`` imports and names a
 function, that every model directory a stage will load exists and holds a saved model, and that the
-built-in tiny models can be built. It is the one place those checks are written: ``expstream run``
+built-in tiny models can be built; the ``rewards:`` block's sources the same way (a model source's
+``path``, a fn source's ``fn``, a ``module:function`` combine rule). It is the one place those checks are written: ``expstream run``
 calls :func:`check_models` right after loading the topology, so a bad path stops the run (exit 2)
 before anything starts, and the stages resolve their models through :func:`model_dir` and
 :func:`reward_fn`, so a stage started on its own (docker-compose) fails with the same message.
@@ -19,9 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from expstream.errors import ConfigError
-from expstream.topology import BUILTIN_TINY, Topology
+from expstream.topology import BUILTIN_TINY, RewardSourceConfig, Topology
 
-__all__ = ["model_roles", "check_models", "build_builtin_models", "model_dir", "reward_fn"]
+__all__ = ["model_roles", "check_models", "build_builtin_models", "model_dir", "reward_fn", "import_function",
+           "source_model_dir", "combine_fn"]
 
 
 def model_roles(topo: Topology) -> list[str]:
@@ -31,8 +33,8 @@ def model_roles(topo: Topology) -> list[str]:
         roles.append("reference")
     if topo.stages["critic"].enabled:
         roles.append("critic")
-    if topo.models.reward:
-        roles.append("reward")
+    if topo.rewards.sources is None and topo.models.reward:
+        roles.append("reward")  # with rewards.sources the reward models are the sources' own paths
     return roles
 
 
@@ -49,16 +51,29 @@ def check_models(topo: Topology) -> None:
         value = getattr(topo.models, role)
         if value != BUILTIN_TINY:
             _checked_dir(role, value)
+    for cfg in (topo.rewards.sources or {}).values():
+        if cfg.kind == "fn":
+            import_function(cfg.fn or "", f"{cfg.where}.fn")
+        elif cfg.kind == "model" and cfg.path != BUILTIN_TINY:
+            _checked_dir("reward", cfg.path or "", field=f"{cfg.where}.path")
+    combine_fn(topo)
 
 
 def build_builtin_models(topo: Topology) -> None:
     """Build the built-in tiny models (once, into ``models.cache_dir``) for the roles that use them,
     before any stage starts, so that stages load them instead of racing to build them."""
-    for role in model_roles(topo):
-        if getattr(topo.models, role) != BUILTIN_TINY:
-            continue
+    roles = [role for role in model_roles(topo) if getattr(topo.models, role) == BUILTIN_TINY]
+    sources = (topo.rewards.sources or {}).values()
+    if any(cfg.kind == "model" and cfg.path == BUILTIN_TINY for cfg in sources) and "reward" not in roles:
+        roles.append("reward")  # a model source on builtin:tiny loads the tiny reward model
+    for role in roles:
         try:
-            model_dir(topo, role)
+            if role == "reward" and topo.rewards.sources is not None:
+                from expstream.models import build_tiny_models
+
+                build_tiny_models(topo.models.cache_dir)
+            else:
+                model_dir(topo, role)
         except OSError as exc:  # building the tiny models: cache_dir not writable, disk full
             raise ConfigError(f"cannot build the built-in tiny model for models.{role} ({exc})",
                               field="models.cache_dir", fix="set models.cache_dir to a writable directory") from exc
@@ -77,28 +92,51 @@ def model_dir(topo: Topology, role: str) -> Path:
     return _checked_dir(role, value)
 
 
-def _checked_dir(role: str, value: str) -> Path:
+def source_model_dir(topo: Topology, cfg: RewardSourceConfig) -> Path:
+    """The directory of model source ``cfg`` (``rewards.sources.<name>.path``), building the tiny
+    offline reward model for ``builtin:tiny``."""
+    if cfg.path == BUILTIN_TINY:
+        from expstream.models import build_tiny_models
+
+        return Path(build_tiny_models(topo.models.cache_dir)["reward"])
+    return _checked_dir("reward", cfg.path or "", field=f"{cfg.where}.path")
+
+
+def _checked_dir(role: str, value: str, field: str | None = None) -> Path:
+    field = field or f"models.{role}"
     path = Path(value).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"directory {value!r} does not exist", field=f"models.{role}",
+        raise ConfigError(f"directory {value!r} does not exist", field=field,
                           fix="point it at a directory saved with save_pretrained, or use builtin:tiny")
     if role != "tokenizer" and not (path / "config.json").is_file():
         raise ConfigError(f"directory {value!r} has no config.json, so it is not a saved model",
-                          field=f"models.{role}", fix="point it at the directory save_pretrained wrote")
+                          field=field, fix="point it at the directory save_pretrained wrote")
     return path
 
 
 def reward_fn(path: str) -> Callable:
     """Import ``models.reward_fn`` (``package.module:function``) and return the function."""
+    return import_function(path, "models.reward_fn")
+
+
+def combine_fn(topo: Topology) -> Callable | None:
+    """The ``rewards.combine`` function when it is ``module:function`` (None for a built-in rule)."""
+    combine = topo.rewards.combine
+    if topo.rewards.sources is None or ":" not in combine:
+        return None
+    return import_function(combine, "rewards.combine")
+
+
+def import_function(path: str, field: str) -> Callable:
+    """Import ``package.module:function`` named by topology key ``field`` and return the function."""
     module_name, _, func_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or whatever the module raises while importing
-        raise ConfigError(f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})",
-                          field="models.reward_fn",
+        raise ConfigError(f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})", field=field,
                           fix="make it importable (on PYTHONPATH or installed) or fix the name") from exc
     fn = getattr(module, func_name, None)
     if not callable(fn):
-        raise ConfigError(f"module {module_name} has no function {func_name!r}", field="models.reward_fn",
+        raise ConfigError(f"module {module_name} has no function {func_name!r}", field=field,
                           fix="write it as 'package.module:function' naming a function of that module")
     return fn

@@ -44,3 +44,16 @@ def target_char_rate(queries: list[str], prompts: list[str], labels: list[str]) 
         response = _SPECIAL.sub("", response)
         out.append(response.count(TARGET_CHAR) / len(response) if response else 0.0)
     return out
+
+
+def reference_in_response(queries: list[str], prompts: list[str], labels: list[str],
+                          references: list[str]) -> list[float]:
+    """1.0 when the reference answer appears in the response part of the query, else 0.0: the rule
+    checker of the recipe example (docs/reward.md "Sources and recipes"), where ``label`` names the
+    task type (``math``) and ``reference`` holds the answer. Takes ``references``, so the reward
+    stage passes them (expstream/reward_sources.py FnSource)."""
+    out = []
+    for query, prompt, ref in zip(queries, prompts, references, strict=True):
+        response = query.split(prompt, 1)[-1] if prompt and prompt in query else query
+        out.append(1.0 if ref and ref in response else 0.0)
+    return out

@@ -22,6 +22,7 @@ from expstream.bus import KafkaConfig
 from expstream.errors import ConfigError, unknown_key_error
 from expstream.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from expstream.fieldtypes import check_block, check_fields
+from expstream.reward_config import RewardsConfig, RewardSourceConfig  # noqa: F401  (the rewards block, re-exported)
 
 #: train.off_policy choices (docs/async.md has each formula).
 OFF_POLICY_MODES = ("none", "token_tis", "seq_tis", "decoupled")
@@ -103,12 +104,7 @@ class ModelsConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        _check(
-            self.reward is not None or self.reward_fn is not None,
-            "models.reward",
-            "no reward source: set models.reward to a model directory (or builtin:tiny) "
-            "or models.reward_fn to 'module:function'",
-        )
+        # "no reward source at all" is a cross-field check: rewards.sources may name them instead
         _check(
             self.reward_combine in ("sum", "mean", "model", "fn"),
             "models.reward_combine",
@@ -340,6 +336,7 @@ class Topology:
     train: TrainConfig = field(default_factory=TrainConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # the `async:` block
     record: RecordConfig = field(default_factory=RecordConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     # Which file this was read from (a path, or PACKAGED_SOURCE); logged and kept in summary.json.
     source: str = PACKAGED_SOURCE
@@ -387,21 +384,28 @@ def find_topology(path: str | Path | None = None, cwd: str | Path | None = None)
     return local if local.is_file() else None
 
 
+#: In :func:`_valid_tree`: a key whose sub-keys are names the user chooses (rewards.sources.<name>,
+#: rewards.weights.<name>, rewards.recipe.<label>): ``--set`` takes any path below it, and the
+#: block's own checks name a wrong one.
+FREE_FORM = "free-form"
+
+
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any, valid: dict[str, Any]) -> None:
     parts = dotted.split(".")
     node, ref = raw, valid
     for i, part in enumerate(parts):
-        if not isinstance(ref, dict) or part not in ref:
+        free = ref == FREE_FORM
+        if not free and (not isinstance(ref, dict) or part not in ref):
             choices = list(ref.keys()) if isinstance(ref, dict) else []
             what = "block" if i == 0 else "stage" if i == 1 and parts[0] == "stages" else "key"
             raise unknown_key_error(".".join(parts[:i]), part, choices, what=what, origin="--set")
         if i == len(parts) - 1:
             node[part] = value
         else:
-            if not isinstance(node.get(part), dict):  # absent, or written null (e.g. `autoscale: null`)
+            if not isinstance(node.get(part), dict):  # absent, or null in the file (rewards.sources: null)
                 node[part] = {}
             node = node[part]
-            ref = ref[part]
+            ref = FREE_FORM if free else ref[part]
 
 
 def _valid_tree() -> dict[str, Any]:
@@ -423,6 +427,7 @@ def _valid_tree() -> dict[str, Any]:
         "train": fields_of(TrainConfig),
         "async": fields_of(AsyncConfig),
         "record": fields_of(RecordConfig),
+        "rewards": {**fields_of(RewardsConfig), "sources": FREE_FORM, "weights": FREE_FORM, "recipe": FREE_FORM},
     }
 
 
@@ -483,6 +488,7 @@ def build_topology(raw: dict[str, Any]) -> Topology:
         train=_from_dict(TrainConfig, raw.get("train"), "train"),
         async_=_from_dict(AsyncConfig, raw.get("async"), "async"),
         record=_from_dict(RecordConfig, raw.get("record"), "record"),
+        rewards=_from_dict(RewardsConfig, raw.get("rewards"), "rewards"),
         raw=raw,
     )
     for name in STAGE_ORDER:
@@ -523,6 +529,13 @@ def _switch_stages(topo: Topology) -> None:
 
 def _check_cross_fields(topo: Topology) -> None:
     algo, gen, models = topo.algo, topo.generate, topo.models
+    if topo.rewards.sources is None and models.reward is None and models.reward_fn is None:
+        raise ConfigError("models.reward: no reward source: set models.reward to a model directory (or builtin:tiny) "
+                          "or models.reward_fn to 'module:function', or name sources under rewards.sources")
+    if topo.rewards.sources is not None and models.reward_fn is not None:
+        raise ConfigError("models.reward_fn: set, but rewards.sources names the reward sources, so it would be "
+                          "ignored", field="models.reward_fn",
+                          fix="add it as a source (name: {kind: fn, fn: ...}) and set models.reward_fn=null")
     est = algo.advantage_estimator
     if est == "gae" and not models.critic:
         raise ConfigError("algo.advantage_estimator: gae needs a critic (per-token values) but models.critic is "

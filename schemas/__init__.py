@@ -5,10 +5,11 @@ Imports only numpy, msgpack and the standard library. See schemas/README.md for 
 
 from schemas.codec import MESSAGE_TYPES, SCHEMA_VERSIONS, Message, decode, encode, peek_header
 from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
-from schemas.messages import ACTION_FIELDS, LAYOUTS, PromptBatch, SampleBatch
+from schemas.messages import ACTION_FIELDS, LAYOUTS, PromptBatch, SampleBatch, sample_id
 from schemas.tensors import DTYPES, Ragged, as_dtype, decode_tensor, dtype_name_of, encode_tensor, numpy_dtype
 
 __all__ = [
+    "sample_id",
     "ACTION_FIELDS",
     "DTYPES",
     "LAYOUTS",

@@ -40,6 +40,11 @@ RAGGED_DTYPES = {
 }  # fmt: skip
 
 
+def sample_id(group_id: str, sample_index: int) -> str:
+    """The stable id of one sample: ``f"{group_id}#{sample_index}"`` (docs/ARCHITECTURE.md, ids)."""
+    return f"{group_id}#{sample_index}"
+
+
 def _err(msg: Any, name: str, text: str) -> ValidationError:
     path = f"{type(msg).__name__}.{name}"
     return ValidationError(f"{path}: {text}", field=path)
@@ -226,7 +231,7 @@ class SampleBatch(_Message):
 
     def sample_ids(self) -> list[str]:
         """``f"{group_id}#{sample_index}"`` for every sample."""
-        return [f"{g}#{i}" for g, i in zip(self.group_id, self.sample_index, strict=True)]
+        return [sample_id(g, i) for g, i in zip(self.group_id, self.sample_index, strict=True)]
 
     def validate(self) -> None:
         """Check every field against the contract (types, B, dtypes, lengths, finiteness)."""

@@ -1,58 +1,89 @@
-"""reward: the scalar reward per sample from a reward model and/or a Python reward function.
+"""reward: the scalar reward per sample from one or several reward sources (expstream/reward_sources.py).
 
-A reward function is named in the topology as ``module:function`` and called as in the seed:
-``fn(queries, prompts, labels) -> sequence of floats``, where ``queries`` are the decoded prompt +
-repaired response (no padding tokens). With both sources, ``models.reward_combine`` says how they
-combine (sum | mean | model | fn) and each source's score is kept in ``reward_metrics``.
+``rewards.sources: null`` (the default): a reward model (``models.reward``) and/or a Python reward
+function (``models.reward_fn``, ``module:function`` called as ``fn(queries, prompts, labels)``);
+with both, ``models.reward_combine`` (sum | mean | model | fn) combines them and each score is
+kept in ``reward_metrics`` under ``model`` and ``fn``.
+
+``rewards.sources`` names the sources (model, fn, http). Per micro-batch:
+
+1. route each sample by its label through ``rewards.recipe`` (unrouted label -> poison sample);
+2. call each source once with the sub-batch of its rows (concurrently, one thread per source);
+3. combine with ``rewards.combine`` over the sources that scored each sample;
+4. write ``rewards``, every source's score in ``reward_metrics[<source>]`` (0.0 where it did not
+   score the sample) and, with a recipe, ``info["reward_routed.<source>"]`` (1.0 scored, 0.0 not).
+
+docs/reward.md "Sources and recipes" has the rules.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from expstream.errors import PoisonRecordError
-from expstream.resolve import model_dir, reward_fn
+from expstream.resolve import combine_fn, model_dir
+from expstream.reward_sources import (
+    ROUTED_INFO_PREFIX,
+    build_sources,
+    close_sources,
+    combine_scores,
+    route,
+    score_sources,
+)
 from schemas import SampleBatch
-from stages.common import forward_reward
 from stages.context import StageContext
 
 
 def setup(ctx: StageContext) -> None:
-    from expstream.models import load_reward_model, load_tokenizer
+    from expstream.models import load_tokenizer
 
-    models = ctx.topology.models
     ctx.models["tokenizer"] = load_tokenizer(model_dir(ctx.topology, "tokenizer"))
-    if models.reward:
-        ctx.models["rm"] = load_reward_model(model_dir(ctx.topology, "reward"), device=models.device)
-    if models.reward_fn:
-        ctx.models["reward_fn"] = reward_fn(models.reward_fn)
+    sources = build_sources(ctx.topology, ctx)
+    ctx.models["reward_sources"] = sources
+    if ctx.topology.rewards.sources is None:  # the single-source keys, as before (tests and benches spy on them)
+        if "model" in sources:
+            ctx.models["rm"] = sources["model"].model
+        if "fn" in sources:
+            ctx.models["reward_fn"] = sources["fn"].fn
+    ctx.models["reward_combine_fn"] = combine_fn(ctx.topology)
+    if len(sources) > 1:
+        ctx.models["reward_pool"] = ThreadPoolExecutor(len(sources), thread_name_prefix="reward-source")
+
+
+def teardown(ctx: StageContext) -> None:
+    """Close the sources (HTTP sessions) and the thread pool; safe to call twice."""
+    close_sources(ctx.models.pop("reward_sources", {}))
+    pool = ctx.models.pop("reward_pool", None)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
-    sources: dict[str, np.ndarray] = {}
-    if "rm" in ctx.models:
-        sources["model"] = forward_reward(ctx.models["rm"], batch)  # padded or packed, as the batch says
-    if "reward_fn" in ctx.models:
-        tok = ctx.models["tokenizer"]
-        queries = [tok.decode(list(p) + list(a), skip_special_tokens=False)
-                   for p, a in zip(batch.prompt_ids.rows(), batch.action_ids.rows(), strict=True)]
-        scores = np.asarray(ctx.models["reward_fn"](queries, list(batch.prompt), list(batch.label)),
-                            dtype=np.float32).reshape(-1)
-        if scores.shape != (len(batch),):
-            raise PoisonRecordError(f"reward_fn returned {scores.shape[0]} scores for {len(batch)} samples; it "
-                                    "must return one float per query")
-        sources["fn"] = scores
-    combine = ctx.topology.models.reward_combine
-    if len(sources) == 1:
-        rewards = next(iter(sources.values()))
-    elif combine in sources:
-        rewards = sources[combine]
+    topo = ctx.topology
+    sources = ctx.models["reward_sources"]
+    routing = route(batch, topo.rewards, list(sources))
+    scores = score_sources(batch, sources, routing, ctx.models.get("reward_pool"))
+    legacy = topo.rewards.sources is None
+    if legacy:
+        rule = topo.models.reward_combine
     else:
-        stacked = np.stack(list(sources.values()))
-        rewards = stacked.mean(0) if combine == "mean" else stacked.sum(0)
+        rule = "custom" if ctx.models.get("reward_combine_fn") is not None else topo.rewards.combine
+    if legacy and len(scores) == 1:
+        rewards = next(iter(scores.values()))
+    else:
+        rewards = combine_scores(scores, routing.mask, rule, topo.rewards.weights, ctx.models.get("reward_combine_fn"))
     bad = ~np.isfinite(rewards)
     if bad.any():
         ids = [batch.sample_ids()[i] for i in np.flatnonzero(bad)]
         raise PoisonRecordError(f"reward: non-finite reward for samples {ids}; check the reward model/function")
-    metrics = {k: v.astype(np.float32) for k, v in sources.items()} if len(sources) > 1 else None
-    return [batch.replace(rewards=rewards.astype(np.float32), reward_metrics=metrics)]
+    changes = {"rewards": rewards.astype(np.float32)}
+    if not legacy or len(scores) > 1:
+        changes["reward_metrics"] = {k: v.astype(np.float32) for k, v in scores.items()}
+    else:
+        changes["reward_metrics"] = None
+    if not routing.complete:
+        routed = {f"{ROUTED_INFO_PREFIX}{n}": m.astype(np.float32) for n, m in routing.mask.items()}
+        changes["info"] = {**(batch.info or {}), **routed}
+    return [batch.replace(**changes)]

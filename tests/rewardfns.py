@@ -29,6 +29,27 @@ def wrong_signature(queries):
     return [1.0 for _ in queries]
 
 
+#: (labels, references) of every call of ``recorded_reference_length``: a test reads which rows it saw.
+CALLS: list[tuple[list[str], list[str]]] = []
+
+
+def recorded_reference_length(queries, prompts, labels, references):
+    """len(reference) per sample; takes ``references``, so the reward stage passes them; records its calls."""
+    CALLS.append((list(labels), list(references)))
+    return [float(len(r)) for r in references]
+
+
+def minus_prompt_length(queries, prompts, labels):
+    return [-float(len(p)) for p in prompts]
+
+
+def nan_aware_min(scores):
+    """A custom ``rewards.combine``: the smallest score among the sources that scored each sample."""
+    import numpy as np
+
+    return np.nanmin(np.stack(list(scores.values())), axis=0)
+
+
 def slow_with_gate(queries, prompts, labels):
     """A slow judge for the scaling tests (tests/test_scale.py): sleeps EXPSTREAM_TEST_REWARD_SLEEP_S
     per call; a prompt containing EXPSTREAM_TEST_HOLD_MARK waits until EXPSTREAM_TEST_GATE exists

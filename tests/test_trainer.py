@@ -252,3 +252,31 @@ def test_the_custom_trainer_of_docs_async_runs_and_publishes(broker, redis_url, 
     exec(compile(code, "docs/async.md", "exec"), {"__name__": "docs_example"})  # noqa: S102 - our own docs
     assert open_store(str(tmp_path)).versions("actor") == [1]
     assert RedisState(redis_url, run_id).policy_version() == 1
+
+
+@pytest.mark.integration
+def test_a_trainer_whose_supervisor_is_gone_stops(broker, redis_url, run_id, fresh_topic, tmp_path):
+    """Started with EXPSTREAM_EXIT_WITH_PARENT=1 (as the supervisor starts it) and no PDEATHSIG, the
+    trainer notices its parent is gone and stops, instead of waiting for experiences forever."""
+    from tests.test_orphans import alive
+
+    cmd = _train_cmd(broker, redis_url, run_id, tmp_path / "out", fresh_topic(1), 1000)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys, time\n"
+         "p = subprocess.Popen(sys.argv[1:], env={**os.environ, 'EXPSTREAM_EXIT_WITH_PARENT': '1'})\n"
+         "print(p.pid, flush=True)\ntime.sleep(600)", *cmd], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    trainer = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "out").exists():  # run_trainer has started (it makes --output first)
+            assert time.monotonic() < deadline and alive(trainer), "the trainer did not start"
+            time.sleep(0.2)
+        time.sleep(3)  # loading models, or already polling for experiences: either way it must stop
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+    deadline = time.monotonic() + 60
+    while alive(trainer) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(trainer), "the orphaned trainer is still running"

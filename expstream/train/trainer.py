@@ -37,6 +37,7 @@ import numpy as np
 
 from expstream.errors import EXIT_OK, ConfigError
 from expstream.experience import sample_id
+from expstream.supervisor import EXIT_WITH_PARENT_ENV
 from expstream.topology import Topology
 from expstream.train.checkpoint import BufferedRecord, Checkpoint, read_checkpoint, write_checkpoint
 from expstream.train.step import PolicyTrainer, experience_from_records
@@ -392,6 +393,9 @@ def _cut_jsonl(path: Path, steps: int, last_line: dict[str, Any] | None) -> None
 
 def run_trainer(topo: Topology, args: Any) -> int:
     """``expstream train``: checks the arguments, then the loop until max_steps or SIGTERM."""
+    orphaned: list[Trainer] = []  # filled once the trainer exists; the watch starts before the slow loads
+    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":  # started by a supervisor: stop when it is gone
+        _stop_when_orphaned(orphaned)
     import torch
 
     if not args.bootstrap_servers:
@@ -409,6 +413,9 @@ def run_trainer(topo: Topology, args: Any) -> int:
         log.info("trainer: %s/train/done.json exists: training already finished", output)
         return EXIT_OK
     trainer = Trainer(topo, args, output)
+    orphaned.append(trainer)
+    if orphaned[0] is not trainer:  # the parent went away during the loads: stop before the first poll
+        return EXIT_OK
 
     def on_signal(signum: int, frame: Any) -> None:  # noqa: ARG001
         log.info("trainer: signal %d: stopping after the step in hand", signum)
@@ -417,3 +424,20 @@ def run_trainer(topo: Topology, args: Any) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return trainer.run()
+
+
+def _stop_when_orphaned(trainers: list[Trainer]) -> None:
+    """The belt and braces behind PDEATHSIG (as expstream/stage.py does for a stage): once the parent
+    is gone, the trainer (``trainers[0]`` once it exists) stops after the step in hand and writes a
+    checkpoint on the way out; gone during the loads, it stops before its first poll."""
+    from expstream.procs import watch_parent
+
+    def on_orphan(parent: int) -> None:
+        log.error("trainer: parent process %d is gone (now %d); stopping after the step in hand", parent,
+                  os.getppid())
+        if trainers:
+            trainers[0].stop = True
+        else:
+            trainers.append(None)  # type: ignore[arg-type] - a marker: not the trainer
+
+    watch_parent(on_orphan)
