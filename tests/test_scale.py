@@ -235,7 +235,10 @@ def test_live_scale_up_and_down_during_a_run(tmp_path: Path, model_cache: Path) 
     env.update(EXPSTREAM_TEST_HOLD_MARK=f"What is {n - 1} +", EXPSTREAM_TEST_GATE=str(gate))
     run = PipelineRun(tmp_path, model_cache, n_prompts=n, sets=[*sets, "topics.partitions=3"], env=env).start()
     try:
-        wait_for(lambda: run.handled("reward[0]") >= 2 or not run.alive, 120, "reward[0] to handle 2 records")
+        # not "after reward[0] handled k records": the held record may be its first, and a replica
+        # pauses all its partitions while it works, so the one replica can be stuck on it until scaled
+        wait_for(lambda: (run.consuming("reward[0]") and run.handled("generate[0]") >= 1) or not run.alive, 120,
+                 "reward[0] to join and the first rollouts")
         up = scale_cli(run, "reward=3")
         assert up.returncode == 0, up.stderr + run.diagnostics()
         assert re.search(r"^reward\s+3 replicas\s+\(1 -> 3\)", up.stdout, re.M), up.stdout
