@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     from expstream.reward_server import add_serve_reward_parser
 
     add_serve_reward_parser(sub)
+    from expstream.scale import add_scale_parser
+
+    add_scale_parser(sub)
     return parser
 
 
@@ -117,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.diff import diff_command
 
             return diff_command(args)
+        if args.command == "scale":  # talks to a running run through its directory (its own topology)
+            from expstream.scale import scale_command
+
+            return scale_command(args)
         if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
             from expstream.replay import replay_command
             from expstream.replaybroker import broker_replay  # handed in: replaybroker imports replay

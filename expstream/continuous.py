@@ -34,6 +34,7 @@ from expstream.prompts import EpochFeeder, PromptRow, send_prompt_batches
 from expstream.topology import Topology
 
 if TYPE_CHECKING:
+    from expstream.scale import Scaler
     from expstream.state import State
     from expstream.supervisor import Supervisor
 
@@ -171,11 +172,12 @@ def step_line(step: dict[str, Any]) -> str:
 
 
 def run_continuous(topo: Topology, rows: list[PromptRow], out: Any, sup: Supervisor, state: State,
-                   bootstrap: str, stop: dict[str, bool]) -> None:
+                   bootstrap: str, stop: dict[str, bool], scaler: Scaler | None = None) -> None:
     """Step 4 of the module docstring; sets ``out.finished`` / ``out.status`` / ``out.fail``.
 
     ``out`` is the run's :class:`expstream.outcome.ContinuousOutcome` (not imported here: outcome
-    imports this module's train-log reader).
+    imports this module's train-log reader). ``scaler`` (expstream/scale.py) answers ``expstream
+    scale`` requests and runs the autoscalers once per loop turn.
     """
     train, k = topo.train, topo.async_.max_staleness
     record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
@@ -200,6 +202,8 @@ def run_continuous(topo: Topology, rows: list[PromptRow], out: Any, sup: Supervi
                 print(step_line(step), flush=True)
                 last_step_at = time.monotonic()
             sup.poll()
+            if scaler is not None:
+                scaler.tick()
             if sup.finished(TRAINER):
                 for step in train_log.read_new():  # what it wrote just before exiting
                     print(step_line(step), flush=True)

@@ -81,6 +81,7 @@ class RunOutcome:
     secret: str | None = None  # the Redis password, masked in any error text that reaches the summary
     state: Any = None  # expstream.state.RedisState once connected
     supervisor: Any = None  # expstream.supervisor.Supervisor once built
+    scaler: Any = None  # expstream.scale.Scaler once built: its events are summary.json's scale_events
     collector: ExperienceCollector | None = None
     plan: Any = None  # expstream.run.FeedPlan
     progress: Any = None  # expstream.run.Progress
@@ -177,6 +178,7 @@ class RunOutcome:
             "dead_letters_before_run": col.dead_letters_before_run if col else 0,
             "stage_restarts": {c.label: c.restarts for c in self.supervisor.children if c.restarts}
             if self.supervisor is not None else {},
+            "scale_events": list(self.scaler.events) if self.scaler is not None else [],
             "wall_s": round(wall, 3),
             "samples_per_s": round(samples / wall, 4) if wall > 0 else 0.0,
             "steady_samples_per_s": round(rate, 4) if rate is not None else None,
@@ -260,6 +262,7 @@ class ContinuousOutcome(RunOutcome):
             "weight_store": topo.train.weight_store,
             "stage_restarts": {c.label: c.restarts for c in self.supervisor.children if c.restarts}
             if self.supervisor is not None else {},
+            "scale_events": list(self.scaler.events) if self.scaler is not None else [],
             "stages": {
                 name: {**s, "ms_per_batch": round(1000 * s["seconds"] / s["batches"], 3) if s["batches"] else None}
                 for name, s in stage_stats.items()

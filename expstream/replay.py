@@ -342,7 +342,8 @@ class InProcessReplay:
                 self._letter(name, item, batch, exc, split_from)
         for batch in end_of_input(self.contexts[name]):
             value, key = encode(batch), output_key(batch)
-            frame = self.write(st.output, key_partition(key, self.topo.topics.partitions), value, key)
+            frame = self.write(st.output, key_partition(key, self.topo.all_topics().get(st.output, self.topo.topics.partitions)),
+                               value, key)
             out.append(_Item(frame, decode(value)))
         tally.outputs += len(out)
         tally.samples_out += sum(len(i.batch) for i in out if isinstance(i.batch, SampleBatch))

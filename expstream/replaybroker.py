@@ -146,7 +146,7 @@ def _publish(bootstrap: str, topo: Topology, topic: str, items: list[_Item]) -> 
     from expstream.errors import ProduceError
     from expstream.replay import key_partition
 
-    parts = topo.topics.partitions
+    parts = topo.all_topics().get(topic, topo.topics.partitions)  # a stage's input may have more (replicas)
     producer = make_producer(bootstrap, topo.kafka)
     try:
         futures = []

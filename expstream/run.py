@@ -7,7 +7,9 @@
 2. Start a local broker and redis-server on free loopback ports unless addresses were given.
 3. Create every topic of the topology and its ``.dlq`` twin explicitly; write the resolved
    configuration to ``run/topology.yaml`` (what the stages read) and ``<output>/topology.yaml``.
-4. Start every enabled stage replica as its own process under the supervisor.
+4. Start every enabled stage replica as its own process under the supervisor. From here on the
+   loop also answers ``expstream scale`` requests and runs the autoscalers (expstream/scale.py);
+   every scale event goes into ``summary.json`` (``scale_events``).
 5. Feed the prompt file into the input topic (every send confirmed).
 6. Collect experiences (deduped by sample id) until every prompt group is accounted for:
    emitted complete, dropped by dynamic sampling, or dead-lettered.
@@ -49,6 +51,7 @@ from expstream.recorder import RECORDER, record_topics, recorder_argv
 from expstream.recording import TOPICS_DIR
 from expstream.resolve import build_builtin_models
 from expstream.rundir import claim_run_dir
+from expstream.scale import Scaler, lag_reader
 from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.topics import create_topics, dlq_topic, loop_topics
@@ -207,11 +210,14 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             out.recording_dir = out_dir
             log.info("run %s: recording %s into %s", run_id, ", ".join(topics), out_dir / TOPICS_DIR)
         out.supervisor = sup
+        # `expstream scale` requests and the autoscalers, answered from the loop below (expstream/scale.py)
+        scaler = out.scaler = Scaler(topo, sup, out_dir, lambda name, replica: stage_argv(
+            topo_path, name, replica, bootstrap, run_id), lag_reader(topo, bootstrap, run_id), started=started)
         sup.start()
         stack.callback(sup.stop)
         try:
             if continuous:
-                run_continuous(topo, rows, out, sup, state, bootstrap, stop)
+                run_continuous(topo, rows, out, sup, state, bootstrap, stop, scaler=scaler)
             else:
                 dlqs = [dlq_topic(t) for t in topo.all_topics()]
                 collector = out.collector = ExperienceCollector(
@@ -237,6 +243,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                     if collector.poll(MONITOR_POLL_MS):
                         last_new = time.monotonic()
                     sup.poll()
+                    scaler.tick()
                     out.dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
                     flush_last_window(topo, state, collector, fed, out.dropped, bootstrap)
                     done = collector.complete_groups + lost
@@ -349,10 +356,18 @@ def print_summary(summary: dict, out_dir: Path) -> None:
           + (f"{steady:.2f} samples/s" if steady is not None else "n/a (arrivals spanned under a second)"))
     print(f"  wall {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
           f"duplicates dropped {summary['duplicate_samples_dropped']}, restarts {summary['stage_restarts'] or 0}")
+    print_scale_events(summary)
     for name, s in summary["stages"].items():
         print(f"  {name:<17} {s['batches']:>4} batches {s['samples']:>5} samples  {s['ms_per_batch']} ms/batch")
     print(f"  wrote {out_dir / 'experiences.msgpack'} and {out_dir / 'summary.json'}")
 
+
+
+def print_scale_events(summary: dict) -> None:
+    events = summary.get("scale_events") or []
+    if events:
+        print(f"  scale events {len(events)}: " + ", ".join(
+            f"{e['stage']} {e['from']}->{e['to']} ({e['reason']}, {e['t_s']:.0f}s)" for e in events))
 
 
 def print_continuous_summary(summary: dict, out_dir: Path) -> None:
@@ -366,6 +381,7 @@ def print_continuous_summary(summary: dict, out_dir: Path) -> None:
     print(f"  prompts fed {summary['prompts_fed']} ({summary['epochs_started']} epochs begun), samples generated "
           f"{summary['samples_generated']}, trained {summary['samples_trained']}, dropped stale "
           f"{summary['dropped_stale']}, wall {summary['wall_s']:.1f}s, restarts {summary['stage_restarts'] or 0}")
+    print_scale_events(summary)
     for name, s in summary["stages"].items():
         print(f"  {name:<17} {s['batches']:>4} batches {s['samples']:>5} samples  {s['ms_per_batch']} ms/batch")
     print(f"  wrote {summary['train_jsonl']}, {out_dir / 'summary.json'}"

@@ -51,7 +51,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
         _stop_when_orphaned(f"{args.name}[{args.replica_id}]")
     import torch
 
-    from stages import STAGES
+    from stages import STAGES, teardown
     from stages.context import StageContext
     from stages.runner import StageRunner
 
@@ -88,3 +88,5 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     except ExpstreamError as exc:
         log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
         return EXIT_FAILED
+    finally:
+        teardown(ctx)  # the stage's own resources (HTTP sessions, thread pools), after the last commit

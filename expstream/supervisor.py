@@ -20,6 +20,15 @@ parent gone (expstream/stage.py).
 on every start, every death noticed by :meth:`Supervisor.poll` and at stop, so a kill test never
 reads a pid that is known to be dead.
 
+Live scaling (expstream/scale.py): :meth:`Supervisor.scale_to` changes a stage's replica count
+while it runs. Scale-up starts replicas with the lowest free replica ids (a replica retired
+earlier is reused: its label, log and restart count carry on); scale-down sends SIGTERM to the
+highest ids, which finish the micro-batch in hand, commit and leave the group. A retiring
+replica is never restarted and its exit is not a failure; one still alive ``STOP_GRACE_S`` after
+SIGTERM is SIGKILLed (its uncommitted micro-batch is redelivered to the others). Call it from the
+thread that runs the supervisor for the whole run (the run loop's main thread): ``PDEATHSIG`` fires
+when the *thread* that forked a child ends, not only its process.
+
 Fault injection (``EXPSTREAM_FAULT``, see stages/runner.py) is one-shot per replica: the first
 process of a replica gets the variable as given, a restarted one gets it without the entries that
 name its own stage. Otherwise a fault planned at the k-th record would fire again in every
@@ -35,6 +44,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +86,9 @@ class Child:
     finished: bool = False  # a one-shot child that exited 0
     kind: str = "stage"  # how log lines and errors name it ("stage", "process")
     stop_last: bool = False  # stopped after every other child has exited (the recorder drains what they wrote)
+    retired: bool = False  # scaled down: SIGTERM sent (or gone); never restarted, its exit is no failure
+    retire_deadline: float = 0.0  # SIGKILL after this (monotonic), while a retiring process lives on
+    added_live: bool = False  # started by a scale-up: no fault injection (it names the stage's first processes)
 
     @property
     def label(self) -> str:
@@ -127,7 +140,7 @@ class Supervisor:
     def _child_env(self, child: Child) -> dict[str, str]:
         """The environment of ``child``'s next process: fault injection only in its first one."""
         spec = self.env.get(FAULT_ENV)
-        if not spec or child.restarts == 0:
+        if not spec or (child.restarts == 0 and not child.added_live):
             return self.env
         kept = [item for item in spec.split(",") if item.strip() and item.partition(":")[0].strip() != child.name]
         env = dict(self.env)
@@ -169,6 +182,9 @@ class Supervisor:
             return
         now = time.monotonic()
         for child in self.children:
+            if child.retired:
+                self._reap_retired(child, now)
+                continue
             if child.proc is None:
                 if not child.finished and now >= child.next_start_at:
                     self._spawn(child)
@@ -197,6 +213,68 @@ class Supervisor:
             child.next_start_at = now + delay
             log.warning("%s %s exited with code %s; restart %d in %.1fs (log %s)", child.kind, child.label, code,
                         child.restarts, delay, child.log_path)
+
+    # ---- live scaling --------------------------------------------------------------------------
+    def replicas(self, name: str) -> int:
+        """Replicas of ``name`` that are supervised now (running or waiting for a restart), retiring ones not counted."""
+        return sum(1 for c in self.children if c.name == name and not c.retired)
+
+    def scale_to(self, name: str, count: int, argv_for: Callable[[int], list[str]]) -> int:
+        """Run ``count`` replicas of stage ``name``; returns the count before. ``argv_for(replica)`` is a
+        new replica's command line. Scale-up starts processes now; scale-down SIGTERMs the highest
+        replica ids and returns at once (:meth:`poll` reaps them, SIGKILL after ``STOP_GRACE_S``)."""
+        if count < 1:
+            raise ValueError(f"{name}: {count} replicas; a stage needs at least 1")
+        active = sorted((c for c in self.children if c.name == name and not c.retired), key=lambda c: c.replica)
+        before = len(active)
+        if not active:
+            raise ValueError(f"{name}: no such supervised stage")
+        if count < before:
+            for child in active[count:]:
+                self._retire(child)
+        for _ in range(count - before):
+            self._add_replica(name, argv_for, kind=active[0].kind)
+        self._write_pids()
+        return before
+
+    def _add_replica(self, name: str, argv_for: Callable[[int], list[str]], kind: str) -> None:
+        mine = [c for c in self.children if c.name == name]
+        busy = {c.replica for c in mine if not c.retired or c.proc is not None}
+        replica = next(i for i in range(len(mine) + 1) if i not in busy)
+        child = next((c for c in mine if c.replica == replica), None)
+        if child is None:
+            child = self.add(name, replica, argv_for(replica))
+            child.kind = kind
+        child.retired, child.failures_in_a_row, child.added_live = False, 0, True
+        self._spawn(child)
+
+    def _retire(self, child: Child) -> None:
+        child.retired = True
+        child.retire_deadline = time.monotonic() + STOP_GRACE_S
+        if child.proc is None or child.proc.poll() is not None:
+            child.proc = None
+            log.info("%s %s retired (was not running)", child.kind, child.label)
+            return
+        log.info("%s %s retiring: SIGTERM to pid %d (finishes its micro-batch, commits, leaves)", child.kind,
+                 child.label, child.proc.pid)
+        try:
+            child.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def _reap_retired(self, child: Child, now: float) -> None:
+        if child.proc is None:
+            return
+        code = child.proc.poll()
+        if code is None:
+            if now > child.retire_deadline:
+                log.warning("%s %s did not stop within %.0fs of SIGTERM; killing it", child.kind, child.label,
+                            STOP_GRACE_S)
+                child.proc.kill()
+            return
+        log.info("%s %s left after scale-down (exit code %s)", child.kind, child.label, code)
+        child.proc = None
+        self._write_pids()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Two waves: every child not ``stop_last``, then the ``stop_last`` ones (each wave: SIGTERM,

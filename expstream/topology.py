@@ -265,15 +265,53 @@ class RecordConfig:
 
 
 @dataclass
+class AutoscaleConfig:
+    """``stages.<name>.autoscale``: the replica count follows the input topic's consumer lag
+    (expstream/scale.py ``desired_replicas``). Lag is counted in records (micro-batches)."""
+
+    min: int = 1
+    max: int = 4
+    target_lag_per_replica: float = 4.0  # uncommitted input records one replica may have waiting
+    cooldown_s: float = 20.0  # between two changes; also how long the lag must stay low before a scale-down
+    where: str = ""  # filled by the loader: "stages.<name>.autoscale", for messages
+
+    def __post_init__(self) -> None:
+        w = self.where or "autoscale"
+        if self.min < 1:
+            raise ConfigError(f"{w}.min: {self.min} replicas", field=f"{w}.min", fix="give 1 or more")
+        if self.max < self.min:
+            raise ConfigError(f"{w}.max: {self.max} is below min {self.min}", field=f"{w}.max",
+                              fix=f"give a max of at least {self.min}")
+        if not self.target_lag_per_replica > 0:
+            raise ConfigError(f"{w}.target_lag_per_replica: {self.target_lag_per_replica}",
+                              field=f"{w}.target_lag_per_replica",
+                              fix="give a positive number of input records per replica, e.g. 4")
+        if self.cooldown_s < 0:
+            raise ConfigError(f"{w}.cooldown_s: {self.cooldown_s}", field=f"{w}.cooldown_s",
+                              fix="give 0 or more seconds, e.g. 20")
+
+
+@dataclass
 class StageConfig:
     output: str = ""
     replicas: int = 1
     enabled: bool = True
+    autoscale: AutoscaleConfig | None = None  # null = the replica count changes only by `expstream scale`
     name: str = ""
     input: str = ""  # filled by the loader: the previous enabled stage's output
 
     def __post_init__(self) -> None:
         _check(self.replicas >= 1, f"stages.{self.name}.replicas", "must be >= 1")
+        auto = self.autoscale
+        if auto is not None and not auto.min <= self.replicas <= auto.max:
+            raise ConfigError(f"stages.{self.name}.replicas: {self.replicas} is outside autoscale's "
+                              f"[{auto.min}, {auto.max}]", field=f"stages.{self.name}.replicas",
+                              fix=f"start with a count from {auto.min} to {auto.max}")
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this stage may ever run: its input topic gets at least this many partitions."""
+        return max(self.replicas, self.autoscale.max if self.autoscale else 1)
 
 
 @dataclass
@@ -308,9 +346,16 @@ class Topology:
         return [self.stages[name] for name in STAGE_ORDER if self.stages[name].enabled]
 
     def all_topics(self) -> dict[str, int]:
+        """Topic -> partitions: ``topics.partitions``, raised for a stage's input topic to the most
+        replicas the stage may run (``replicas``, ``autoscale.max``). A replica past the partition
+        count would own nothing, and the broker cannot add partitions to a live topic (Tansu
+        cannot at all; on Kafka it would move keys between partitions mid-run), so the headroom is
+        created up front."""
         topics = {self.topics.input: self.topics.partitions}
         for st in self.enabled_stages():
             topics[st.output] = self.topics.partitions
+        for st in self.enabled_stages():
+            topics[st.input] = max(topics[st.input], st.max_replicas)
         return topics
 
     @property
@@ -368,7 +413,8 @@ def _valid_tree() -> dict[str, Any]:
     def fields_of(cls: type) -> dict[str, Any]:
         return {f.name: None for f in dataclasses.fields(cls)}
 
-    stage_fields = {k: None for k in ("output", "replicas", "enabled")}
+    stage_fields: dict[str, Any] = {k: None for k in ("output", "replicas", "enabled")}
+    stage_fields["autoscale"] = {f.name: None for f in dataclasses.fields(AutoscaleConfig) if f.name != "where"}
     return {
         "run": fields_of(RunConfig),
         "kafka": fields_of(KafkaConfig),
@@ -451,6 +497,12 @@ def build_topology(raw: dict[str, Any]) -> Topology:
             if key in st:
                 raise ConfigError(f"stages.{name}.{key}: set by the loader; remove it from the topology")
         st.setdefault("output", name.replace("-", "_"))
+        if st.get("autoscale") is not None:
+            where = f"stages.{name}.autoscale"
+            auto = check_block(st["autoscale"], where)
+            if "where" in auto:
+                raise unknown_key_error(where, "where", [f.name for f in dataclasses.fields(AutoscaleConfig)][:4])
+            st["autoscale"] = _from_dict(AutoscaleConfig, {**auto, "where": where}, where)
         topo.stages[name] = _from_dict(StageConfig, {**st, "name": name}, f"stages.{name}")
     _switch_stages(topo)
     _check_cross_fields(topo)

@@ -8,6 +8,10 @@ Optional hooks, for a stage that holds samples back across calls (in ``ctx.state
 * ``held_samples(ctx) -> int`` — how many samples it holds that only ``end_of_input`` can release;
 * ``end_of_input(ctx) -> list[SampleBatch]`` — the input is finite and ended: release them.
 
+And one for a stage that holds resources beyond its models: ``teardown(ctx) -> None`` — close them
+(HTTP sessions, thread pools); called once when the stage process ends (expstream/stage.py), safe to
+call twice.
+
 ``expstream run`` (a finite prompt file) and LocalChain call :func:`end_of_input` once all input
 has gone through; a stage without the hooks holds nothing back.
 """
@@ -54,3 +58,10 @@ def end_of_input(ctx: StageContext) -> list[SampleBatch]:
     """Release what ``ctx.stage`` holds back at the end of a finite input ([] without the hook)."""
     hook = getattr(STAGES[ctx.stage.name], "end_of_input", None)
     return list(hook(ctx)) if hook is not None else []
+
+
+def teardown(ctx: StageContext) -> None:
+    """Release what ``ctx.stage`` holds beyond its models (a no-op for a stage without the hook)."""
+    hook = getattr(STAGES[ctx.stage.name], "teardown", None)
+    if hook is not None:
+        hook(ctx)

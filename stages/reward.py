@@ -18,7 +18,6 @@ docs/reward.md "Sources and recipes" has the rules.
 
 from __future__ import annotations
 
-import atexit
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -51,7 +50,6 @@ def setup(ctx: StageContext) -> None:
     ctx.models["reward_combine_fn"] = combine_fn(ctx.topology)
     if len(sources) > 1:
         ctx.models["reward_pool"] = ThreadPoolExecutor(len(sources), thread_name_prefix="reward-source")
-    atexit.register(teardown, ctx)
 
 
 def teardown(ctx: StageContext) -> None:

@@ -48,3 +48,20 @@ def nan_aware_min(scores):
     import numpy as np
 
     return np.nanmin(np.stack(list(scores.values())), axis=0)
+
+
+def slow_with_gate(queries, prompts, labels):
+    """A slow judge for the scaling tests (tests/test_scale.py): sleeps EXPSTREAM_TEST_REWARD_SLEEP_S
+    per call; a prompt containing EXPSTREAM_TEST_HOLD_MARK waits until EXPSTREAM_TEST_GATE exists
+    (at most 120 s), so that one record is held while the rest of the pipeline drains."""
+    import os
+    import time
+    from pathlib import Path
+
+    time.sleep(float(os.environ.get("EXPSTREAM_TEST_REWARD_SLEEP_S", "0")))
+    mark, gate = os.environ.get("EXPSTREAM_TEST_HOLD_MARK"), os.environ.get("EXPSTREAM_TEST_GATE")
+    if mark and gate and any(mark in p for p in prompts):
+        deadline = time.monotonic() + 120
+        while not Path(gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return [float(len(label)) for label in labels]
