@@ -233,6 +233,17 @@ class SampleBatch(_Message):
         """``f"{group_id}#{sample_index}"`` for every sample."""
         return [sample_id(g, i) for g, i in zip(self.group_id, self.sample_index, strict=True)]
 
+    def _same_lengths(self, name: str, r: Ragged, ref_name: str, ids: list[str], missing: str, why: str) -> None:
+        """``r``'s row lengths must equal ``ref_name``'s (a ragged field of this batch)."""
+        ref_field = getattr(self, ref_name)
+        if ref_field is None:
+            raise _err(self, name, f"is set but {ref_name} is missing; {missing}")
+        ref = ref_field.lengths
+        if not np.array_equal(r.lengths, ref):
+            row = int(np.flatnonzero(r.lengths != ref)[0])
+            raise _err(self, name, f"ragged lengths {_short(r.lengths)} disagree with {ref_name} lengths "
+                                   f"{_short(ref)} (first at sample {ids[row]}); {why}")  # fmt: skip
+
     def validate(self) -> None:
         """Check every field against the contract (types, B, dtypes, lengths, finiteness)."""
         self._str("batch_id")
@@ -304,25 +315,13 @@ class SampleBatch(_Message):
         if len(r) != B:
             raise _err(self, name, f"has {len(r)} rows but B={B} (len(prompt_id)); give one row per sample")
         if name in RESPONSE_LEVEL_BEFORE_ACTIONS and self.action_ids is None:
-            if self.response_ids is None:
-                raise _err(self, name, "is set but response_ids is missing; before shard-preprocess it is "
-                                       "response-level and needs response_ids to define its lengths")  # fmt: skip
-            ref = self.response_ids.lengths
-            if not np.array_equal(r.lengths, ref):
-                row = int(np.flatnonzero(r.lengths != ref)[0])
-                raise _err(self, name, f"ragged lengths {_short(r.lengths)} disagree with response_ids lengths "
-                                       f"{_short(ref)} (first at sample {ids[row]}); before shard-preprocess "
-                                       "it holds one value per generated token")  # fmt: skip
+            self._same_lengths(name, r, "response_ids", ids,
+                               "before shard-preprocess it is response-level and needs response_ids to define "
+                               "its lengths", "before shard-preprocess it holds one value per generated token")
         elif name in ACTION_FIELDS:
-            if self.action_ids is None:
-                raise _err(self, name, "is set but action_ids is missing; action-level fields need "
-                                       "action_ids (set by shard-preprocess) to define the action lengths")  # fmt: skip
-            ref = self.action_ids.lengths
-            if not np.array_equal(r.lengths, ref):
-                row = int(np.flatnonzero(r.lengths != ref)[0])
-                raise _err(self, name, f"ragged lengths {_short(r.lengths)} disagree with action_ids lengths "
-                                       f"{_short(ref)} (first at sample {ids[row]}); every action-level field "
-                                       "must have one value per action token")  # fmt: skip
+            self._same_lengths(name, r, "action_ids", ids,
+                               "action-level fields need action_ids (set by shard-preprocess) to define the "
+                               "action lengths", "every action-level field must have one value per action token")
         if dtype == "float32":
             bad = np.flatnonzero(~np.isfinite(r.values))
             if bad.size:
