@@ -212,9 +212,10 @@ def read_recorded(run_dir: Path, topic: str, torn: list[str]) -> Iterator[Record
 
 
 def output_key(batch: Any) -> bytes:
-    """The key a stage runner gives an output record (stages/runner.py ``_key``): the first group id."""
-    group_ids = getattr(batch, "group_id", None)
-    return (group_ids[0] if group_ids else batch.batch_id).encode()
+    """The key a stage runner gives an output record (stages/runner.py ``record_key``): the first group id."""
+    from stages.runner import record_key
+
+    return record_key(batch)
 
 
 def key_partition(key: bytes, partitions: int) -> int:
@@ -226,9 +227,9 @@ def key_partition(key: bytes, partitions: int) -> int:
 
 def _subset(batch: Any, lo: int, hi: int) -> Any:
     """Samples [lo, hi) as ``f"{batch_id}~{lo}-{hi}"``: the runner's bisection ids (stages/runner.py)."""
-    from stages.runner import _subset as runner_subset
+    from stages.runner import subset_batch
 
-    return runner_subset(batch, lo, hi)
+    return subset_batch(batch, lo, hi)
 
 
 # ----------------------------------------------------------------------------------------------

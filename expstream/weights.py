@@ -37,6 +37,7 @@ import msgpack
 import torch
 
 from expstream.errors import ConfigError, ExpstreamError
+from expstream.topics import POLICY_TOPIC  # one name for the announcement topic; topics.py stays torch-free
 
 __all__ = [
     "POLICY_TOPIC",
@@ -54,8 +55,6 @@ __all__ = [
     "refresh_weights",
 ]
 
-#: The Kafka topic carrying one announcement (a msgpack Manifest) per published version; key = run id.
-POLICY_TOPIC = "policy"
 #: The roles a store holds: the policy, and the critic when the trainer trains one (gae).
 ROLES = ("actor", "critic")
 WEIGHTS_FILE = "model.safetensors"

@@ -583,7 +583,7 @@ class StageRunner:
             outs = self.process(batch, self.ctx)
             if isinstance(outs, (SampleBatch, PromptBatch)):
                 outs = [outs]
-            return [_Out(self.stage.output, encode(o), _key(o), samples=len(o) if isinstance(o, SampleBatch) else 0)
+            return [_Out(self.stage.output, encode(o), record_key(o), samples=len(o) if isinstance(o, SampleBatch) else 0)
                     for o in outs]
         except (SchemaError, ExpstreamError):
             raise
@@ -631,7 +631,7 @@ class StageRunner:
         """[lo, hi) failed as a whole (hi - lo > 1): process each half, recurse into failing ones."""
         mid = (lo + hi) // 2
         for a, b in ((lo, mid), (mid, hi)):
-            sub = _subset(batch, a, b)
+            sub = subset_batch(batch, a, b)
             try:
                 good.extend(self._run_process(sub))
             except Exception as exc:
@@ -866,7 +866,7 @@ def _sample_ids(batch: Any) -> list[str]:
     return []
 
 
-def _subset(batch: Any, lo: int, hi: int) -> Any:
+def subset_batch(batch: Any, lo: int, hi: int) -> Any:
     """Samples [lo, hi) of ``batch`` as a batch called ``f"{batch_id}~{lo}-{hi}"``."""
     batch_id = f"{batch.batch_id}~{lo}-{hi}"
     if isinstance(batch, SampleBatch):
@@ -883,6 +883,7 @@ def _first_offsets(todo: list[tuple[TopicPartition, Any]]) -> dict[TopicPartitio
     return out
 
 
-def _key(batch: Any) -> bytes:
+def record_key(batch: Any) -> bytes:
+    """The key of an output record: the batch's first group id (its batch id when it has none)."""
     group_ids = getattr(batch, "group_id", None)
     return (group_ids[0] if group_ids else batch.batch_id).encode()

@@ -296,7 +296,7 @@ def leftovers(run_dir: Path, external_broker: bool = False) -> list[str]:
 def test_the_run_creates_the_topic_the_trainer_announces_on():
     from expstream import topics, weights
 
-    assert topics.POLICY_TOPIC == weights.POLICY_TOPIC  # topics.py stays free of torch, so it keeps a copy
+    assert topics.POLICY_TOPIC == weights.POLICY_TOPIC  # weights.py takes its name from topics.py
     assert topics.loop_topics(load_topology(None, ["train.enabled=true"])) == {topics.POLICY_TOPIC: 1}
     assert topics.loop_topics(load_topology(None)) == {}
 
