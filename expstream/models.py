@@ -68,7 +68,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _MARKER = "EXPSTREAM_COMPLETE.json"
-_FORMAT_VERSION = 1
+# 2: heads of size 32 (vLLM refuses 16); the cache directory name carries it, so a v1 cache is not reused
+_FORMAT_VERSION = 2
 _VOCAB_SIZE = 512
 
 
@@ -138,11 +139,23 @@ def _train_tokenizer(vocab_size: int = _VOCAB_SIZE) -> Any:
     return fast
 
 
+def _heads(hidden: int) -> int:
+    """Attention heads of a built-in model: heads of 32 below hidden 256, 4 heads from there.
+
+    Why 32: vLLM's CPU attention supports head sizes from 32 up (16 is refused: ``Unsupported CPU
+    attention configuration: head_dim=16``), and the built-in models must run on both backends.
+    """
+    if hidden >= 256 and hidden % 8 == 0:
+        return 4
+    if hidden <= 0 or hidden % 32 != 0:
+        raise ValueError(f"hidden must be a positive multiple of 32 (heads of size 32), got {hidden}")
+    return hidden // 32
+
+
 def _tiny_config(tokenizer: Any, hidden: int, layers: int, **extra: Any) -> Any:
     from transformers import LlamaConfig
 
-    if hidden <= 0 or hidden % 8 != 0:
-        raise ValueError(f"hidden must be a positive multiple of 8 (4 heads of even size), got {hidden}")
+    heads = _heads(hidden)
     if layers <= 0:
         raise ValueError(f"layers must be positive, got {layers}")
     return LlamaConfig(
@@ -150,8 +163,8 @@ def _tiny_config(tokenizer: Any, hidden: int, layers: int, **extra: Any) -> Any:
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=4096,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -235,7 +248,7 @@ def build_tiny_models(
     """Build (once) tiny random-weight models and return their directories.
 
     Returns ``{"tokenizer", "actor", "critic", "reward"} -> Path``, all under
-    ``cache_dir / f"tiny-llama-h{hidden}-l{layers}-s{seed}"``. The actor (a ``LlamaForCausalLM``)
+    ``cache_dir / f"tiny-llama-h{hidden}-l{layers}-s{seed}-f{_FORMAT_VERSION}"``. The actor (a ``LlamaForCausalLM``)
     doubles as the reference model; the critic is a ``LlamaForTokenClassification`` and the reward
     model a ``LlamaForSequenceClassification``, both with ``num_labels=1``. Every model directory
     also holds the tokenizer (a byte-level BPE with vocab 512; bos ``<|bos|>``, eos ``<|im_end|>``,
@@ -248,7 +261,7 @@ def build_tiny_models(
     ``torch.manual_seed(seed)``, ``seed + 1`` and ``seed + 2`` (the global RNG is left untouched).
     """
     cache_dir = Path(cache_dir)
-    root = cache_dir / f"tiny-llama-h{hidden}-l{layers}-s{seed}"
+    root = cache_dir / f"tiny-llama-h{hidden}-l{layers}-s{seed}-f{_FORMAT_VERSION}"
     paths = {key: root / key for key in MODEL_KEYS}
     if _is_complete(root):
         return paths

@@ -57,6 +57,10 @@ def check_models(topo: Topology) -> None:
         elif cfg.kind == "model" and cfg.path != BUILTIN_TINY:
             _checked_dir("reward", cfg.path or "", field=f"{cfg.where}.path")
     combine_fn(topo)
+    if topo.generate.backend == "vllm" and topo.stages["generate"].enabled:
+        from expstream.vllm_backend import check_generate_config
+
+        check_generate_config(topo.generate)  # installed, and every generate.* knob honoured
 
 
 def build_builtin_models(topo: Topology) -> None:

@@ -131,12 +131,16 @@ class GenerateConfig:
     truncate_prompts: bool = True
     skip_special_tokens: bool = False
     apply_chat_template: bool = True
+    # backend=vllm only (docs/vllm.md): the engine's longest sequence (sizes its KV cache), and the
+    # CPU backend's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, unless that is set in the environment)
+    vllm_max_model_len: int = 512
+    vllm_kv_cache_gib: int = 1
 
     def __post_init__(self) -> None:
-        _check(self.backend != "vllm", "generate.backend",
-               "vllm is not wired in yet (it needs a GPU, and none was available to test it); use transformers, "
-               "which runs on CPU or GPU (models.device)")
-        _check(self.backend == "transformers", "generate.backend", f"got {self.backend!r}; use transformers")
+        _check(self.backend in ("transformers", "vllm"), "generate.backend",
+               f"got {self.backend!r}; use transformers (default) or vllm (after `make setup-vllm`)")
+        _check(self.vllm_max_model_len >= 2, "generate.vllm_max_model_len", "must be >= 2 tokens")
+        _check(isinstance(self.vllm_kv_cache_gib, int) and self.vllm_kv_cache_gib >= 1, "generate.vllm_kv_cache_gib", "must be a whole number of GiB >= 1 (vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer)")
         _check(self.n_samples_per_prompt >= 1, "generate.n_samples_per_prompt", "must be >= 1")
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _check(0 <= self.min_new_tokens <= self.max_new_tokens, "generate.min_new_tokens",

@@ -19,11 +19,31 @@ def setup(ctx: StageContext) -> None:
 
     topo = ctx.topology
     tok = load_tokenizer(model_dir(topo, "tokenizer"))
+    ctx.models["tokenizer"] = tok
+    if topo.generate.backend == "vllm":
+        from expstream.vllm_backend import VllmGenerator, VllmWeights, check_generate_config
+
+        check_generate_config(topo.generate)
+        gen = topo.generate
+        actor = model_dir(topo, "actor")
+        generator = VllmGenerator(actor, tok, seed=topo.run.seed, max_model_len=gen.vllm_max_model_len,
+                                  kv_cache_gib=gen.vllm_kv_cache_gib)
+        ctx.log.info("generate: vLLM engine for %s ready in %.2f s", actor, generator.startup_s)
+        ctx.models["generator"] = generator
+        # weights published by the trainer reload into the engine in place (VllmGenerator.reload)
+        ctx.models["actor_follower"] = follower_for(ctx, "actor", VllmWeights(generator, actor))
+        return
     model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
     ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
-    ctx.models["tokenizer"] = tok
     # The continuous loop: follow the trainer's published actor versions (None otherwise).
     ctx.models["actor_follower"] = follower_for(ctx, "actor", model)
+
+
+def teardown(ctx: StageContext) -> None:
+    """Shut a vLLM engine down (a no-op for the transformers backend)."""
+    close = getattr(ctx.models.get("generator"), "close", None)
+    if close is not None:
+        close()
 
 
 def batch_seed(run_seed: int, batch_id: str) -> int:

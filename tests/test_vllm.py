@@ -1,0 +1,213 @@
+"""vLLM as the generation engine (issue 12): equivalence with transformers, weight reload, the stage.
+
+Every test here needs vLLM (`make setup-vllm`); without it they are skipped with that reason. One
+engine serves the whole session (it takes seconds to build); the end-to-end test starts its own, in
+the generate stage processes of a real ``expstream run``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from expstream.vllm_backend import vllm_available
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed: run `make setup-vllm`")]
+#: Why 1e-4: the issue's bound; float32 on both engines agrees to ~1e-6 here, a reused KV cache of
+#: stale weights is off by whole nats.
+TOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from expstream.models import build_tiny_models
+
+    return build_tiny_models(tmp_path_factory.mktemp("vllm-models"))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny):
+    from expstream.models import load_tokenizer
+    from expstream.vllm_backend import VllmGenerator
+
+    gen = VllmGenerator(tiny["actor"], load_tokenizer(tiny["tokenizer"]), seed=0, max_model_len=256)
+    yield gen
+    gen.close()
+
+
+@pytest.fixture(scope="session")
+def hf(tiny):
+    from expstream.models import TransformersGenerator, load_causal_lm, load_tokenizer
+
+    return TransformersGenerator(load_causal_lm(tiny["actor"]), load_tokenizer(tiny["tokenizer"]))
+
+
+def prompts(tok) -> list[list[int]]:
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in ("def add(a, b):", "hello world", "x = [i for")]
+
+
+def recompute(model, rows: list[list[int]], outs: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+    """The actor-logprob stage's computation (forward_action_log_probs) on left-padded prompt + response."""
+    from expstream.models import forward_action_log_probs
+
+    a = len(outs[0])
+    assert all(len(o) == a for o in outs), "equal lengths (ignore_eos) keep the layout simple"
+    width = max(map(len, rows))
+    seq = torch.zeros((len(rows), width + a), dtype=torch.long)
+    mask = torch.zeros_like(seq)
+    for i, (r, o) in enumerate(zip(rows, outs, strict=True)):
+        seq[i, width - len(r):] = torch.tensor(r + o)
+        mask[i, width - len(r):] = 1
+    if temperature == 1.0:
+        lp, _ = forward_action_log_probs(model, seq, mask, a)
+        return lp.tolist()
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=seq, attention_mask=mask, position_ids=pos).logits[:, width - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, seq[:, width:, None])[..., 0].tolist()
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def test_greedy_tokens_equal_the_transformers_backend(engine, hf):
+    ps = prompts(hf.tokenizer)
+    for min_new in (0, 3):  # with EOS allowed at once and suppressed for three tokens
+        ours, lp = engine.generate(ps, 2, temperature=0, max_new_tokens=12, min_new_tokens=min_new,
+                                   return_log_probs=True)
+        theirs, lp_hf = hf.generate(ps, 2, temperature=0, max_new_tokens=12, min_new_tokens=min_new,
+                                    return_log_probs=True)
+        assert ours == theirs
+        assert len(ours) == 6 and ours[0] == ours[1]  # rows [g*n, (g+1)*n) belong to prompt g
+        if min_new == 0:  # greedy log-probs: softmax of the raw logits on both
+            assert max_diff(lp, lp_hf) <= TOL
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_equal_the_actor_recomputation(engine, hf, temperature):
+    ps = prompts(hf.tokenizer)
+    outs, lp = engine.generate(ps, 3, temperature=temperature, max_new_tokens=10, seed=11, ignore_eos=True,
+                               return_log_probs=True)
+    assert len(outs) == 9 and all(len(o) == 10 for o in outs)
+    assert len({tuple(o) for o in outs}) > 3, "samples of a prompt differ: this is sampling, not greedy"
+    rows = [p for p in ps for _ in range(3)]
+    assert max_diff(lp, recompute(hf.model, rows, outs, temperature)) <= TOL
+    again, _ = engine.generate(ps, 3, temperature=temperature, max_new_tokens=10, seed=11, ignore_eos=True,
+                               return_log_probs=True)
+    assert again == outs, "the same seed samples the same tokens (a redelivered micro-batch)"
+
+
+def test_a_published_version_reloads_in_place(engine, hf, tiny, tmp_path):
+    """The continuous loop's path: the trainer publishes, the stage's follower reloads the engine."""
+    from expstream.models import load_causal_lm
+    from expstream.state import MemoryState
+    from expstream.vllm_backend import VllmWeights
+    from expstream.weights import DirectoryWeightStore, PolicyFollower
+
+    ps = prompts(hf.tokenizer)
+    before, _ = engine.generate(ps, 1, temperature=0, max_new_tokens=10, return_log_probs=True)
+    new = load_causal_lm(tiny["actor"])
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    store, state = DirectoryWeightStore(tmp_path / "store"), MemoryState()
+    store.publish("actor", 1, new.state_dict(), step=1, offsets={}, run_id="t")
+    state.set_policy_version(1)
+    follower = PolicyFollower(store, state, "actor", VllmWeights(engine, tiny["actor"]))
+    try:
+        assert follower.refresh() == 1 and engine.last_reload_s is not None
+        after, lp = engine.generate(ps, 1, temperature=0, max_new_tokens=10, ignore_eos=True, return_log_probs=True)
+        assert after != before, "the perturbed weights change the greedy tokens"
+        want, _ = __import__("expstream.models", fromlist=["x"]).TransformersGenerator(new, hf.tokenizer).generate(
+            ps, 1, temperature=0, max_new_tokens=10, ignore_eos=True, return_log_probs=True)
+        assert after == want
+        assert max_diff(lp, recompute(new, ps, after)) <= TOL
+        # a version of another architecture is refused before anything is loaded
+        store.publish("actor", 2, {"model.embed_tokens.weight": torch.zeros(3, 3)}, step=2, offsets={}, run_id="t")
+        state.set_policy_version(2)
+        assert follower.refresh() == 1
+    finally:
+        engine.reload(state_dict=load_causal_lm(tiny["actor"]).state_dict())  # the session engine's weights back
+    restored, _ = engine.generate(ps, 1, temperature=0, max_new_tokens=10, return_log_probs=True)
+    assert restored == before
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "expstream", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_knob_vllm_cannot_honour_is_refused_at_start_up(tmp_path):
+    res = cli("run", "--prompts", "examples/prompts.jsonl", "--output", str(tmp_path / "out"),
+              "--set", "generate.backend=vllm", "--set", "generate.vllm_max_model_len=32", timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "generate.vllm_max_model_len" in res.stderr
+    assert not (tmp_path / "out" / "run" / "pids.json").exists(), "refused before any stage started"
+    res = cli("run", "--prompts", "examples/prompts.jsonl", "--output", str(tmp_path / "out2"),
+              "--set", "generate.backend=vllm", "--set", "generate.top_k=-3", timeout=60)
+    assert res.returncode == 2 and "generate.top_k" in res.stderr, res.stderr[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[-1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.e2e
+def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine_process(tmp_path, tiny):
+    """The example prompts through ``expstream run`` with generate.backend=vllm; generate[0] is SIGKILLed
+    once its engine is up: the engine lives in the stage process (no process of its own is left
+    behind), the supervisor restarts the stage, and every group comes out once."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cache = Path(tiny["actor"]).parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "expstream", "run", "--prompts", "examples/prompts.jsonl",
+                             "--output", str(out), "--no-progress", "--set", "generate.backend=vllm",
+                             "--set", f"models.cache_dir={cache}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log = out / "run" / "logs" / "generate-0.log"
+        deadline = time.monotonic() + 150
+        while not (log.exists() and "vLLM engine" in log.read_text(errors="replace")):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "generate[0] built no engine within 150 s"
+            time.sleep(0.2)
+        pid = json.loads((out / "run" / "pids.json").read_text())["generate[0]"]
+        assert _children(pid) == [], "the engine runs inside the stage process: no engine process to orphan"
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["groups_complete"] == 6 and summary["samples"] == 24, summary
+    assert summary["stage_restarts"].get("generate[0]", 0) >= 1, summary["stage_restarts"]
+    from expstream.experience import read_experiences
+
+    ids = [sid for e in read_experiences(out / "experiences.msgpack", dedupe=False) for sid in e.sample_ids]
+    assert len(ids) == len(set(ids)) == 24, "every sample out once"
+    # SIGTERM at the end of the run: every generate replica left cleanly (exit 0), its engine shut down
+    assert not [line for line in stderr.splitlines() if "exited with code" in line and "-9" not in line], stderr[-3000:]
