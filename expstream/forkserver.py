@@ -70,24 +70,24 @@ def _guard_server() -> None:
 _guard_server()
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def _context(extra: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext:
     global _CONTEXT
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD + list(extra))
         _CONTEXT = ctx
     return _CONTEXT
 
 
-def warm_up() -> None:
-    """Start the fork server now (it imports PRELOAD in the background of the caller's work).
+def warm_up(extra: tuple[str, ...] = ()) -> None:
+    """Start the fork server now (it imports PRELOAD, then ``extra``, in the background of the caller's work).
 
     Call from the main thread: the server dies when the thread that started it ends (PDEATHSIG).
-    Idempotent; :class:`ForkedProcess` calls it too.
+    Idempotent; :class:`ForkedProcess` calls it too. ``extra`` counts only for the first call.
     """
     from multiprocessing import forkserver
 
-    _context()
+    _context(extra)
     os.environ[PARENT_ENV] = str(os.getpid())
     try:
         forkserver.ensure_running()

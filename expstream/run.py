@@ -148,7 +148,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     if topo.run.spawn == "fork":
         from expstream.forkserver import warm_up
 
-        warm_up()  # imports torch/transformers once, while the broker and redis start
+        # imports torch/transformers once, while the broker and redis start; vllm too when it generates
+        # (an import only, 3-6 s per generate replica saved; its engine is built in the stage)
+        warm_up(("vllm",) if topo.generate.backend == "vllm" else ())
     run_dir = out_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
