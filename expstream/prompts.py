@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,41 @@ class PromptRow:
     prompt: str
     label: str = ""
     reference: str = ""
+    # Visual inputs (expstream/vision.py): image file bytes / video frame bytes as read, until
+    # store_media() replaces them with blob references (str) for the wire.
+    images: list[bytes | str] = field(default_factory=list)
+    videos: list[list[bytes] | str] = field(default_factory=list)
+
+
+def _media(path: str | Path, lineno: int, obj: dict, key: str) -> list:
+    """``images`` / ``videos`` of one line, read (existence checked; decodability is the stage's)."""
+    from expstream.vision import item_bytes, video_frames
+
+    value = obj.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f'{path}:{lineno}: "{key}" is {_shown(value)}; it must be a list',
+                          field="--prompts", fix=f'write e.g. "{key}": ["a.png"]')
+    base = Path(path).resolve().parent
+    read = item_bytes if key == "images" else video_frames
+    return [read(item, f'{path}:{lineno}: {key}[{i}]', base) for i, item in enumerate(value)]
+
+
+def store_media(rows: list[PromptRow], store: object) -> int:
+    """Put every image and video of ``rows`` into the blob store, in place; returns the blobs referenced."""
+    from expstream.vision import store_video
+
+    count = 0
+    for row in rows:
+        row.images = [x if isinstance(x, str) else store.put(x) for x in row.images]  # type: ignore[attr-defined]
+        row.videos = [x if isinstance(x, str) else store_video(store, x) for x in row.videos]  # type: ignore[arg-type]
+        count += len(row.images) + len(row.videos)
+    return count
+
+
+def has_media(rows: list[PromptRow]) -> bool:
+    return any(r.images or r.videos for r in rows)
 
 
 class _JsonNumber(str):
@@ -117,7 +152,8 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
                 raise ConfigError(f"{path}:{lineno}: duplicate id {pid!r}; prompt ids must be unique in a run")
             seen.add(pid)
             rows.append(PromptRow(pid, str(obj["prompt"]), _text_field(path, lineno, obj, "label"),
-                                  _text_field(path, lineno, obj, "reference")))
+                                  _text_field(path, lineno, obj, "reference"), _media(path, lineno, obj, "images"),
+                                  _media(path, lineno, obj, "videos")))
     if not rows:
         raise ConfigError(f"{path}: no prompts; add JSON lines with a \"prompt\" field")
     return rows
@@ -129,7 +165,19 @@ def prompt_batches(rows: list[PromptRow], batch_size: int, first_index: int = 0)
         chunk = rows[start: start + batch_size]
         yield PromptBatch(batch_id=f"p{k:06d}", prompt_id=[r.prompt_id for r in chunk],
                           prompt=[r.prompt for r in chunk], label=[r.label for r in chunk],
-                          reference=[r.reference for r in chunk])
+                          reference=[r.reference for r in chunk], **media_fields(chunk))
+
+
+def media_fields(chunk: list[PromptRow]) -> dict[str, list]:
+    """``images``/``videos`` of a PromptBatch: [] when no prompt of the chunk has any (a text-only record)."""
+    out: dict[str, list] = {}
+    for name in ("images", "videos"):
+        lists = [getattr(r, name) for r in chunk]
+        if any(lists):
+            if any(not isinstance(x, str) for v in lists for x in v):
+                raise ValueError(f"PromptRow.{name}: bytes not yet in the blob store; call store_media(rows, store)")
+            out[name] = lists
+    return out
 
 
 def send_prompt_batches(producer: object, cfg: KafkaConfig, topic: str, batches: list[PromptBatch]) -> int:
@@ -194,13 +242,14 @@ class EpochFeeder:
             self._order, self._pos = epoch_order(len(self.rows), self.seed, self.epoch), 0
         row = self.rows[self._order[self._pos]]
         self._pos += 1
-        return PromptRow(epoch_prompt_id(row.prompt_id, self.epoch), row.prompt, row.label, row.reference)
+        return PromptRow(epoch_prompt_id(row.prompt_id, self.epoch), row.prompt, row.label, row.reference,
+                         row.images, row.videos)
 
     def next_batch(self) -> PromptBatch:
         chunk = [self._next_row() for _ in range(self.batch_size)]
         batch = PromptBatch(batch_id=f"p{self._next_index:06d}", prompt_id=[r.prompt_id for r in chunk],
                             prompt=[r.prompt for r in chunk], label=[r.label for r in chunk],
-                            reference=[r.reference for r in chunk])
+                            reference=[r.reference for r in chunk], **media_fields(chunk))
         self._next_index += 1
         self.records_fed += 1
         self.prompts_fed += len(chunk)

@@ -37,7 +37,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -46,7 +46,7 @@ from expstream.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
-from expstream.prompts import feed_prompts, read_prompts
+from expstream.prompts import feed_prompts, has_media, read_prompts, store_media
 from expstream.recorder import RECORDER, record_topics, recorder_argv
 from expstream.recording import TOPICS_DIR
 from expstream.resolve import build_builtin_models
@@ -72,6 +72,20 @@ FORK_ENTRY = "expstream.cli:main"
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def resolve_blob_store(topo: Topology, out_dir: Path) -> Any:
+    """The run's blob store (``run.blob_store``, default ``<out_dir>/blobs``), made absolute in ``topo``
+    and ``topo.raw`` so that every stage reads the same one from run/topology.yaml."""
+    from expstream.blobs import open_blob_store
+
+    where = topo.run.blob_store or str((out_dir / "blobs").resolve())
+    topo.run.blob_store = where
+    raw_run = topo.raw.get("run")
+    if not isinstance(raw_run, dict):
+        raw_run = topo.raw["run"] = {}
+    raw_run["blob_store"] = where
+    return open_blob_store(where)
 
 
 def write_resolved_topology(topo: Topology, path: Path) -> None:
@@ -193,6 +207,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             create_topics(bootstrap, loop_topics(topo), with_dlq=False)
             store = resolve_weight_store(topo, out_dir)  # before the topology the stages read is written
             log.info("run %s: continuous; weight store %s, trainer output %s", run_id, store, out_dir)
+        if has_media(rows):  # images and video frames by claim check, before the stages read the topology
+            blobs = resolve_blob_store(topo, out_dir)
+            log.info("run %s: %d images/videos stored in %s", run_id, store_media(rows, blobs), blobs)
         state = out.state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)

@@ -73,6 +73,8 @@ class RunConfig:
     spawn: str = "fork"
     target_groups: int | None = None
     max_lost_group_share: float = 0.0
+    # The claim-check store of images and video frames (expstream/blobs.py); null = <output>/blobs
+    blob_store: str | None = None
 
     def __post_init__(self) -> None:
         share = self.max_lost_group_share

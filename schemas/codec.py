@@ -16,17 +16,18 @@ from typing import Any
 import msgpack
 
 from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
-from schemas.messages import V2_FIELDS, PromptBatch, SampleBatch
+from schemas.messages import PROMPT_V2_FIELDS, V2_FIELDS, V3_FIELDS, PromptBatch, SampleBatch
 from schemas.tensors import Ragged, decode_tensor, encode_tensor
 
-__all__ = ["MESSAGE_TYPES", "READ_VERSIONS", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header"]
+__all__ = ["MESSAGE_TYPES", "READ_VERSIONS", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header", "write_version"]
 
 Message = PromptBatch | SampleBatch
 #: Schema name -> the version this writer writes (and the newest this reader reads).
-SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 1, "expstream.SampleBatch": 2}
+SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 2, "expstream.SampleBatch": 3}
 #: Schema name -> every version this reader reads. SampleBatch version 1 has no V2_FIELDS; a
 #: version-1 record decodes with them absent (None / []).
-READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1,), "expstream.SampleBatch": (1, 2)}
+#: Version 3 of SampleBatch and 2 of PromptBatch add the visual fields (V3_FIELDS, PROMPT_V2_FIELDS).
+READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1, 2), "expstream.SampleBatch": (1, 2, 3)}
 #: Schema name -> message class.
 MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
     PromptBatch.SCHEMA: PromptBatch,
@@ -35,16 +36,29 @@ MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
 _ENVELOPE = ("schema", "version")
 
 
+def write_version(msg: Message) -> int:
+    """The version a message is written at: the newest only when it holds the newest fields.
+
+    A text-only batch (no images/videos) is written at the version before the visual fields
+    (PromptBatch 1, SampleBatch 2), so readers that predate them still read every text-only record,
+    and records of text-only runs are byte-identical to those written before; a batch with visual
+    inputs is written at the newest version, which an older reader refuses with a VersionError.
+    """
+    if isinstance(msg, PromptBatch):
+        return 2 if any(getattr(msg, f) for f in PROMPT_V2_FIELDS) else 1
+    return 3 if any(getattr(msg, f) is not None and getattr(msg, f) != [] for f in V3_FIELDS) else 2
+
+
 def encode(msg: Message) -> bytes:
     """The msgpack bytes of ``msg`` (validated first; raises ValidationError if it is invalid)."""
     if not isinstance(msg, (PromptBatch, SampleBatch)):
         raise TypeError(f"encode() takes a PromptBatch or SampleBatch, got {type(msg).__name__}")
     msg.validate()  # fields may have been assigned since construction
     cls = type(msg).__name__
-    out: dict[str, Any] = {"schema": msg.SCHEMA, "version": SCHEMA_VERSIONS[msg.SCHEMA]}
+    out: dict[str, Any] = {"schema": msg.SCHEMA, "version": write_version(msg)}
     for name, kind in msg.FIELDS.items():
         value = getattr(msg, name)
-        if value is None or (kind == "opt_ints" and not value):
+        if value is None or (kind in ("opt_ints", "opt_refs") and not value):
             continue
         if kind == "ragged":
             value = value.to_dict()
@@ -116,8 +130,11 @@ def _check_envelope(obj: dict[str, Any]) -> tuple[type[PromptBatch] | type[Sampl
 
 def _fields_of(cls: type[PromptBatch] | type[SampleBatch], version: int) -> dict[str, str]:
     """The fields a record of ``cls`` at ``version`` may hold."""
-    if cls is SampleBatch and version < 2:
-        return {k: v for k, v in cls.FIELDS.items() if k not in V2_FIELDS}
+    if cls is SampleBatch and version < 3:
+        gone = V3_FIELDS + (V2_FIELDS if version < 2 else ())
+        return {k: v for k, v in cls.FIELDS.items() if k not in gone}
+    if cls is PromptBatch and version < 2:
+        return {k: v for k, v in cls.FIELDS.items() if k not in PROMPT_V2_FIELDS}
     return cls.FIELDS
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from schemas.errors import ValidationError
 from schemas.tensors import Ragged, _normalise_indices, _short, as_dtype
 
-__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS"]
+__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS", "V3_FIELDS", "PROMPT_V2_FIELDS"]
 
 #: Allowed values of ``SampleBatch.layout``.
 LAYOUTS = ("", "padded", "packed")
@@ -33,9 +33,14 @@ ACTION_FIELDS = (
 RESPONSE_LEVEL_BEFORE_ACTIONS = ("rollout_log_probs",)
 #: SampleBatch fields added by schema version 2 (a version-1 record has none of them).
 V2_FIELDS = ("rollout_log_probs", "rollout_version", "logprob_version")
+#: SampleBatch fields added by schema version 3 (visual inputs by claim check; schemas/README.md).
+V3_FIELDS = ("images", "videos", "image_grid_thw", "video_grid_thw")
+#: PromptBatch fields added by schema version 2.
+PROMPT_V2_FIELDS = ("images", "videos")
 #: Wire dtype of every ragged field of SampleBatch.
 RAGGED_DTYPES = {
     "prompt_ids": "int32", "response_ids": "int32", "action_ids": "int32", "action_mask": "bool",
+    "image_grid_thw": "int32", "video_grid_thw": "int32",
     **{f: "float32" for f in ACTION_FIELDS if f != "action_mask"},
 }  # fmt: skip
 
@@ -113,6 +118,24 @@ class _Message:
                 self, name, f"has {len(v)} entries but B={B} (len(prompt_id)); give one entry per sample"
             )
 
+    def _refs(self, name: str, B: int) -> None:
+        """A per-row list of blob references: [] (absent: no row has any) or B lists of 'sha256:' strings."""
+        v = getattr(self, name)
+        if not isinstance(v, (list, tuple)):
+            raise _err(self, name, f"expected a list of lists of blob references, got {type(v).__name__}")
+        v = [list(r) if isinstance(r, (list, tuple)) else r for r in v]
+        if v and len(v) != B:
+            raise _err(self, name, f"has {len(v)} entries but B={B} (len(prompt_id)); give one list per row "
+                                   "([] for a text-only row), or [] for a batch without any")
+        for i, row in enumerate(v):
+            if not isinstance(row, list):
+                raise _err(self, name, f"entry {i} is {type(row).__name__}, expected a list of blob references")
+            for ref in row:
+                if not isinstance(ref, str) or not ref.startswith("sha256:") or len(ref) != 71:
+                    raise _err(self, name, f"entry {i} holds {_short([ref], 1)}, not a blob reference "
+                                           "('sha256:' + 64 hex digits, written by the feeder's blob store)")
+        setattr(self, name, v)
+
     def _vector(self, name: str, value: Any, B: int, ids: list[str]) -> np.ndarray:
         """A float32 (B,) finite vector; Python lists are converted, other arrays rejected."""
         if not isinstance(value, np.ndarray):
@@ -144,9 +167,10 @@ class PromptBatch(_Message):
     """G prompts read by the feeder (topic ``prompts``). ``len(batch)`` = G."""
 
     SCHEMA: ClassVar[str] = "expstream.PromptBatch"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     FIELDS: ClassVar[dict[str, str]] = {
         "batch_id": "str", "prompt_id": "strs", "prompt": "strs", "label": "strs", "reference": "strs",
+        "images": "opt_refs", "videos": "opt_refs",
     }  # fmt: skip
 
     batch_id: str  # stable id of this record, e.g. "p000003"
@@ -154,6 +178,10 @@ class PromptBatch(_Message):
     prompt: list[str] = field(default_factory=list)  # (G,) prompt text
     label: list[str] = field(default_factory=list)  # (G,) label for reward functions ("" when none)
     reference: list[str] = field(default_factory=list)  # (G,) reference answer ("" when none)
+    # v2: visual inputs by claim check (expstream/blobs.py). [] when no prompt has any; else (G; k_g)
+    # blob references: images are image files' bytes, videos are frame-list manifests (expstream/vision.py)
+    images: list[list[str]] = field(default_factory=list)
+    videos: list[list[str]] = field(default_factory=list)
 
     def validate(self) -> None:
         """Check types and that every list has G = len(prompt_id) entries."""
@@ -161,6 +189,8 @@ class PromptBatch(_Message):
         self._list("prompt_id", str, None)
         for name in ("prompt", "label", "reference"):
             self._list(name, str, len(self.prompt_id))
+        for name in PROMPT_V2_FIELDS:
+            self._refs(name, len(self.prompt_id))
 
 
 @dataclass(eq=False)
@@ -172,7 +202,7 @@ class SampleBatch(_Message):
     """
 
     SCHEMA: ClassVar[str] = "expstream.SampleBatch"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     FIELDS: ClassVar[dict[str, str]] = {
         "batch_id": "str", "policy_version": "int", "n_samples_per_prompt": "int",
         "eos_token_id": "int", "pad_token_id": "int",
@@ -186,6 +216,7 @@ class SampleBatch(_Message):
         "rewards": "array", "reward_metrics": "arrays", "kl": "ragged", "kl_coef": "float",
         "processed_rewards": "array", "token_rewards": "ragged", "advantages": "ragged",
         "returns": "ragged", "info": "arrays",
+        "images": "opt_refs", "videos": "opt_refs", "image_grid_thw": "ragged", "video_grid_thw": "ragged",
     }  # fmt: skip
     #: Fields describing the whole micro-batch (not sliced by select / joined by concat).
     PER_BATCH: ClassVar[tuple[str, ...]] = (
@@ -228,6 +259,11 @@ class SampleBatch(_Message):
     advantages: Ragged | None = None  # Ragged float32 (B; a_b)
     returns: Ragged | None = None  # Ragged float32 (B; a_b)
     info: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 (B,) per-sample metrics
+    # v3: visual inputs by claim check (schemas/README.md). [] / None when no sample has any.
+    images: list[list[str]] = field(default_factory=list)  # (B; k_b) image blob references, in prompt order
+    videos: list[list[str]] = field(default_factory=list)  # (B; v_b) video manifest blob references
+    image_grid_thw: Ragged | None = None  # Ragged int32 (B; 3*k_b) (t, h, w) patch grid of each image
+    video_grid_thw: Ragged | None = None  # Ragged int32 (B; 3*v_b) (t, h, w) patch grid of each video
 
     def sample_ids(self) -> list[str]:
         """``f"{group_id}#{sample_index}"`` for every sample."""
@@ -289,6 +325,24 @@ class SampleBatch(_Message):
                 if not isinstance(k, str):
                     raise _err(self, name, f"key {k!r} is {type(k).__name__}; keys must be str")
             setattr(self, name, {k: self._vector(f"{name}[{k!r}]", v, B, ids) for k, v in d.items()})
+        self._visual(B, ids)
+
+    def _visual(self, B: int, ids: list[str]) -> None:
+        """images/videos references and their grids: 3 ints (t, h, w), all >= 1, per reference."""
+        for refs, grid in (("images", "image_grid_thw"), ("videos", "video_grid_thw")):
+            self._refs(refs, B)
+            r, g = getattr(self, refs), getattr(self, grid)
+            if g is None:
+                continue
+            if not r:
+                raise _err(self, grid, f"is set but {refs} is empty; a grid describes the {refs} of each sample")
+            want = np.asarray([3 * len(row) for row in r], dtype=np.int64)
+            if not np.array_equal(g.lengths.astype(np.int64), want):
+                row = int(np.flatnonzero(g.lengths != want)[0])
+                raise _err(self, grid, f"sample {ids[row]} has {int(g.lengths[row])} grid entries for "
+                                       f"{len(r[row])} {refs}; write 3 (t, h, w) per reference")
+            if g.values.size and int(g.values.min()) < 1:
+                raise _err(self, grid, "grid sizes must be >= 1 (t, h, w patches)")
 
     def _versions(self, name: str, B: int) -> None:
         """A per-sample policy-version list: [] (absent, e.g. a version-1 record) or B ints >= 0."""
@@ -340,7 +394,7 @@ class SampleBatch(_Message):
             v = getattr(self, name)
             if name in self.PER_BATCH or v is None:
                 continue
-            if kind in ("strs", "ints") or (kind == "opt_ints" and v):
+            if kind in ("strs", "ints") or (kind in ("opt_ints", "opt_refs") and v):
                 changes[name] = [v[i] for i in idx.tolist()]
             elif kind == "ragged":
                 changes[name] = v.select(idx)
@@ -382,6 +436,12 @@ class SampleBatch(_Message):
             elif kind == "opt_ints":  # kept only when every batch has one entry per sample
                 whole = all(len(v) == len(b) for v, b in zip(vals, batches, strict=True))
                 kwargs[name] = [x for v in vals for x in v] if whole else []
+            elif kind == "opt_refs":  # a text-only batch among image batches: no references per sample
+                kwargs[name] = ([x for v, b in zip(vals, batches, strict=True) for x in (v or [[]] * len(b))]
+                                if any(vals) else [])
+            elif name in ("image_grid_thw", "video_grid_thw") and any(v is not None for v in vals):
+                kwargs[name] = Ragged.concat([v if v is not None else Ragged.from_rows(
+                    [np.zeros(0, np.int32)] * len(b), "int32") for v, b in zip(vals, batches, strict=True)])
             elif any(v is None for v in vals):
                 continue
             elif kind == "ragged":

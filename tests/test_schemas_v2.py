@@ -107,9 +107,9 @@ def test_select_and_concat_carry_the_new_per_sample_fields():
     assert make_batch().select([0]).rollout_version == []
 
 
-def test_unknown_version_error_names_both_readable_versions():
+def test_unknown_version_error_names_every_readable_version():
     m = msgpack.unpackb(encode(make_batch()), raw=False)
     m["version"] = 0
     with pytest.raises(VersionError, match=r"version 0 is not supported by this reader \(it reads version 1 or "
-                                           r"2\); upgrade the reader or have the writer emit version 2"):  # fmt: skip
+                                           r"2 or 3\); upgrade the reader or have the writer emit version 3"):  # fmt: skip
         decode(msgpack.packb(m, use_bin_type=True))
