@@ -101,6 +101,9 @@ def parse_args() -> argparse.Namespace:
                    help="instead: the recording's cost, streaming runs with record.enabled=false and true "
                         "interleaved (no baseline, no hops); writes bench/results/pipeline-record.json")
     p.add_argument("--record-repeats", type=int, default=3, help="with --record: (off, on) pairs per prompt count")
+    p.add_argument("--vl", action="store_true",
+                   help="images through the pipeline instead: bytes per hop with and without the claim check, "
+                        "samples/s of a mixed text/image run vs the same prompts without images (vl_cost)")
     return p.parse_args()
 
 
@@ -477,6 +480,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     prompt_files = {args.prompts: write_prompts(work / f"prompts-{args.prompts}.jsonl", args.prompts),
                     2 * args.prompts: write_prompts(work / f"prompts-{2 * args.prompts}.jsonl", 2 * args.prompts)}
+    if args.vl:
+        try:
+            result = vl_cost(args, sets, work)
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(work, ignore_errors=True)
+        save("pipeline-vl", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+                             "end_loadavg": machine()["loadavg"], **result})
+        return 0
     if args.record:
         try:
             result = record_cost(args, sets, prompt_files, work)
@@ -514,6 +526,83 @@ def main() -> int:
     summary = report(args, topo, base, hops, stream, info_start, info_end, model_info)
     save(f"pipeline-{args.model_size}" if args.model_size != "tiny" else "pipeline", summary)
     return 0
+
+
+def vl_prompts(work: Path, count: int) -> tuple[Path, Path]:
+    """``count`` prompts, a third text-only, a third with one image, a third with two (PNG files of
+    several sizes drawn here), and the same prompts without their images."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    images = []
+    for i in range(8):
+        path = work / "images" / f"img{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        size = (int(rng.randint(56, 160)), int(rng.randint(56, 160)))
+        Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8")).save(path)
+        images.append(str(path))
+    base = write_prompts(work / "vl-text.jsonl", count)
+    lines = [json.loads(x) for x in base.read_text().splitlines()]
+    for i, line in enumerate(lines):
+        line["images"] = [images[(i + k) % len(images)] for k in range(i % 3)]
+    with_images = work / "vl.jsonl"
+    with_images.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return with_images, base
+
+
+def hop_bytes(out: Path) -> dict[str, dict[str, float]]:
+    """Per recorded topic: records, value bytes, and what the values would weigh with each sample's
+    pixel_values inline (float32 patches of 3·2·14·14 values per patch, t·h·w patches per image)."""
+    from expstream.recording import iter_topic, recorded_topics
+
+    per_topic: dict[str, dict[str, float]] = {}
+    for topic in recorded_topics(out):
+        if topic.endswith(".dlq") or topic in ("policy",):
+            continue
+        rec = inline = claimed = 0
+        for frame in iter_topic(out, topic):
+            if frame.value is None:
+                continue
+            rec += 1
+            claimed += len(frame.value)
+            batch = decode(frame.value)
+            grid = getattr(batch, "image_grid_thw", None)
+            pixels = 0
+            if grid is not None:
+                g = grid.values.reshape(-1, 3)
+                pixels = int((g[:, 0] * g[:, 1] * g[:, 2]).sum()) * 3 * 2 * 14 * 14 * 4
+            inline += len(frame.value) + pixels
+        if rec:
+            per_topic[topic] = {"records": rec, "claim_check_bytes": claimed / rec, "inline_bytes": inline / rec}
+    return per_topic
+
+
+def vl_cost(args: argparse.Namespace, sets: list[str], work: Path) -> dict[str, Any]:
+    """Images by claim check: bytes per hop (as recorded, and with pixels inline), samples/s of the
+    mixed run vs the same prompts without images (both with the tiny-vl models), ``--repeats`` each."""
+    with_images, text_only = vl_prompts(work, args.prompts)
+    vl_sets = [s for s in sets if not s.startswith("models.")] + [f"models.cache_dir={TINY_CACHE}",
+                                                                   "models.actor=builtin:tiny-vl"]
+    runs: dict[str, list[dict[str, Any]]] = {"images": [], "text": []}
+    for rep in range(args.repeats):
+        for name, path in (("images", with_images), ("text", text_only)):
+            out = work / f"vl-{name}-{rep}"
+            runs[name].append({**stream_run(path, vl_sets, out), "hops": hop_bytes(out) if rep == 0 else None})
+            progress(f"vl {name} run {rep + 1}/{args.repeats}: {runs[name][-1]['samples']} samples, "
+                     f"{runs[name][-1]['summary_samples_per_s']:.2f} samples/s")
+    hops = runs["images"][0]["hops"]
+    rate = {k: median([r["summary_samples_per_s"] for r in v]) for k, v in runs.items()}
+    rows = [[t, int(h["records"]), fmt(h["claim_check_bytes"] / 1024, ".1f"), fmt(h["inline_bytes"] / 1024, ".1f"),
+             fmt(ratio(h["inline_bytes"], h["claim_check_bytes"]), ".1f") + "x"] for t, h in hops.items()]
+    print(table(["topic (hop)", "records", "KiB/record, claim check", "KiB/record, pixels inline", "inline / claim"],
+                rows, title=f"bytes per hop, {args.prompts} prompts (1/3 text, 1/3 one image, 1/3 two), n={args.n}"))
+    print(table(["run", "samples/s (median)"], [["mixed text/image prompts", fmt(rate["images"])],
+                                                ["the same prompts, no images", fmt(rate["text"])],
+                                                ["ratio", fmt(ratio(rate["images"], rate["text"])) + "x"]],
+                title=f"tiny-vl models, median of {args.repeats}"))
+    return {"hops": hops, "samples_per_s": rate, "runs": {k: [{x: y for x, y in r.items() if x != "hops"}
+                                                              for r in v] for k, v in runs.items()}}
 
 
 def record_cost(args: argparse.Namespace, sets: list[str], prompt_files: dict[int, Path],

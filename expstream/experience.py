@@ -102,6 +102,9 @@ class Experience:
     group_ids: list[str] = field(default_factory=list)
     sample_index: list[int] = field(default_factory=list)
     policy_version: int = 0
+    # ---- visual inputs (schema v3; empty for text-only rows): what a trainer needs to rebuild pixel_values ----
+    images: list[list[str]] = field(default_factory=list)  # (B; k_b) image blob references (expstream/blobs.py)
+    image_grid_thw: list[list[tuple[int, int, int]]] = field(default_factory=list)  # (B; k_b) (t, h, w) per image
     # ---- packed layout only (None for the padded layout) ----
     packed_seq_lens: list[int] | None = None  # per sample: tokens in `sequences`
     num_actions: list[int] | None = None  # per sample: actions in the action-level row
@@ -327,7 +330,19 @@ class Experience:
             group_ids=group_ids,
             sample_index=sample_index,
             policy_version=int(getattr(batch, "policy_version", 0) or 0),
+            **_visual(batch, idx),
         )
+
+
+def _visual(batch: Any, idx: list[int]) -> dict[str, Any]:
+    """Rows ``idx`` of the visual claim checks and grids (nothing for a text-only record)."""
+    images = list(getattr(batch, "images", None) or [])
+    if not images:
+        return {}
+    grid = getattr(batch, "image_grid_thw", None)
+    rows = [grid.row(r).tolist() if grid is not None else [] for r in idx]
+    return {"images": [list(images[r]) for r in idx],
+            "image_grid_thw": [[tuple(int(x) for x in g[i:i + 3]) for i in range(0, len(g), 3)] for g in rows]}
 
 
 def _versions(batch: Any, name: str, idx: list[int]) -> list[int]:

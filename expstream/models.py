@@ -113,7 +113,7 @@ def _training_corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer(vocab_size: int = _VOCAB_SIZE) -> Any:
+def _train_tokenizer(vocab_size: int = _VOCAB_SIZE, special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,7 +122,7 @@ def _train_tokenizer(vocab_size: int = _VOCAB_SIZE) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -387,7 +387,12 @@ def load_causal_lm(
     *,
     field: str | None = None,
 ) -> Any:
-    """Load an actor or reference model (``AutoModelForCausalLM``), in eval mode, without grads."""
+    """Load an actor or reference model (``AutoModelForCausalLM``; a vision-language model, one with a
+    ``vision_config``, with ``AutoModelForImageTextToText``), in eval mode, without grads."""
+    from expstream.vl import is_vl_dir
+
+    if is_vl_dir(path):
+        return _load("AutoModelForImageTextToText", "vision-language model", path, device, dtype, field)
     return _load("AutoModelForCausalLM", "causal LM", path, device, dtype, field)
 
 
@@ -510,8 +515,12 @@ class TransformersGenerator:
         ignore_eos: bool = False,
         should_stop: Callable[[], bool] | None = None,
         return_log_probs: bool = False,
+        model_inputs: Callable[[Tensor], dict[str, Any]] | None = None,
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """Generate ``n`` samples per prompt; returns ``len(prompts) * n`` token lists.
+
+        ``model_inputs(input_ids)``: extra model inputs for the left-padded (len(prompts)*n, P)
+        prompt rows (a vision-language model's pixel_values, image_grid_thw, mm_token_type_ids).
 
         With ``return_log_probs`` it returns ``(token_lists, logprob_lists)``: the behaviour
         log-prob of every returned token, float32 values, under the distribution it was sampled
@@ -607,12 +616,15 @@ class TransformersGenerator:
         with rng, torch.inference_mode():
             if seed is not None:
                 torch.manual_seed(seed)
+            extra = {k: (v.to(self.device) if isinstance(v, Tensor) else v)
+                     for k, v in (model_inputs(input_ids) if model_inputs is not None else {}).items()}
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=cfg,
                 logits_processor=chain,
                 stopping_criteria=criteria,
+                **extra,
             )
         generated_t = out[:, width:]
         generated = generated_t.tolist()
@@ -712,14 +724,22 @@ def _log_probs_and_entropy(
     return logp, entropy
 
 
-def _padded_forward(model: Any, sequences: Tensor, attention_mask: Tensor, **kwargs: Any) -> tuple[Any, Tensor]:
+def _padded_forward(model: Any, sequences: Tensor, attention_mask: Tensor, visual: dict[str, Any] | None = None,
+                    **kwargs: Any) -> tuple[Any, Tensor]:
     """One forward of a padded batch on the model's device with docs/numerics.md §1.3 position ids.
 
-    Returns the model output and ``sequences`` moved to that device.
+    Returns the model output and ``sequences`` moved to that device. ``visual`` (a vision-language
+    model, expstream/vl.py): pixel_values / image_grid_thw / mm_token_type_ids, and ``input_ids``
+    when the model input differs from ``sequences`` (the image-token repair); the model then
+    computes its own (3-D rope) position ids from the attention mask and the grids.
     """
     device = _model_device(model)
     sequences = sequences.to(device)
     attention_mask = attention_mask.to(device)
+    if visual:
+        extra = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in visual.items()}
+        inputs = extra.pop("input_ids", sequences)
+        return model(input_ids=inputs, attention_mask=attention_mask, **extra, **kwargs), sequences
     out = model(
         input_ids=sequences,
         attention_mask=attention_mask,
@@ -731,7 +751,8 @@ def _padded_forward(model: Any, sequences: Tensor, attention_mask: Tensor, **kwa
 
 @torch.inference_mode()
 def forward_action_log_probs(
-    model: Any, sequences: Tensor, attention_mask: Tensor, num_actions: int, with_entropy: bool = False
+    model: Any, sequences: Tensor, attention_mask: Tensor, num_actions: int, with_entropy: bool = False,
+    visual: dict[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the last ``num_actions`` tokens, each (B, A) float32.
 
@@ -743,7 +764,7 @@ def forward_action_log_probs(
     kwargs: dict[str, Any] = {"use_cache": False}
     if _accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = num_actions + 1
-    out, sequences = _padded_forward(model, sequences, attention_mask, **kwargs)
+    out, sequences = _padded_forward(model, sequences, attention_mask, visual, **kwargs)
     logits = out.logits[:, -(num_actions + 1) : -1]
     return _log_probs_and_entropy(logits, sequences[:, -num_actions:], with_entropy)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from expstream.errors import ConfigError
-from expstream.topology import BUILTIN_TINY, RewardSourceConfig, Topology
+from expstream.topology import BUILTIN_TINY, BUILTIN_TINY_VL, RewardSourceConfig, Topology
 
 __all__ = ["model_roles", "check_models", "build_builtin_models", "model_dir", "reward_fn", "import_function",
            "source_model_dir", "combine_fn"]
@@ -49,7 +49,7 @@ def check_models(topo: Topology) -> None:
         reward_fn(topo.models.reward_fn)
     for role in model_roles(topo):
         value = getattr(topo.models, role)
-        if value != BUILTIN_TINY:
+        if value not in (BUILTIN_TINY, BUILTIN_TINY_VL):
             _checked_dir(role, value)
     for cfg in (topo.rewards.sources or {}).values():
         if cfg.kind == "fn":
@@ -57,25 +57,34 @@ def check_models(topo: Topology) -> None:
         elif cfg.kind == "model" and cfg.path != BUILTIN_TINY:
             _checked_dir("reward", cfg.path or "", field=f"{cfg.where}.path")
     combine_fn(topo)
+    if topo.generate.backend == "vllm" and _is_vl_actor(topo):
+        raise ConfigError("generate.backend=vllm: models.actor is a vision-language model, and images are not "
+                          "passed to vLLM yet", field="generate.backend",
+                          fix="use generate.backend=transformers with a vision-language actor")
     if topo.generate.backend == "vllm" and topo.stages["generate"].enabled:
         from expstream.vllm_backend import check_generate_config
 
         check_generate_config(topo.generate)  # installed, and every generate.* knob honoured
 
 
+def _is_vl_actor(topo: Topology) -> bool:
+    from expstream.vl import is_vl_dir
+
+    actor = topo.models.actor
+    return actor == BUILTIN_TINY_VL or (actor != BUILTIN_TINY and is_vl_dir(actor))
+
+
 def build_builtin_models(topo: Topology) -> None:
     """Build the built-in tiny models (once, into ``models.cache_dir``) for the roles that use them,
     before any stage starts, so that stages load them instead of racing to build them."""
-    roles = [role for role in model_roles(topo) if getattr(topo.models, role) == BUILTIN_TINY]
+    roles = [role for role in model_roles(topo) if getattr(topo.models, role) in (BUILTIN_TINY, BUILTIN_TINY_VL)]
     sources = (topo.rewards.sources or {}).values()
     if any(cfg.kind == "model" and cfg.path == BUILTIN_TINY for cfg in sources) and "reward" not in roles:
         roles.append("reward")  # a model source on builtin:tiny loads the tiny reward model
     for role in roles:
         try:
             if role == "reward" and topo.rewards.sources is not None:
-                from expstream.models import build_tiny_models
-
-                build_tiny_models(topo.models.cache_dir)
+                _builtin_family(topo, BUILTIN_TINY)
             else:
                 model_dir(topo, role)
         except OSError as exc:  # building the tiny models: cache_dir not writable, disk full
@@ -88,21 +97,29 @@ def model_dir(topo: Topology, role: str) -> Path:
     value = getattr(topo.models, role)
     if value is None:
         raise ConfigError(f"models.{role}: is null but this stage needs it; set it to a model directory")
-    if value == BUILTIN_TINY:
-        from expstream.models import build_tiny_models
-
+    if value in (BUILTIN_TINY, BUILTIN_TINY_VL):
         key = {"reference": "actor"}.get(role, role)
-        return Path(build_tiny_models(topo.models.cache_dir)[key])
+        return Path(_builtin_family(topo, value)[key])
     return _checked_dir(role, value)
+
+
+def _builtin_family(topo: Topology, value: str) -> dict[str, Path]:
+    """The built-in models a ``builtin:*`` value names. With ``models.actor: builtin:tiny-vl`` every
+    ``builtin:tiny`` role resolves to the tiny-vl family too (one tokenizer for every model of a run)."""
+    if value == BUILTIN_TINY_VL or topo.models.actor == BUILTIN_TINY_VL:
+        from expstream.vl import build_tiny_vl
+
+        return build_tiny_vl(topo.models.cache_dir)
+    from expstream.models import build_tiny_models
+
+    return build_tiny_models(topo.models.cache_dir)
 
 
 def source_model_dir(topo: Topology, cfg: RewardSourceConfig) -> Path:
     """The directory of model source ``cfg`` (``rewards.sources.<name>.path``), building the tiny
     offline reward model for ``builtin:tiny``."""
-    if cfg.path == BUILTIN_TINY:
-        from expstream.models import build_tiny_models
-
-        return Path(build_tiny_models(topo.models.cache_dir)["reward"])
+    if cfg.path in (BUILTIN_TINY, BUILTIN_TINY_VL):
+        return Path(_builtin_family(topo, cfg.path)["reward"])
     return _checked_dir("reward", cfg.path or "", field=f"{cfg.where}.path")
 
 

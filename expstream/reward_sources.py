@@ -77,23 +77,41 @@ class FnSource:
 
     ``queries`` are the decoded prompt + repaired response tokens (no padding). A function that
     also takes a ``references`` keyword (or ``**kwargs``) gets the reference answers too, so a
-    math checker can route on ``label`` (e.g. ``math``) and compare with ``reference``.
+    math checker can route on ``label`` (e.g. ``math``) and compare with ``reference``. A function
+    with an ``images`` parameter gets each sample's images as a list of RGB PIL images (``[]`` for a
+    text-only sample), read back from the run's blob store.
     """
 
-    def __init__(self, name: str, fn: Callable, tokenizer: Any, *, what: str = "reward_fn") -> None:
+    def __init__(self, name: str, fn: Callable, tokenizer: Any, *, what: str = "reward_fn",
+                 blob_store: str | None = None) -> None:
         self.name, self.fn, self.tokenizer, self.what = name, fn, tokenizer, what
+        self.blob_store = blob_store
         try:
-            params = inspect.signature(fn).parameters.values()
+            params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):  # a builtin without a signature: call it the plain way
             params = []
         self.wants_references = any(p.name == "references" or p.kind is p.VAR_KEYWORD for p in params)
+        self.wants_images = any(p.name == "images" for p in params)
+
+    def _images(self, batch: SampleBatch) -> list[list[Any]]:
+        from expstream.blobs import open_blob_store
+        from expstream.vision import load_image
+
+        if not any(batch.images):
+            return [[] for _ in range(len(batch))]
+        store = open_blob_store(self.blob_store or "")
+        return [[load_image(store.get(r), f"sample {sid} image {i}") for i, r in enumerate(refs)]
+                for sid, refs in zip(batch.sample_ids(), batch.images, strict=True)]
 
     def score(self, batch: SampleBatch) -> np.ndarray:
         tok = self.tokenizer
         queries = [tok.decode(list(p) + list(a), skip_special_tokens=False)
                    for p, a in zip(batch.prompt_ids.rows(), batch.action_ids.rows(), strict=True)]
         args = (queries, list(batch.prompt), list(batch.label))
-        out = self.fn(*args, references=list(batch.reference)) if self.wants_references else self.fn(*args)
+        kwargs: dict[str, Any] = {"references": list(batch.reference)} if self.wants_references else {}
+        if self.wants_images:
+            kwargs["images"] = self._images(batch)
+        out = self.fn(*args, **kwargs)
         scores = np.asarray(out, dtype=np.float32).reshape(-1)
         if scores.shape != (len(batch),):
             raise PoisonRecordError(f"{self.what} returned {scores.shape[0]} scores for {len(batch)} samples; it "
@@ -127,7 +145,7 @@ def build_sources(topo: Topology, ctx: Any) -> dict[str, RewardSource]:
         if models.reward:
             out["model"] = ModelSource("model", load_reward_model(model_dir(topo, "reward"), device=models.device))
         if models.reward_fn:
-            out["fn"] = FnSource("fn", reward_fn(models.reward_fn), tok())
+            out["fn"] = FnSource("fn", reward_fn(models.reward_fn), tok(), blob_store=topo.run.blob_store)
         return out
     loaded: dict[str, Any] = {}  # two sources on one directory share the weights
     for name, cfg in topo.rewards.sources.items():
@@ -137,7 +155,8 @@ def build_sources(topo: Topology, ctx: Any) -> dict[str, RewardSource]:
                 loaded[path] = load_reward_model(path, device=models.device)
             out[name] = ModelSource(name, loaded[path])
         elif cfg.kind == "fn":
-            out[name] = FnSource(name, import_function(cfg.fn or "", f"{cfg.where}.fn"), tok(), what=f"{cfg.where}.fn")
+            out[name] = FnSource(name, import_function(cfg.fn or "", f"{cfg.where}.fn"), tok(), what=f"{cfg.where}.fn",
+                                 blob_store=topo.run.blob_store)
         else:
             out[name] = _http_source(cfg, tok())
     return out

@@ -39,6 +39,8 @@ STAGE_ORDER: tuple[str, ...] = (
     "advantage",
 )
 BUILTIN_TINY = "builtin:tiny"
+#: The tiny Qwen2-VL (expstream/vl.py); with it as models.actor, builtin:tiny roles use its tokenizer.
+BUILTIN_TINY_VL = "builtin:tiny-vl"
 # The file `expstream` reads from the current directory when no --topology is given.
 LOCAL_TOPOLOGY = "topology.yaml"
 # How Topology.source names the copy shipped inside the package (the repository root's file).

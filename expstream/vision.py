@@ -73,13 +73,14 @@ def item_bytes(item: Any, where: str, base_dir: Path | None = None) -> bytes:
             path = base_dir / path
         if path.is_file():
             return path.read_bytes()
-        if "/" in item or "\\" in item or "." in item[-6:]:
-            raise _media_error(where, f"no file {str(path)!r}", "give an existing image path (relative paths are "
-                               "relative to the prompt file's directory)")
-    return _b64(item, where)
+    try:
+        return base64.b64decode(item.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise _media_error(where, f"no file {item[:120]!r} (and not base64 either)", "give an existing image path "
+                           "(relative to the prompt file's directory), a data:image/...;base64 URI or base64") from None
 
 
-def _b64(text: str, where: str) -> bytes:
+def _b64(text: str, where: str) -> bytes:  # a data: URI's payload
     try:
         return base64.b64decode(text.strip(), validate=True)
     except (binascii.Error, ValueError) as exc:

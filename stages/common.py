@@ -13,11 +13,47 @@ from expstream.layout import is_packed, packed, padded, ragged_from_flat, to_rag
 from schemas import Ragged, SampleBatch
 
 
-def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False) -> tuple[Ragged, Ragged | None]:
+def vision_inputs_for(ctx: Any, role: str) -> Any:
+    """The :class:`expstream.vl.VisionInputs` of a stage whose ``models.<role>`` is a vision-language
+    model (None for a text model)."""
+    from expstream.resolve import model_dir
+    from expstream.vl import is_vl_dir, vision_for
+
+    path = model_dir(ctx.topology, role)
+    if not is_vl_dir(path):
+        return None
+    from expstream.models import load_tokenizer
+
+    return vision_for(ctx.topology, path, load_tokenizer(path))
+
+
+def visual_inputs(vision: Any, batch: SampleBatch, lay: Any) -> dict[str, Any] | None:
+    """A vision-language model's extra inputs for the padded layout ``lay`` of ``batch`` (None for a
+    text model or a batch without images): pixels from the claim checks, the repaired input ids."""
+    if vision is None or not any(batch.images):
+        return None
+    if any(batch.videos):
+        from expstream.errors import PoisonRecordError
+
+        raise PoisonRecordError("SampleBatch.videos: no stage feeds videos to a model yet (docs/vision.md)")
+    inputs = lay.sequences.clone()
+    kw = vision.model_kwargs(inputs, batch.images, batch.sample_ids(), [lay.prompt_width] * len(batch))
+    kw["input_ids"] = inputs
+    return kw
+
+
+def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False,
+                      vision: Any = None) -> tuple[Ragged, Ragged | None]:
     """Per-action log-probs (and entropies when asked) of a causal LM, ragged (B; a_b), in the
-    batch's layout (docs/numerics.md §1.3 padded, §1.4 packed)."""
+    batch's layout (docs/numerics.md §1.3 padded, §1.4 packed). ``vision``: a vision-language
+    model's :class:`expstream.vl.VisionInputs` (images are fed in the padded layout)."""
     from expstream.models import forward_action_log_probs, forward_packed_action_log_probs_and_entropy
 
+    if vision is not None and any(batch.images):
+        lay = padded(batch)
+        logp, entropy = forward_action_log_probs(model, lay.sequences, lay.attention_mask, lay.num_actions,
+                                                 with_entropy=with_entropy, visual=visual_inputs(vision, batch, lay))
+        return to_ragged(logp, batch), None if entropy is None else to_ragged(entropy, batch)
     if is_packed(batch):
         pk = packed(batch)
         logp, entropy = forward_packed_action_log_probs_and_entropy(

@@ -9,6 +9,7 @@ import numpy as np
 from expstream.admission import wait_for_admission
 from expstream.errors import PoisonRecordError
 from expstream.resolve import model_dir
+from expstream.vl import vision_for
 from expstream.weights import follower_for, refresh_weights
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages.context import StageContext
@@ -35,6 +36,8 @@ def setup(ctx: StageContext) -> None:
         return
     model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
     ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
+    # a vision-language actor: images come back from the blob store (expstream/vl.py); None otherwise
+    ctx.models["vision"] = vision_for(topo, model_dir(topo, "actor"), tok)
     # The continuous loop: follow the trainer's published actor versions (None otherwise).
     ctx.models["actor_follower"] = follower_for(ctx, "actor", model)
 
@@ -52,24 +55,57 @@ def batch_seed(run_seed: int, batch_id: str) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
+#: Where an image goes in a prompt: before the text, one block per image (the Qwen-VL convention).
+IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
 def tokenize_prompts(batch: PromptBatch, ctx: StageContext) -> list[list[int]]:
     gen = ctx.topology.generate
     tok = ctx.models["tokenizer"]
+    vision = ctx.models.get("vision")
+    images = batch.images or [[] for _ in batch.prompt_id]
+    if any(batch.videos):
+        raise PoisonRecordError("PromptBatch.videos: video inputs are stored and carried, but no stage feeds them to "
+                                "a model yet (docs/vision.md); give the frames as images instead")
+    if any(images) and vision is None:
+        raise PoisonRecordError(f"PromptBatch.images: models.actor ({ctx.topology.models.actor}) is not a "
+                                "vision-language model; use one (e.g. builtin:tiny-vl) or drop the images")
     out = []
-    for pid, text in zip(batch.prompt_id, batch.prompt, strict=True):
+    for pid, text, refs in zip(batch.prompt_id, batch.prompt, images, strict=True):
         if not text or not text.strip():
             raise PoisonRecordError(f"PromptBatch.prompt[{pid}]: empty prompt; give every prompt some text")
+        grids = vision.prompt_images(refs, f"prompt {pid}")[1] if refs else []
+        text = IMAGE_BLOCK * len(refs) + text
         if gen.apply_chat_template and getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
+        if refs:  # one image pad per image -> as many as its grid has merged patches
+            ids = _expand_image_pads(ids, vision, grids, pid)
         if len(ids) > gen.prompt_max_len:
             if not gen.truncate_prompts:
                 raise PoisonRecordError(
                     f"PromptBatch.prompt[{pid}]: {len(ids)} tokens > generate.prompt_max_len="
                     f"{gen.prompt_max_len}; shorten it, raise prompt_max_len, or set generate.truncate_prompts=true")
             ids = ids[: gen.prompt_max_len]
+            if refs and ids.count(vision.image_id) != sum(vision.tokens_for(g) for g in grids):
+                raise PoisonRecordError(
+                    f"PromptBatch.prompt[{pid}]: its {len(refs)} images need {sum(vision.tokens_for(g) for g in grids)} "
+                    f"image tokens but generate.prompt_max_len={gen.prompt_max_len} cuts them; raise prompt_max_len "
+                    "(image tokens and grid must match)")
         out.append(list(ids))
+    return out
+
+
+def _expand_image_pads(ids: list[int], vision: object, grids: list, pid: str) -> list[int]:
+    pad = vision.image_id  # type: ignore[attr-defined]
+    if ids.count(pad) != len(grids):
+        raise PoisonRecordError(f"PromptBatch.prompt[{pid}]: the text holds its own <|image_pad|> tokens; "
+                                "leave image placeholders out of the prompt text (the stage adds one per image)")
+    out: list[int] = []
+    it = iter(grids)
+    for t in ids:
+        out.extend([pad] * vision.tokens_for(next(it)) if t == pad else [t])  # type: ignore[attr-defined]
     return out
 
 
@@ -85,12 +121,20 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     # are never reloaded again between the admission and the generation.
     version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
     prompts = tokenize_prompts(batch, ctx)
+    images = batch.images or [[] for _ in batch.prompt_id]
+    vision = ctx.models.get("vision")
+    visual = None
+    if any(images):
+        rows = [r for r in images for _ in range(n)]
+        rids = [f"{p}#{i}" for p in batch.prompt_id for i in range(n)]
+        visual = lambda input_ids: vision.model_kwargs(input_ids, rows, rids)  # noqa: E731
     outputs, logprobs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
         seed=batch_seed(ctx.topology.run.seed, batch.batch_id),
         should_stop=ctx.should_stop,  # SIGTERM abandons a long generation between tokens (uncommitted)
         return_log_probs=True,  # behaviour log-probs for the trainer's off-policy correction
+        **({"model_inputs": visual} if visual is not None else {}),
     )
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
     return [SampleBatch(
@@ -111,4 +155,12 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         # response-level (B; o_b) until shard-preprocess aligns it with action_ids
         rollout_log_probs=Ragged.from_rows([np.asarray(lp, np.float32) for lp in logprobs], "float32"),
         rollout_version=[int(version)] * len(outputs),
+        **(_visual_fields(rep(images), vision) if any(images) else {}),
     )]
+
+
+def _visual_fields(images: list[list[str]], vision: object) -> dict:
+    """images + image_grid_thw of the samples (the grids of their prompt's images, from the cache)."""
+    grids = [np.asarray([x for ref in refs for x in vision.image(ref, ref)[1]], np.int32)  # type: ignore[attr-defined]
+             for refs in images]
+    return {"images": images, "image_grid_thw": Ragged.from_rows(grids, "int32")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from expstream.resolve import model_dir
 from schemas import SampleBatch
-from stages.common import forward_log_probs
+from stages.common import forward_log_probs, vision_inputs_for
 from stages.context import StageContext
 
 
@@ -13,8 +13,9 @@ def setup(ctx: StageContext) -> None:
     from expstream.models import load_causal_lm
 
     ctx.models["lm"] = load_causal_lm(model_dir(ctx.topology, "reference"), device=ctx.topology.models.device)
+    ctx.models["vision"] = vision_inputs_for(ctx, "reference")  # a vision-language reference (None otherwise)
 
 
 def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
-    logp, _ = forward_log_probs(ctx.models["lm"], batch)
+    logp, _ = forward_log_probs(ctx.models["lm"], batch, vision=ctx.models.get("vision"))
     return [batch.replace(base_action_log_probs=logp)]

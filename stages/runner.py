@@ -872,7 +872,8 @@ def subset_batch(batch: Any, lo: int, hi: int) -> Any:
     if isinstance(batch, SampleBatch):
         return batch.select(list(range(lo, hi)), batch_id=batch_id)
     return PromptBatch(batch_id=batch_id, prompt_id=batch.prompt_id[lo:hi], prompt=batch.prompt[lo:hi],
-                       label=batch.label[lo:hi], reference=batch.reference[lo:hi])
+                       label=batch.label[lo:hi], reference=batch.reference[lo:hi],
+                       images=batch.images[lo:hi], videos=batch.videos[lo:hi])
 
 
 def _first_offsets(todo: list[tuple[TopicPartition, Any]]) -> dict[TopicPartition, int]:

@@ -65,3 +65,8 @@ def slow_with_gate(queries, prompts, labels):
         while not Path(gate).exists() and time.monotonic() < deadline:
             time.sleep(0.1)
     return [float(len(label)) for label in labels]
+
+
+def image_count_and_width(queries, prompts, labels, images):
+    """Receives each sample's images as PIL: the count plus the first image's width / 1000."""
+    return [float(len(imgs)) + (imgs[0].size[0] / 1000 if imgs else 0.0) for imgs in images]

@@ -1,0 +1,244 @@
+"""Vision-language models: the built-in tiny Qwen2-VL, and the visual inputs every model stage builds.
+
+``builtin:tiny-vl`` (``models.actor`` / ``models.reference``) is a Qwen2-VL with random weights built
+offline (../notes: hidden 64, 2 layers, heads of 32, a 2-block vision tower with patch 14, merge 2,
+temporal patch 2), saved with its tokenizer (the tiny BPE plus the vision special tokens) and the
+image processor's config. The critic and reward models of a tiny-vl run are the tiny text models
+built on the same tokenizer (they see the image placeholder tokens, not the pixels; give your own
+VL reward model or a reward function, which receives the images as PIL).
+
+:class:`VisionInputs` is what a model stage holds to turn a SampleBatch's claim checks back into
+model inputs, deterministically (same bytes -> same tensors):
+
+* ``pixel_values`` / ``image_grid_thw`` from the blob bytes with the model's image processor, in the
+  order the image tokens appear (sample by sample, image by image); a small LRU cache of processed
+  images per process (same reference -> the same array, as n samples of a group share images);
+* ``mm_token_type_ids`` from the token ids (0 text, 1 image pad, 2 video pad);
+* the **image-token repair** of the seed (its "Issue 4: image token mismatch"): a response may
+  contain image/video pad tokens the model sampled (``<|image_pad|>``, ``<|video_pad|>``); fed back as input they
+  would claim image features that do not exist and the forward pass fails ("Image features and
+  image tokens do not match"). In the *model input* only, such response tokens are replaced by the
+  pad token (the action ids, and so the log-prob targets, stay what was sampled); counted and logged.
+  A *prompt* whose image-pad count does not match its grid (e.g. cut by prompt_max_len) cannot be
+  repaired: that sample is dead-lettered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from expstream.blobs import BlobStore, open_blob_store
+from expstream.errors import PoisonRecordError
+from expstream.vision import BadImageError, load_image
+
+log = logging.getLogger("expstream.vl")
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+BUILTIN_TINY_VL = "builtin:tiny-vl"
+_MARKER = "EXPSTREAM_COMPLETE.json"
+_FORMAT = 1
+#: Why 256: the processed images of a few micro-batches (n samples of a group share their images);
+#: an image of the tiny processor is ~60 KB of float32 patches.
+PIXEL_CACHE_ENTRIES = 256
+#: The tiny processor's pixel bounds: 56x56 to 112x112 pixels, so 4 to 16 image tokens per image.
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 112 * 112
+
+
+def is_vl_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether a model directory holds a vision-language model (a preprocessor config next to it)."""
+    p = Path(path)
+    if not (p / "preprocessor_config.json").is_file():
+        return False
+    try:
+        return "vision_config" in json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
+    """Build (once) the tiny Qwen2-VL and its text critic/reward; ``{tokenizer, actor, critic, reward}``."""
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        GenerationConfig,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    from expstream import models as M
+
+    root = Path(cache_dir) / f"tiny-vl-h64-l2-s{seed}-f{_FORMAT}"
+    paths = {k: root / k for k in ("tokenizer", "actor", "critic", "reward")}
+    if (root / _MARKER).is_file():
+        return paths
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    with M._file_lock(Path(cache_dir) / f".{root.name}.lock"):
+        if (root / _MARKER).is_file():
+            return paths
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=cache_dir))
+        try:
+            tok = M._train_tokenizer(special_tokens=M.SPECIAL_TOKENS + VISION_TOKENS)
+            tok.save_pretrained(tmp / "tokenizer")
+            ids = tok.convert_tokens_to_ids
+            text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]},
+                        tie_word_embeddings=False)
+            vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                          temporal_patch_size=2, in_channels=3, mlp_ratio=2)
+            cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                                video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                                vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                actor = Qwen2VLForConditionalGeneration(cfg).eval()
+            actor.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                                       pad_token_id=tok.pad_token_id)
+            with M._quiet_progress():
+                actor.save_pretrained(tmp / "actor", safe_serialization=True)
+            tok.save_pretrained(tmp / "actor")
+            image_processor().save_pretrained(tmp / "actor")
+            for offset, (key, cls) in enumerate((("critic", AutoModelForTokenClassification),
+                                                 ("reward", AutoModelForSequenceClassification)), start=1):
+                tcfg = M._tiny_config(tok, 64, 2, num_labels=1)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed + offset)
+                    model = cls.from_config(tcfg, dtype=torch.float32)
+                with M._quiet_progress():
+                    model.save_pretrained(tmp / key, safe_serialization=True)
+                tok.save_pretrained(tmp / key)
+            (tmp / _MARKER).write_text(json.dumps({"format": _FORMAT, "seed": seed}) + "\n")
+            if root.exists():
+                shutil.rmtree(root, ignore_errors=True)
+            os.rename(tmp, root)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
+def image_processor(path: str | os.PathLike[str] | None = None) -> Any:
+    """The Qwen2-VL image processor (the PIL backend: no torchvision here); from ``path`` if given."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if path is not None:
+        return Qwen2VLImageProcessorPil.from_pretrained(str(path))
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS},
+                                    patch_size=14, temporal_patch_size=2, merge_size=2)
+
+
+class VisionInputs:
+    """A model stage's view of the claim checks (see the module docstring)."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], tokenizer: Any, store: BlobStore) -> None:
+        self.processor = image_processor(model_dir)
+        self.store = store
+        self.merge = int(self.processor.merge_size)
+        ids = tokenizer.convert_tokens_to_ids
+        self.image_id, self.video_id = ids("<|image_pad|>"), ids("<|video_pad|>")
+        # the tokens that claim visual features: a stray one in a response breaks the forward pass
+        self.vision_ids = {self.image_id, self.video_id}
+        self.pad_id = int(tokenizer.pad_token_id)
+        self._cache: OrderedDict[str, tuple[np.ndarray, tuple[int, int, int]]] = OrderedDict()
+        self.repaired = 0
+        self.process_s = 0.0
+
+    def image(self, ref: str, what: str) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """(patches (n, C*T*P*P) float32, (t, h, w)) of one stored image; BadImageError / MissingBlobError."""
+        hit = self._cache.get(ref)
+        if hit is not None:
+            self._cache.move_to_end(ref)
+            return hit
+        t0 = time.perf_counter()
+        img = load_image(self.store.get(ref), what)
+        out = self.processor(images=[img], return_tensors="np")
+        patches = np.asarray(out["pixel_values"], dtype=np.float32)
+        grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
+        self.process_s += time.perf_counter() - t0
+        self._cache[ref] = (patches, grid)  # type: ignore[assignment]
+        while len(self._cache) > PIXEL_CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return patches, grid  # type: ignore[return-value]
+
+    def tokens_for(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // (self.merge * self.merge)
+
+    def prompt_images(self, refs: list[str], what: str) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+        got = [self.image(r, f"{what} image {i} ({r[:15]}...)") for i, r in enumerate(refs)]
+        return [g[0] for g in got], [g[1] for g in got]
+
+    def model_kwargs(self, sequences: torch.Tensor, images: list[list[str]], ids: list[str],
+                     prompt_widths: list[int] | None = None) -> dict[str, Any]:
+        """pixel_values / image_grid_thw / mm_token_type_ids for a padded (B, L) batch; the response
+        tokens are repaired in ``sequences`` in place (see the module docstring).
+
+        ``prompt_widths[b]``: where row b's response starts (its visual tokens after that are repaired).
+        """
+        patches: list[np.ndarray] = []
+        grids: list[tuple[int, int, int]] = []
+        for b, refs in enumerate(images or [[] for _ in ids]):
+            row = sequences[b]
+            if prompt_widths is not None:
+                resp = row[prompt_widths[b]:]
+                stray = torch.isin(resp, torch.tensor(sorted(self.vision_ids), device=resp.device))
+                if bool(stray.any()):
+                    self.repaired += int(stray.sum())
+                    resp[stray] = self.pad_id
+                    log.warning("vl: sample %s: %d vision tokens in the response replaced by pad in the model "
+                                "input (image-token mismatch repair)", ids[b], int(stray.sum()))
+            p, g = self.prompt_images(refs, f"sample {ids[b]}")
+            want = sum(self.tokens_for(x) for x in g)
+            have = int((row == self.image_id).sum())
+            if have != want:
+                raise PoisonRecordError(f"sample {ids[b]}: {have} image tokens in the sequence but its {len(refs)} "
+                                        f"images need {want} (grids {g}); the prompt was cut (raise "
+                                        "generate.prompt_max_len) or its image tokens were edited")
+            patches += p
+            grids += g
+        kw: dict[str, Any] = {"mm_token_type_ids": (sequences == self.image_id).long()
+                              + 2 * (sequences == self.video_id).long()}
+        if patches:
+            kw["pixel_values"] = torch.from_numpy(np.concatenate(patches, axis=0))
+            kw["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        return kw
+
+
+def vision_for(topology: Any, model_path: str | os.PathLike[str], tokenizer: Any) -> VisionInputs | None:
+    """A stage's VisionInputs when ``model_path`` is a vision-language model (None otherwise)."""
+    if not is_vl_dir(model_path):
+        return None
+    where = topology.run.blob_store
+    store = open_blob_store(where) if where else _NoStore()
+    return VisionInputs(model_path, tokenizer, store)
+
+
+class _NoStore:
+    """A run without images has no blob store; a record that names a blob anyway is dead-lettered."""
+
+    def get(self, ref: str) -> bytes:
+        from expstream.blobs import MissingBlobError
+
+        raise MissingBlobError(f"blob {ref}: this run has no blob store (run.blob_store); its prompts had no images")
+
+    def put(self, data: bytes) -> str:  # pragma: no cover - stages never store
+        raise RuntimeError("stages do not store blobs")
+
+    def exists(self, ref: str) -> bool:
+        return False
+
+
+__all__ = ["BUILTIN_TINY_VL", "VisionInputs", "BadImageError", "build_tiny_vl", "image_processor", "is_vl_dir",
+           "vision_for"]

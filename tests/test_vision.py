@@ -1,0 +1,295 @@
+"""Images through the pipeline (issue 13): claim check, prompt inputs, wire v3, model stages, bad input."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from expstream.blobs import DirectoryBlobStore, MissingBlobError, blob_ref
+from expstream.errors import ConfigError, PoisonRecordError
+from expstream.prompts import prompt_batches, read_prompts, store_media
+from expstream.vision import BadImageError, item_bytes, load_image
+from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
+from schemas.errors import ValidationError, VersionError
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def png(size=(64, 64), colour=(200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# -- the blob store --------------------------------------------------------------------------------
+def test_blob_store_is_content_addressed_and_verifies_what_it_reads(tmp_path):
+    store = DirectoryBlobStore(tmp_path / "blobs")
+    data = png()
+    ref = store.put(data)
+    assert ref == "sha256:" + __import__("hashlib").sha256(data).hexdigest() == blob_ref(data)
+    assert store.put(data) == ref and len(list((tmp_path / "blobs").rglob("*"))) == 2  # one dir, one file
+    assert store.get(ref) == data and store.exists(ref)
+    missing = blob_ref(b"never stored")
+    with pytest.raises(MissingBlobError, match="not in"):
+        store.get(missing)
+    store.path(ref).write_bytes(data[:-3])  # corrupted on disk
+    with pytest.raises(MissingBlobError, match="corrupt"):
+        store.get(ref)
+    with pytest.raises(MissingBlobError, match="not a blob reference"):
+        store.get("sha256:../../etc/passwd")
+    assert issubclass(MissingBlobError, PoisonRecordError)  # a sample's problem, never the run's
+
+
+# -- prompt inputs ---------------------------------------------------------------------------------
+def test_every_image_input_form_gives_the_file_bytes(tmp_path):
+    data = png()
+    (tmp_path / "a.png").write_bytes(data)
+    b64 = base64.b64encode(data).decode()
+    assert item_bytes("a.png", "x", tmp_path) == data
+    assert item_bytes(str(tmp_path / "a.png"), "x") == data
+    assert item_bytes(f"data:image/png;base64,{b64}", "x") == data
+    assert item_bytes(b64, "x") == data
+    assert item_bytes(data, "x") == data
+    pil = item_bytes(Image.new("RGB", (20, 10), (1, 2, 3)), "x")
+    assert Image.open(io.BytesIO(pil)).size == (20, 10)
+
+
+def test_urls_and_missing_files_are_refused_with_the_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "hi", "images": ["https://example.com/cat.png"]}) + "\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: images\[0\].*URL.*does not fetch") as e:
+        read_prompts(p)
+    assert "local path" in str(e.value)
+    p.write_text(json.dumps({"prompt": "hi", "images": ["nowhere/cat.png"]}) + "\n")
+    with pytest.raises(ConfigError, match="no file"):
+        read_prompts(p)
+    p.write_text(json.dumps({"prompt": "hi", "images": "cat.png"}) + "\n")
+    with pytest.raises(ConfigError, match="must be a list"):
+        read_prompts(p)
+
+
+@pytest.mark.parametrize("data, why", [(b"", "zero bytes"), (png()[:60], "not a readable image"),
+                                       (b"GIF89a garbage", "not a readable image")])
+def test_unreadable_images_are_poison_with_the_reason(data, why):
+    with pytest.raises(BadImageError, match=why):
+        load_image(data, "sample q#0 image 0")
+
+
+def test_prompt_file_images_travel_by_reference_and_text_only_records_stay_v1(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "i", "prompt": "what?", "images": ["a.png", "a.png"]}) + "\n"
+                 + json.dumps({"id": "t", "prompt": "2+2?"}) + "\n")
+    rows = read_prompts(p)
+    with pytest.raises(ValueError, match="store_media"):
+        list(prompt_batches(rows, 2))
+    store = DirectoryBlobStore(tmp_path / "blobs")
+    assert store_media(rows, store) == 2
+    (batch,) = prompt_batches(rows, 2)
+    assert batch.images == [[blob_ref(png())] * 2, []]
+    raw = encode(batch)
+    assert msgpack.unpackb(raw)["version"] == 2 and len(raw) < 400  # references, not pixels
+    assert decode(raw) == batch
+    (text_only,) = prompt_batches(rows[1:], 2)
+    assert msgpack.unpackb(encode(text_only))["version"] == 1  # byte-compatible with older readers
+    old = {**msgpack.unpackb(raw), "version": 1}
+    with pytest.raises(ValidationError, match="unknown field 'images'"):
+        decode(msgpack.packb(old))
+
+
+def _sample(images, grid) -> SampleBatch:
+    B = len(images)
+    return SampleBatch(batch_id="b", policy_version=0, n_samples_per_prompt=1, eos_token_id=3, pad_token_id=4,
+                       prompt_id=[f"q{i}" for i in range(B)], group_id=[f"q{i}" for i in range(B)],
+                       sample_index=[0] * B, prompt=["p"] * B, label=[""] * B, reference=[""] * B,
+                       response=["r"] * B, images=images,
+                       image_grid_thw=None if grid is None else Ragged.from_rows(
+                           [np.asarray(g, np.int32) for g in grid], "int32"))
+
+
+def test_sample_batch_v3_fields_validate_select_and_concat():
+    ref = blob_ref(b"x")
+    img = _sample([[ref], []], [[1, 4, 4], []])
+    raw = encode(img)
+    assert msgpack.unpackb(raw)["version"] == 3 and decode(raw) == img
+    with pytest.raises(ValidationError, match="image_grid_thw.*2 grid entries for 1 images"):
+        _sample([[ref]], [[1, 4]])
+    with pytest.raises(ValidationError, match="not a blob reference"):
+        _sample([["cat.png"]], None)
+    text = _sample([[], []], None).replace(images=[])
+    joined = SampleBatch.concat([img, text], "j")
+    assert joined.images == [[ref], [], [], []]
+    assert joined.image_grid_thw.row(0).tolist() == [1, 4, 4] and joined.image_grid_thw.lengths.tolist() == [3, 0, 0, 0]
+    assert joined.select([0]).images == [[ref]]
+    # an older reader (SampleBatch 1-2) refuses the new version with a clear message
+    from schemas import codec
+
+    saved = codec.READ_VERSIONS["expstream.SampleBatch"]
+    codec.READ_VERSIONS["expstream.SampleBatch"] = (1, 2)
+    try:
+        with pytest.raises(VersionError, match="version 3 is not supported by this reader"):
+            decode(raw)
+    finally:
+        codec.READ_VERSIONS["expstream.SampleBatch"] = saved
+
+
+# -- the model stages ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """Stage contexts over the tiny VL model, sharing one MemoryState and one blob store."""
+    from expstream.topology import load_topology
+    from stages import STAGES
+    from stages.context import make_context
+
+    tmp = tmp_path_factory.mktemp("vl")
+    store = DirectoryBlobStore(tmp / "blobs")
+    topo = load_topology(None, ["models.actor=builtin:tiny-vl", f"models.cache_dir={tmp / 'models'}",
+                                f"run.blob_store={tmp / 'blobs'}", "generate.max_new_tokens=6",
+                                "generate.n_samples_per_prompt=2", "models.reward=null",
+                                "models.reward_fn=tests.rewardfns:image_count_and_width"])
+    from expstream.resolve import build_builtin_models
+
+    build_builtin_models(topo)
+    ctxs = {}
+    state = None
+    for name in ("generate", "shard-preprocess", "actor-logprob", "reference", "reward"):
+        ctx = make_context(topo, name, state=state)
+        state = ctx.state
+        STAGES[name].setup(ctx)
+        ctxs[name] = ctx
+    return topo, store, ctxs
+
+
+def _through(vl, batch: PromptBatch) -> SampleBatch:
+    from stages import STAGES
+
+    _, _, ctxs = vl
+    (out,) = STAGES["generate"].process(batch, ctxs["generate"])
+    outs = STAGES["shard-preprocess"].process(out, ctxs["shard-preprocess"])
+    outs = [o2 for o in outs for o2 in STAGES["actor-logprob"].process(o, ctxs["actor-logprob"])]
+    outs = [o2 for o in outs for o2 in STAGES["reward"].process(o, ctxs["reward"])]
+    return SampleBatch.concat(outs, "all")
+
+
+def test_image_log_probs_equal_a_direct_model_forward(vl):
+    """Mixed text / one-image / two-image prompts in one micro-batch: the actor stage's log-probs of
+    every sample equal an unpadded forward of that sample alone, pixels from the original bytes."""
+    from expstream.models import load_causal_lm
+    from expstream.resolve import model_dir
+    from expstream.vl import image_processor
+
+    topo, store, ctxs = vl
+    a, b = png((64, 64), (250, 0, 0)), png((100, 70), (0, 0, 250))
+    ra, rb = store.put(a), store.put(b)
+    batch = PromptBatch(batch_id="p0", prompt_id=["t", "one", "two"], prompt=["2+2?", "colour?", "which?"],
+                        label=[""] * 3, reference=[""] * 3, images=[[], [ra], [ra, rb]])
+    got = _through(vl, batch)
+    assert got.sample_ids() == ["t#0", "t#1", "one#0", "one#1", "two#0", "two#1"]
+    assert got.images == [[], [], [ra], [ra], [ra, rb], [ra, rb]]
+    assert got.image_grid_thw.row(4).tolist() == [1, 4, 4, 1, 4, 8]  # the processor's grids, 4 and 8 tokens
+    model = load_causal_lm(model_dir(topo, "actor"))
+    proc = image_processor(model_dir(topo, "actor"))
+    raw = {ra: a, rb: b}
+    image_id, video_id = ctxs["generate"].models["tokenizer"].convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    for i in range(len(got)):
+        # the repair: image pads the model sampled into its response are pad tokens in the model input
+        ids = got.prompt_ids.row(i).tolist() + [got.pad_token_id if t in (image_id, video_id) else t
+                                                 for t in got.action_ids.row(i).tolist()]
+        kw = {}
+        if got.images[i]:
+            enc = proc(images=[Image.open(io.BytesIO(raw[r])).convert("RGB") for r in got.images[i]],
+                       return_tensors="pt")
+            kw = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+        x = torch.tensor([ids])
+        target = torch.tensor(got.action_ids.row(i).tolist())
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x),
+                           mm_token_type_ids=(x == image_id).long(), **kw).logits[0].float()
+        a_n = len(got.action_ids.row(i))
+        want = torch.log_softmax(logits[-a_n - 1:-1], -1).gather(-1, target[:, None])[:, 0]
+        assert np.abs(got.action_log_probs.row(i) - want.numpy()).max() <= TOL, got.sample_ids()[i]
+    # the reward function got PIL images: count + width/1000 of the first
+    assert got.rewards.tolist() == pytest.approx([0.0, 0.0, 1.064, 1.064, 2.064, 2.064], abs=1e-6)
+
+
+def test_stray_vision_tokens_in_a_response_are_repaired_and_cut_image_tokens_are_poison(vl):
+    from stages import STAGES
+
+    topo, store, ctxs = vl
+    ref = store.put(png())
+    batch = PromptBatch(batch_id="p1", prompt_id=["s"], prompt=["look"], label=[""], reference=[""], images=[[ref]])
+    (out,) = STAGES["generate"].process(batch, ctxs["generate"])
+    (cut,) = STAGES["shard-preprocess"].process(out, ctxs["shard-preprocess"])
+    vision = ctxs["actor-logprob"].models["vision"]
+    rows = [np.concatenate([[vision.image_id], r[1:]]).astype(np.int32) for r in cut.action_ids.rows()]
+    stray = cut.replace(action_ids=Ragged.from_rows(rows, "int32"))
+    before = vision.repaired
+    (scored,) = STAGES["actor-logprob"].process(stray, ctxs["actor-logprob"])
+    assert vision.repaired - before == 2 and np.isfinite(scored.action_log_probs.values).all()
+    short = dataclasses_replace_topo(topo, prompt_max_len=8)
+    ctx = ctxs["generate"]
+    saved, ctx.topology = ctx.topology, short
+    try:
+        with pytest.raises(PoisonRecordError, match="cuts them; raise prompt_max_len"):
+            STAGES["generate"].process(batch, ctx)
+    finally:
+        ctx.topology = saved
+
+
+def dataclasses_replace_topo(topo, **generate):
+    import copy
+    import dataclasses
+
+    new = copy.copy(topo)
+    new.generate = dataclasses.replace(topo.generate, **generate)
+    return new
+
+
+# -- end to end ------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead_lettered(tmp_path):
+    from expstream.experience import read_experiences
+
+    (tmp_path / "ok.png").write_bytes(png((80, 60)))
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "cut.png").write_bytes(png()[:70])
+    lines = [{"id": "text", "prompt": "2+2?"}, {"id": "one", "prompt": "shape?", "images": ["ok.png"]},
+             {"id": "two", "prompt": "which?", "images": ["ok.png", f"data:image/png;base64,{base64.b64encode(png()).decode()}"]},
+             {"id": "zero", "prompt": "empty?", "images": ["empty.png"]},
+             {"id": "trunc", "prompt": "cut?", "images": ["cut.png"]}, {"id": "text2", "prompt": "hello"}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
+                          "--no-progress", "--set", "models.actor=builtin:tiny-vl", "--set", "run.prompt_batch_size=3",
+                          "--set", "run.max_lost_group_share=0.5", "--set", f"models.cache_dir={tmp_path / 'models'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["groups_complete"] == 4 and sorted(summary["groups_dead_lettered"]) == ["trunc", "zero"], summary
+    reasons = " ".join(str(d) for d in summary["dead_letters"])
+    assert "zero bytes" in reasons and "not a readable image" in reasons, summary["dead_letters"]
+    exps = read_experiences(out / "experiences.msgpack")
+    by_id = {pid: (e, i) for e in exps for i, pid in enumerate(e.prompt_ids)}
+    assert set(by_id) == {"text", "one", "two", "text2"}
+    ids = [s for e in exps for s in e.sample_ids]
+    assert len(ids) == len(set(ids)) == 16  # every group out once
+    e, i = by_id["two"]
+    assert len(e.images[i]) == 2 and len(e.image_grid_thw[i]) == 2 and e.image_grid_thw[i][0][0] == 1
+    e, i = by_id["text"]
+    assert e.images == [] or e.images[i] == []
+    assert all(torch.isfinite(e.advantages).all() for e in exps)
+    assert len(list((out / "blobs").rglob("*.*"))) == 0 and any((out / "blobs").rglob("*"))  # the claim check
