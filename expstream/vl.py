@@ -197,7 +197,7 @@ class VisionInputs:
                 if bool(stray.any()):
                     self.repaired += int(stray.sum())
                     resp[stray] = self.pad_id
-                    log.warning("vl: sample %s: %d vision tokens in the response replaced by pad in the model "
+                    log.info("vl: sample %s: %d vision tokens in the response replaced by pad in the model "
                                 "input (image-token mismatch repair)", ids[b], int(stray.sum()))
             p, g = self.prompt_images(refs, f"sample {ids[b]}")
             want = sum(self.tokens_for(x) for x in g)

@@ -222,6 +222,21 @@ def test_image_log_probs_equal_a_direct_model_forward(vl):
         assert np.abs(got.action_log_probs.row(i) - want.numpy()).max() <= TOL, got.sample_ids()[i]
     # the reward function got PIL images: count + width/1000 of the first
     assert got.rewards.tolist() == pytest.approx([0.0, 0.0, 1.064, 1.064, 2.064, 2.064], abs=1e-6)
+    # algo.packing_samples: the packed micro-batches give the same log-probs (the VL forward runs padded)
+    from stages import STAGES
+    from stages.context import make_context
+
+    packed_topo = dataclasses_replace_topo(topo)
+    packed_topo.algo = __import__("dataclasses").replace(topo.algo, packing_samples=True)
+    shard = make_context(packed_topo, "shard-preprocess", state=ctxs["generate"].state)
+    (gen_out,) = STAGES["generate"].process(batch, ctxs["generate"])  # the same record: the same samples
+    parts = STAGES["shard-preprocess"].process(gen_out, shard)
+    assert {p.layout for p in parts} == {"packed"}
+    packed = SampleBatch.concat([o for p in parts for o in STAGES["actor-logprob"].process(p, ctxs["actor-logprob"])],
+                                "packed")
+    assert packed.sample_ids() == got.sample_ids()
+    assert np.array_equal(packed.action_ids.values, got.action_ids.values)
+    assert np.abs(packed.action_log_probs.values - got.action_log_probs.values).max() <= TOL
 
 
 def test_stray_vision_tokens_in_a_response_are_repaired_and_cut_image_tokens_are_poison(vl):
@@ -293,3 +308,12 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     assert e.images == [] or e.images[i] == []
     assert all(torch.isfinite(e.advantages).all() for e in exps)
     assert len(list((out / "blobs").rglob("*.*"))) == 0 and any((out / "blobs").rglob("*"))  # the claim check
+    # the blobs live in the run directory: a replay of the scoring stages reproduces the experiences
+    rp = tmp_path / "replay"
+    res = subprocess.run([sys.executable, "-m", "expstream", "replay", str(out), "--from", "rollouts", "--stages",
+                          "shard-preprocess..advantage", "--output", str(rp)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = subprocess.run([sys.executable, "-m", "expstream", "diff", str(out), str(rp), "--topic", "experiences"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "EQUAL within tolerance" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
