@@ -40,7 +40,7 @@ import torch
 
 from expstream.blobs import BlobStore, open_blob_store
 from expstream.errors import PoisonRecordError
-from expstream.vision import BadImageError, load_image
+from expstream.vision import BadImageError, load_image, load_video
 
 log = logging.getLogger("expstream.vl")
 
@@ -172,6 +172,43 @@ class VisionInputs:
             self._cache.popitem(last=False)
         return patches, grid  # type: ignore[return-value]
 
+    def video(self, ref: str, what: str) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """(patches (n, C*T*P*P) float32, (t, h, w)) of one stored video (a frame-list manifest).
+
+        Qwen2-VL's video layout without its torchvision video processor: every frame resized (bicubic)
+        to the first frame's smart_resize size, rescaled and normalised like the images, the frame
+        count padded to a multiple of temporal_patch_size by repeating the last frame, then cut into
+        (t, h/m, w/m, m, m, C, T, P, P) patches.
+        """
+        hit = self._cache.get("video:" + ref)
+        if hit is not None:
+            self._cache.move_to_end("video:" + ref)
+            return hit
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        t0 = time.perf_counter()
+        frames = load_video(self.store, ref, what)
+        p = self.processor
+        ps, tps, m = int(p.patch_size), int(p.temporal_patch_size), self.merge
+        w0, h0 = frames[0].size
+        h, w = smart_resize(h0, w0, factor=ps * m, min_pixels=p.size["shortest_edge"], max_pixels=p.size["longest_edge"])
+        mean = np.asarray(p.image_mean, np.float32)[:, None, None]
+        std = np.asarray(p.image_std, np.float32)[:, None, None]
+        arr = np.stack([(np.asarray(f.resize((w, h), Image.BICUBIC), np.float32).transpose(2, 0, 1) / 255.0 - mean)
+                        / std for f in frames])
+        if arr.shape[0] % tps:
+            arr = np.concatenate([arr, np.repeat(arr[-1:], tps - arr.shape[0] % tps, axis=0)])
+        gt, gh, gw = arr.shape[0] // tps, h // ps, w // ps
+        c = arr.shape[1]
+        patches = arr.reshape(gt, tps, c, gh // m, m, ps, gw // m, m, ps).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        out = (np.ascontiguousarray(patches.reshape(gt * gh * gw, c * tps * ps * ps), dtype=np.float32), (gt, gh, gw))
+        self.process_s += time.perf_counter() - t0
+        self._cache["video:" + ref] = out  # type: ignore[assignment]
+        while len(self._cache) > PIXEL_CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return out  # type: ignore[return-value]
+
     def tokens_for(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
@@ -180,8 +217,12 @@ class VisionInputs:
         got = [self.image(r, f"{what} image {i} ({r[:15]}...)") for i, r in enumerate(refs)]
         return [g[0] for g in got], [g[1] for g in got]
 
+    def prompt_videos(self, refs: list[str], what: str) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+        got = [self.video(r, f"{what} video {i} ({r[:15]}...)") for i, r in enumerate(refs)]
+        return [g[0] for g in got], [g[1] for g in got]
+
     def model_kwargs(self, sequences: torch.Tensor, images: list[list[str]], ids: list[str],
-                     prompt_widths: list[int] | None = None) -> dict[str, Any]:
+                     prompt_widths: list[int] | None = None, videos: list[list[str]] | None = None) -> dict[str, Any]:
         """pixel_values / image_grid_thw / mm_token_type_ids for a padded (B, L) batch; the response
         tokens are repaired in ``sequences`` in place (see the module docstring).
 
@@ -189,7 +230,11 @@ class VisionInputs:
         """
         patches: list[np.ndarray] = []
         grids: list[tuple[int, int, int]] = []
-        for b, refs in enumerate(images or [[] for _ in ids]):
+        vpatches: list[np.ndarray] = []
+        vgrids: list[tuple[int, int, int]] = []
+        images = images or [[] for _ in ids]
+        videos = videos or [[] for _ in ids]
+        for b, refs in enumerate(images):
             row = sequences[b]
             if prompt_widths is not None:
                 resp = row[prompt_widths[b]:]
@@ -208,11 +253,22 @@ class VisionInputs:
                                         "generate.prompt_max_len) or its image tokens were edited")
             patches += p
             grids += g
+            vp, vg = self.prompt_videos(videos[b], f"sample {ids[b]}")
+            want = sum(self.tokens_for(x) for x in vg)
+            have = int((row == self.video_id).sum())
+            if have != want:
+                raise PoisonRecordError(f"sample {ids[b]}: {have} video tokens in the sequence but its {len(vg)} "
+                                        f"videos need {want} (grids {vg}); raise generate.prompt_max_len")
+            vpatches += vp
+            vgrids += vg
         kw: dict[str, Any] = {"mm_token_type_ids": (sequences == self.image_id).long()
                               + 2 * (sequences == self.video_id).long()}
         if patches:
             kw["pixel_values"] = torch.from_numpy(np.concatenate(patches, axis=0))
             kw["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        if vpatches:
+            kw["pixel_values_videos"] = torch.from_numpy(np.concatenate(vpatches, axis=0))
+            kw["video_grid_thw"] = torch.tensor(vgrids, dtype=torch.long)
         return kw
 
 

@@ -30,14 +30,11 @@ def vision_inputs_for(ctx: Any, role: str) -> Any:
 def visual_inputs(vision: Any, batch: SampleBatch, lay: Any) -> dict[str, Any] | None:
     """A vision-language model's extra inputs for the padded layout ``lay`` of ``batch`` (None for a
     text model or a batch without images): pixels from the claim checks, the repaired input ids."""
-    if vision is None or not any(batch.images):
+    if vision is None or not (any(batch.images) or any(batch.videos)):
         return None
-    if any(batch.videos):
-        from expstream.errors import PoisonRecordError
-
-        raise PoisonRecordError("SampleBatch.videos: no stage feeds videos to a model yet (docs/vision.md)")
     inputs = lay.sequences.clone()
-    kw = vision.model_kwargs(inputs, batch.images, batch.sample_ids(), [lay.prompt_width] * len(batch))
+    kw = vision.model_kwargs(inputs, batch.images, batch.sample_ids(), [lay.prompt_width] * len(batch),
+                             videos=batch.videos)
     kw["input_ids"] = inputs
     return kw
 
@@ -49,7 +46,7 @@ def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False
     model's :class:`expstream.vl.VisionInputs` (images are fed in the padded layout)."""
     from expstream.models import forward_action_log_probs, forward_packed_action_log_probs_and_entropy
 
-    if vision is not None and any(batch.images):
+    if vision is not None and (any(batch.images) or any(batch.videos)):
         lay = padded(batch)
         logp, entropy = forward_action_log_probs(model, lay.sequences, lay.attention_mask, lay.num_actions,
                                                  with_entropy=with_entropy, visual=visual_inputs(vision, batch, lay))

@@ -57,6 +57,7 @@ def batch_seed(run_seed: int, batch_id: str) -> int:
 
 #: Where an image goes in a prompt: before the text, one block per image (the Qwen-VL convention).
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def tokenize_prompts(batch: PromptBatch, ctx: StageContext) -> list[list[int]]:
@@ -64,44 +65,45 @@ def tokenize_prompts(batch: PromptBatch, ctx: StageContext) -> list[list[int]]:
     tok = ctx.models["tokenizer"]
     vision = ctx.models.get("vision")
     images = batch.images or [[] for _ in batch.prompt_id]
-    if any(batch.videos):
-        raise PoisonRecordError("PromptBatch.videos: video inputs are stored and carried, but no stage feeds them to "
-                                "a model yet (docs/vision.md); give the frames as images instead")
-    if any(images) and vision is None:
-        raise PoisonRecordError(f"PromptBatch.images: models.actor ({ctx.topology.models.actor}) is not a "
+    videos = batch.videos or [[] for _ in batch.prompt_id]
+    if (any(images) or any(videos)) and vision is None:
+        raise PoisonRecordError(f"PromptBatch.images/videos: models.actor ({ctx.topology.models.actor}) is not a "
                                 "vision-language model; use one (e.g. builtin:tiny-vl) or drop the images")
     out = []
-    for pid, text, refs in zip(batch.prompt_id, batch.prompt, images, strict=True):
+    for pid, text, refs, vrefs in zip(batch.prompt_id, batch.prompt, images, videos, strict=True):
         if not text or not text.strip():
             raise PoisonRecordError(f"PromptBatch.prompt[{pid}]: empty prompt; give every prompt some text")
         grids = vision.prompt_images(refs, f"prompt {pid}")[1] if refs else []
-        text = IMAGE_BLOCK * len(refs) + text
+        vgrids = vision.prompt_videos(vrefs, f"prompt {pid}")[1] if vrefs else []
+        text = IMAGE_BLOCK * len(refs) + VIDEO_BLOCK * len(vrefs) + text
         if gen.apply_chat_template and getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         if refs:  # one image pad per image -> as many as its grid has merged patches
-            ids = _expand_image_pads(ids, vision, grids, pid)
+            ids = _expand_pads(ids, vision, vision.image_id, grids, pid)
+        if vrefs:
+            ids = _expand_pads(ids, vision, vision.video_id, vgrids, pid)
         if len(ids) > gen.prompt_max_len:
             if not gen.truncate_prompts:
                 raise PoisonRecordError(
                     f"PromptBatch.prompt[{pid}]: {len(ids)} tokens > generate.prompt_max_len="
                     f"{gen.prompt_max_len}; shorten it, raise prompt_max_len, or set generate.truncate_prompts=true")
             ids = ids[: gen.prompt_max_len]
-            if refs and ids.count(vision.image_id) != sum(vision.tokens_for(g) for g in grids):
+            need = sum(vision.tokens_for(g) for g in grids + vgrids) if refs or vrefs else 0
+            if need and ids.count(vision.image_id) + ids.count(vision.video_id) != need:
                 raise PoisonRecordError(
-                    f"PromptBatch.prompt[{pid}]: its {len(refs)} images need {sum(vision.tokens_for(g) for g in grids)} "
-                    f"image tokens but generate.prompt_max_len={gen.prompt_max_len} cuts them; raise prompt_max_len "
+                    f"PromptBatch.prompt[{pid}]: its {len(refs)} images and {len(vrefs)} videos need {need} "
+                    f"visual tokens but generate.prompt_max_len={gen.prompt_max_len} cuts them; raise prompt_max_len "
                     "(image tokens and grid must match)")
         out.append(list(ids))
     return out
 
 
-def _expand_image_pads(ids: list[int], vision: object, grids: list, pid: str) -> list[int]:
-    pad = vision.image_id  # type: ignore[attr-defined]
+def _expand_pads(ids: list[int], vision: object, pad: int, grids: list, pid: str) -> list[int]:
     if ids.count(pad) != len(grids):
-        raise PoisonRecordError(f"PromptBatch.prompt[{pid}]: the text holds its own <|image_pad|> tokens; "
-                                "leave image placeholders out of the prompt text (the stage adds one per image)")
+        raise PoisonRecordError(f"PromptBatch.prompt[{pid}]: the text holds its own <|image_pad|>/<|video_pad|> "
+                                "tokens; leave visual placeholders out of the prompt text (the stage adds them)")
     out: list[int] = []
     it = iter(grids)
     for t in ids:
@@ -122,12 +124,13 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
     prompts = tokenize_prompts(batch, ctx)
     images = batch.images or [[] for _ in batch.prompt_id]
+    videos = batch.videos or [[] for _ in batch.prompt_id]
     vision = ctx.models.get("vision")
     visual = None
-    if any(images):
-        rows = [r for r in images for _ in range(n)]
+    if any(images) or any(videos):
+        rows, vrows = [r for r in images for _ in range(n)], [r for r in videos for _ in range(n)]
         rids = [f"{p}#{i}" for p in batch.prompt_id for i in range(n)]
-        visual = lambda input_ids: vision.model_kwargs(input_ids, rows, rids)  # noqa: E731
+        visual = lambda input_ids: vision.model_kwargs(input_ids, rows, rids, videos=vrows)  # noqa: E731
     outputs, logprobs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
@@ -155,12 +158,17 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         # response-level (B; o_b) until shard-preprocess aligns it with action_ids
         rollout_log_probs=Ragged.from_rows([np.asarray(lp, np.float32) for lp in logprobs], "float32"),
         rollout_version=[int(version)] * len(outputs),
-        **(_visual_fields(rep(images), vision) if any(images) else {}),
+        **(_visual_fields(rep(images), rep(videos), vision) if any(images) or any(videos) else {}),
     )]
 
 
-def _visual_fields(images: list[list[str]], vision: object) -> dict:
-    """images + image_grid_thw of the samples (the grids of their prompt's images, from the cache)."""
-    grids = [np.asarray([x for ref in refs for x in vision.image(ref, ref)[1]], np.int32)  # type: ignore[attr-defined]
-             for refs in images]
-    return {"images": images, "image_grid_thw": Ragged.from_rows(grids, "int32")}
+def _visual_fields(images: list[list[str]], videos: list[list[str]], vision: object) -> dict:
+    """images/videos + their grids for the samples (the grids of their prompt's, from the cache)."""
+    out: dict = {}
+    for name, lists, fn in (("image", images, "image"), ("video", videos, "video")):
+        if any(lists):
+            grids = [np.asarray([x for ref in refs for x in getattr(vision, fn)(ref, ref)[1]], np.int32)
+                     for refs in lists]
+            out[f"{name}s"] = lists
+            out[f"{name}_grid_thw"] = Ragged.from_rows(grids, "int32")
+    return out

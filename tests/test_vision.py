@@ -283,25 +283,26 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     lines = [{"id": "text", "prompt": "2+2?"}, {"id": "one", "prompt": "shape?", "images": ["ok.png"]},
              {"id": "two", "prompt": "which?", "images": ["ok.png", f"data:image/png;base64,{base64.b64encode(png()).decode()}"]},
              {"id": "zero", "prompt": "empty?", "images": ["empty.png"]},
-             {"id": "trunc", "prompt": "cut?", "images": ["cut.png"]}, {"id": "text2", "prompt": "hello"}]
+             {"id": "trunc", "prompt": "cut?", "images": ["cut.png"]}, {"id": "text2", "prompt": "hello"},
+             {"id": "video", "prompt": "what moves?", "videos": [["ok.png", "ok.png", "ok.png"]]}]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
-                          "--no-progress", "--set", "models.actor=builtin:tiny-vl", "--set", "run.prompt_batch_size=3",
+                          "--no-progress", "--set", "models.actor=builtin:tiny-vl", "--set", "run.prompt_batch_size=4",
                           "--set", "run.max_lost_group_share=0.5", "--set", f"models.cache_dir={tmp_path / 'models'}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["groups_complete"] == 4 and sorted(summary["groups_dead_lettered"]) == ["trunc", "zero"], summary
+    assert summary["groups_complete"] == 5 and sorted(summary["groups_dead_lettered"]) == ["trunc", "zero"], summary
     reasons = " ".join(str(d) for d in summary["dead_letters"])
     assert "zero bytes" in reasons and "not a readable image" in reasons, summary["dead_letters"]
     exps = read_experiences(out / "experiences.msgpack")
     by_id = {pid: (e, i) for e in exps for i, pid in enumerate(e.prompt_ids)}
-    assert set(by_id) == {"text", "one", "two", "text2"}
+    assert set(by_id) == {"text", "one", "two", "text2", "video"}
     ids = [s for e in exps for s in e.sample_ids]
-    assert len(ids) == len(set(ids)) == 16  # every group out once
+    assert len(ids) == len(set(ids)) == 20  # every group out once
     e, i = by_id["two"]
     assert len(e.images[i]) == 2 and len(e.image_grid_thw[i]) == 2 and e.image_grid_thw[i][0][0] == 1
     e, i = by_id["text"]
@@ -317,3 +318,33 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     res = subprocess.run([sys.executable, "-m", "expstream", "diff", str(out), str(rp), "--topic", "experiences"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "EQUAL within tolerance" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_a_video_prompt_goes_through_generate_and_the_actor_like_an_unpadded_forward(vl):
+    """A video (3 frames: padded to 4 = 2 temporal patches) beside a text prompt in one micro-batch."""
+    from expstream.models import load_causal_lm
+    from expstream.resolve import model_dir
+    from expstream.vision import store_video
+
+    topo, store, ctxs = vl
+    vref = store_video(store, [png((64, 64), (10 * i, 0, 0)) for i in range(3)])
+    batch = PromptBatch(batch_id="pv", prompt_id=["txt", "vid"], prompt=["hi", "what moves?"], label=[""] * 2,
+                        reference=[""] * 2, videos=[[], [vref]])
+    got = _through(vl, batch)
+    assert got.videos == [[], [], [vref], [vref]] and got.images == []
+    assert got.video_grid_thw.row(2).tolist() == [2, 4, 4]
+    vision = ctxs["actor-logprob"].models["vision"]
+    assert got.prompt_ids.row(2).tolist().count(vision.video_id) == 2 * 4 * 4 // 4
+    model = load_causal_lm(model_dir(topo, "actor"))
+    patches, grid = vision.video(vref, "v")
+    for i in range(len(got)):
+        acts = got.action_ids.row(i).tolist()
+        ids = got.prompt_ids.row(i).tolist() + [got.pad_token_id if t in vision.vision_ids else t for t in acts]
+        x = torch.tensor([ids])
+        kw = {"pixel_values_videos": torch.from_numpy(patches), "video_grid_thw": torch.tensor([grid])} \
+            if got.videos[i] else {}
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x),
+                           mm_token_type_ids=2 * (x == vision.video_id).long(), **kw).logits[0].float()
+        want = torch.log_softmax(logits[-len(acts) - 1:-1], -1).gather(-1, torch.tensor(acts)[:, None])[:, 0]
+        assert np.abs(got.action_log_probs.row(i) - want.numpy()).max() <= TOL, got.sample_ids()[i]
