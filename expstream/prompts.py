@@ -180,9 +180,13 @@ def media_fields(chunk: list[PromptRow]) -> dict[str, list]:
     return out
 
 
-def send_prompt_batches(producer: object, cfg: KafkaConfig, topic: str, batches: list[PromptBatch]) -> int:
-    """Send ``batches`` to ``topic`` (key = batch id) and confirm every send; returns the count."""
-    items = [(topic, encode(b), b.batch_id.encode(), None) for b in batches]
+def send_prompt_batches(producer: object, cfg: KafkaConfig, topic: str, batches: list[PromptBatch],
+                        policy_version: int = 0) -> int:
+    """Send ``batches`` to ``topic`` (key = batch id, provenance headers of the feeder) and confirm
+    every send; returns the count."""
+    from expstream.provenance import provenance_headers
+
+    items = [(topic, encode(b), b.batch_id.encode(), provenance_headers("feeder", policy_version)) for b in batches]
     send_all_and_confirm(producer, items, cfg.produce_timeout_s)
     return len(items)
 

@@ -43,6 +43,7 @@ import yaml
 
 from expstream.continuous import TRAINER, resolve_weight_store, run_continuous, trainer_argv
 from expstream.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
+from expstream.metrics import METRICS_DIR_ENV, serve_supervisor
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
@@ -217,7 +218,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         recording = topo.record.is_on(own_broker=not args.bootstrap_servers)
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
                          fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
-                                                     **stage_env(redis_url)})
+                                                     METRICS_DIR_ENV: str(run_dir / "metrics"), **stage_env(redis_url)})
+        serve_supervisor(sup, run_dir / "metrics")  # expstream_restarts_total (docs/observability.md)
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
                 sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))
@@ -343,13 +345,15 @@ def publish_end_of_input(topo: Topology, ctx: StageContext, bootstrap: str, held
     """Call the last stage's ``end_of_input`` and publish what it returns to the output topic (every send
     confirmed); returns the number of micro-batches published."""
     from expstream.bus import make_producer, send_all_and_confirm
+    from expstream.provenance import provenance_headers
     from schemas import encode
     from stages import end_of_input
 
     outputs = end_of_input(ctx)
     producer = make_producer(bootstrap, topo.kafka)
     try:
-        send_all_and_confirm(producer, [(topo.output_topic, encode(b), b.batch_id.encode(), None) for b in outputs],
+        send_all_and_confirm(producer, [(topo.output_topic, encode(b), b.batch_id.encode(),
+                                         provenance_headers(ctx.stage.name, b.policy_version)) for b in outputs],
                              topo.kafka.produce_timeout_s)
     finally:
         producer.close(timeout=10)

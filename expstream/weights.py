@@ -360,11 +360,12 @@ def announce(manifest: Manifest, *, bootstrap: str, kafka_config: Any, state: An
     goes with the announced actor version.
     """
     from expstream.bus import make_producer, send_and_confirm
+    from expstream.provenance import provenance_headers
 
     producer = make_producer(bootstrap, kafka_config)
     try:
         send_and_confirm(producer, topic, msgpack.packb(manifest.to_dict(), use_bin_type=True),
-                         key=manifest.run_id.encode())
+                         key=manifest.run_id.encode(), headers=provenance_headers("trainer", manifest.version))
     finally:
         producer.close()
     if manifest.role == "actor":
@@ -402,7 +403,7 @@ class PolicyFollower:
     """
 
     def __init__(self, store: WeightStore, state: Any, role: str, model: Any,
-                 log: logging.Logger | None = None) -> None:
+                 log: logging.Logger | None = None, metrics: Any = None) -> None:
         _check_role(role)
         self.store = store
         self.state = state
@@ -413,6 +414,7 @@ class PolicyFollower:
         self.reloads = 0
         self.last_reload_s: float | None = None
         self.refused: int | None = None  # the newest announced version refused (not retried)
+        self.metrics = metrics  # expstream.metrics.StageMetrics (reload seconds), or None
 
     def _target(self, announced: int) -> int | None:
         if self.role == "actor":
@@ -444,6 +446,8 @@ class PolicyFollower:
         self.last_reload_s = dt
         self.refused = None
         with contextlib.suppress(Exception):  # measurement only: never fail a micro-batch for it
+            if self.metrics is not None:
+                self.metrics.reload(self.role, dt)
             self.state.incr_counter(f"reload_s:{self.role}", dt)
             self.state.incr_counter(f"reloads:{self.role}", 1)
         self.log.info("weights: %s v%d -> v%d loaded in place from %s in %.3f s", self.role, previous, target,
@@ -470,7 +474,8 @@ def follower_for(ctx: Any, role: str, model: Any) -> PolicyFollower | None:
     train = ctx.topology.train
     if not train.enabled or not train.weight_store:
         return None
-    return PolicyFollower(open_store(train.weight_store), ctx.state, role, model, ctx.log)
+    return PolicyFollower(open_store(train.weight_store), ctx.state, role, model, ctx.log,
+                          metrics=getattr(ctx, "metrics", None))
 
 
 def refresh_weights(ctx: Any, role: str) -> int:

@@ -24,6 +24,8 @@ class StageContext:
     # True once the process was asked to stop (SIGTERM): long work (a generation) checks it and
     # raises expstream.errors.ShutdownRequested, abandoning the micro-batch uncommitted.
     should_stop: Callable[[], bool] = lambda: False
+    # expstream.metrics.StageMetrics of a stage process (set by the runner); None in-process (tests, LocalChain)
+    metrics: Any = None
 
 
 def make_context(topology: Topology, stage_name: str, state: State | None = None, run_id: str = "local",

@@ -79,6 +79,8 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
         ids = [batch.sample_ids()[i] for i in np.flatnonzero(bad)]
         raise PoisonRecordError(f"reward: non-finite reward for samples {ids}; check the reward model/function")
     changes = {"rewards": rewards.astype(np.float32)}
+    if ctx.metrics is not None and len(rewards):
+        ctx.metrics.reward_mean.set(float(np.mean(rewards)))
     if not legacy or len(scores) > 1:
         changes["reward_metrics"] = {k: v.astype(np.float32) for k, v in scores.items()}
     else:

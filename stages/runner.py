@@ -95,6 +95,9 @@ from expstream.letters import (
     letter_headers,
     value_omitted_headers,
 )
+from expstream.metrics import StageMetrics
+from expstream.metrics import enabled as metrics_on
+from expstream.provenance import provenance_headers, read_provenance
 from expstream.retry import Attempt, Backoff, Policy, retry
 from expstream.topics import dlq_topic
 from schemas import PromptBatch, SampleBatch, decode, encode
@@ -243,6 +246,9 @@ class StageRunner:
         self.pausing: PausedPolling | None = None
         self.rewinds = 0  # rewind requests this replica left its group for
         self._next_rewind_check = 0.0
+        # Prometheus metrics (expstream/metrics.py); served from run(); None when switched off
+        self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
+        ctx.metrics = self.metrics
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -281,6 +287,11 @@ class StageRunner:
                                      self.ctx.topology.kafka.max_poll_interval_ms)
 
     def run(self) -> int:
+        if self.metrics is not None and self.metrics.port is None:
+            try:
+                self.metrics.port = self.metrics.serve()
+            except OSError as exc:  # observability must never stop a stage
+                self.log.warning("stage %s: metrics endpoint not started: %s", self.stage.name, exc)
         if not self._connect():
             return 0
         self._subscribe()
@@ -497,10 +508,41 @@ class StageRunner:
         self._commit(tp, record.offset, where, done.batch_id)
         self._maybe_fault("after_commit")
         self.handled += 1
+        if self.metrics is not None:
+            self._observe(done, tp)
         if done.batch_id is not None:
             self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
                           self.stage.name, where, done.batch_id, done.samples, done.outputs, done.letters,
                           done.seconds)
+
+    def _observe(self, done: _Done, tp: TopicPartition) -> None:
+        """Per-record metrics after the commit; the lag reads the consumer's own fetch metadata (no round trip)."""
+        m = self.metrics
+        m.records.inc()
+        m.samples.inc(done.samples)
+        m.batch_seconds.observe(done.seconds)
+        if done.letters:
+            m.dead_letters.inc(done.letters)
+        with contextlib.suppress(Exception):  # measurement only
+            lag = 0
+            for part in self.consumer.assignment():
+                if part.topic == tp.topic:
+                    high = self.consumer.highwater(part)
+                    if high is not None:
+                        lag += max(0, int(high) - int(self.consumer.position(part)))
+            m.lag(tp.topic, lag)
+
+    def _observe_input(self, record: Any, batch: Any) -> None:
+        """Record age (now - produced_at_ms header) and staleness (announced - the batch's policy version)."""
+        m = self.metrics
+        prov = read_provenance(record.headers)
+        age = prov.age_s() if prov is not None else None
+        if age is not None:
+            m.record_age.observe(age)
+        version = getattr(batch, "policy_version", None)
+        if version is not None:
+            m.policy_version.set(version)
+            m.staleness.observe(max(0, m.announced(self.ctx.state) - int(version)))
 
     def _work(self, record: Any, where: str) -> _Done:
         """Worker thread: decode, process (split on failure), send and confirm. Never touches the consumer."""
@@ -525,6 +567,8 @@ class StageRunner:
             except SchemaError as exc:
                 letters = [self._letter(record, exc)]
             else:
+                if self.metrics is not None:
+                    self._observe_input(record, batch)
                 outputs, letters = self._compute(batch, record, where)
         self._maybe_fault("before_produce")
         self._deliver(record, where, outputs, letters, batch)
@@ -567,6 +611,8 @@ class StageRunner:
             self.log.warning("stage %s %s: %s failed with retriable %s: %s; retry %d in %.1fs (%.1fs so far)",
                              self.stage.name, what, step, type(a.exc).__name__, a.exc, a.number, a.delay_s, a.waited_s)
             last[:] = [a]
+            if self.metrics is not None:
+                self.metrics.retry(step.split(" ", 1)[0])
 
         def wait(seconds: float) -> None:
             if self._stop.wait(seconds):
@@ -583,7 +629,9 @@ class StageRunner:
             outs = self.process(batch, self.ctx)
             if isinstance(outs, (SampleBatch, PromptBatch)):
                 outs = [outs]
-            return [_Out(self.stage.output, encode(o), record_key(o), samples=len(o) if isinstance(o, SampleBatch) else 0)
+            return [_Out(self.stage.output, encode(o), record_key(o),
+                         headers=provenance_headers(self.stage.name, getattr(o, "policy_version", 0)),
+                         samples=len(o) if isinstance(o, SampleBatch) else 0)
                     for o in outs]
         except (SchemaError, ExpstreamError):
             raise
@@ -670,6 +718,8 @@ class StageRunner:
         self._retry_work(send, what, f"sending {len(items)} records", recovered=lambda a: self.log.info(
             "stage %s %s: sent after %d retries (%.1fs); broker reachable again", self.stage.name, what, a.number,
             time.monotonic() - started))
+        if self.metrics is not None:
+            self.metrics.send_seconds.observe(time.monotonic() - started)
 
     def _deliver(self, record: Any, where: str, outputs: list[_Out], letters: list[_Out], batch: Any) -> None:
         """Send the outputs and letters of one record; when the broker refuses one (non-retriable), fall
@@ -787,7 +837,10 @@ class StageRunner:
                 with _warn_if_slow(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
                                    "%.0fs (broker unreachable or paused?)", self.stage.name, where, batch_id,
                                    SLOW_SEND_WARN_S):
+                    t0 = time.monotonic()
                     self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
+                    if self.metrics is not None:
+                        self.metrics.commit_seconds.observe(time.monotonic() - t0)
             except _REBALANCED as exc:
                 self.commits_skipped += 1
                 self.log.warning("stage %s %s batch=%s: commit refused, the group rebalanced (%s); the record is "

@@ -1,0 +1,191 @@
+"""Prometheus metrics of every process of a run (docs/observability.md).
+
+Each stage process has its own registry and serves it on its own HTTP port (``prometheus_client``'s
+``start_http_server`` on 127.0.0.1; a free port unless ``EXPSTREAM_METRICS_PORT`` names one, as a
+docker-compose service does). ``expstream run`` sets ``EXPSTREAM_METRICS_DIR`` (``<run>/run/metrics``)
+and each process writes ``<stage>-<replica>.json`` there: ``{"stage", "replica", "pid", "port",
+"url"}``, which tests, ``expstream status`` and Prometheus' file-based discovery read. The run's
+own process serves the supervisor's view (restarts) the same way, as ``supervisor.json``.
+
+Why one port per process rather than the library's multiprocess mode: stages are separate OS
+processes that come and go (restarts, autoscaling); multiprocess mode needs a shared directory
+cleaned between runs and cannot give per-replica series; a port per process is what Prometheus
+scrapes natively and what a container deployment exposes anyway.
+
+Names follow Prometheus conventions: ``expstream_`` prefix, ``_total`` counters, base units
+(``_seconds``). Every series has a ``stage`` label; ``topic``, ``step`` and ``role`` where named.
+The metric objects are created per process (no globals); stage code that runs without a runner
+(tests, LocalChain) sees ``ctx.metrics is None`` and skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("expstream.metrics")
+
+METRICS_DIR_ENV = "EXPSTREAM_METRICS_DIR"
+METRICS_PORT_ENV = "EXPSTREAM_METRICS_PORT"
+METRICS_OFF_ENV = "EXPSTREAM_METRICS"  # "0": no registry, no server (the overhead bench's switch)
+#: Why these buckets: a micro-batch takes from ~1 ms (advantage) to seconds (generate on CPU).
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Why these buckets: staleness is counted in policy versions; the admission bound is a few.
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+#: Why 1 s: the announced policy version is read from Redis at most this often for the staleness
+#: histogram, not once per record.
+ANNOUNCED_REFRESH_S = 1.0
+
+#: name -> (kind, help, extra labels); ``stage`` is always a label.
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "expstream_records_processed_total": ("counter", "input records (micro-batches) handled", ()),
+    "expstream_samples_processed_total": ("counter", "samples in the records handled", ()),
+    "expstream_batch_seconds": ("histogram", "time per micro-batch: decode, process, send, confirm", ()),
+    "expstream_send_seconds": ("histogram", "produce + flush + confirm of a micro-batch's outputs", ()),
+    "expstream_commit_seconds": ("histogram", "synchronous offset commit", ()),
+    "expstream_consumer_lag_records": ("gauge", "records behind the partitions' high watermark", ("topic",)),
+    "expstream_dead_letters_total": ("counter", "records and samples sent to the dead-letter topic", ()),
+    "expstream_retries_total": ("counter", "retries after retriable errors", ("step",)),
+    "expstream_model_reload_seconds": ("histogram", "weight reloads between micro-batches", ("role",)),
+    "expstream_policy_version": ("gauge", "policy version of the last record handled", ()),
+    "expstream_reward_mean": ("gauge", "mean reward of the last micro-batch scored", ()),
+    "expstream_staleness_versions": ("histogram", "announced policy version - the input record's", ()),
+    "expstream_record_age_seconds": ("histogram", "now - the input record's produced_at_ms header", ()),
+    "expstream_restarts_total": ("counter", "stage replica restarts by the supervisor", ()),
+}
+
+
+def enabled() -> bool:
+    return os.environ.get(METRICS_OFF_ENV, "1") != "0"
+
+
+class StageMetrics:
+    """One stage process's metrics (``labels(stage=...)`` bound once)."""
+
+    def __init__(self, stage: str, replica: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.stage, self.replica = stage, replica
+        self.registry = CollectorRegistry(auto_describe=True)
+        made: dict[str, Any] = {}
+        for name, (kind, doc, extra) in METRICS.items():
+            if name == "expstream_restarts_total":
+                continue  # the supervisor's
+            labels = ("stage", *extra)
+            if kind == "counter":
+                made[name] = Counter(name.removesuffix("_total"), doc, labels, registry=self.registry)
+            elif kind == "gauge":
+                made[name] = Gauge(name, doc, labels, registry=self.registry)
+            else:
+                buckets = STALENESS_BUCKETS if "staleness" in name else TIME_BUCKETS
+                made[name] = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        self._m = made
+        own = {"stage": stage}
+        self.records = made["expstream_records_processed_total"].labels(**own)
+        self.samples = made["expstream_samples_processed_total"].labels(**own)
+        self.batch_seconds = made["expstream_batch_seconds"].labels(**own)
+        self.send_seconds = made["expstream_send_seconds"].labels(**own)
+        self.commit_seconds = made["expstream_commit_seconds"].labels(**own)
+        self.dead_letters = made["expstream_dead_letters_total"].labels(**own)
+        self.policy_version = made["expstream_policy_version"].labels(**own)
+        self.reward_mean = made["expstream_reward_mean"].labels(**own)
+        self.staleness = made["expstream_staleness_versions"].labels(**own)
+        self.record_age = made["expstream_record_age_seconds"].labels(**own)
+        self._announced = (0, -1e9)  # (version, monotonic time read)
+        self.port: int | None = None
+
+    def lag(self, topic: str, records: int) -> None:
+        self._m["expstream_consumer_lag_records"].labels(stage=self.stage, topic=topic).set(records)
+
+    def retry(self, step: str) -> None:
+        self._m["expstream_retries_total"].labels(stage=self.stage, step=step).inc()
+
+    def reload(self, role: str, seconds: float) -> None:
+        self._m["expstream_model_reload_seconds"].labels(stage=self.stage, role=role).observe(seconds)
+
+    def announced(self, state: Any) -> int:
+        """The announced policy version, read from ``state`` at most every ANNOUNCED_REFRESH_S."""
+        version, at = self._announced
+        now = time.monotonic()
+        if now - at >= ANNOUNCED_REFRESH_S:
+            try:
+                version = int(state.policy_version())
+            except Exception:  # noqa: BLE001 - measurement only
+                pass
+            self._announced = (version, now)
+        return version
+
+    def serve(self, out_dir: str | os.PathLike[str] | None = None, port: int | None = None) -> int:
+        """Serve /metrics on 127.0.0.1 (``port``, else EXPSTREAM_METRICS_PORT, else a free one); write the
+        discovery file into ``out_dir`` (else EXPSTREAM_METRICS_DIR) when given; returns the port."""
+        return _serve(self.registry, f"{self.stage}-{self.replica}", {"stage": self.stage, "replica": self.replica},
+                      out_dir, port)
+
+
+def _serve(registry: Any, name: str, info: dict[str, Any], out_dir: str | os.PathLike[str] | None,
+           port: int | None) -> int:
+    from prometheus_client import start_http_server
+
+    if port is None:
+        port = int(os.environ.get(METRICS_PORT_ENV, "0") or 0)
+    addr = os.environ.get("EXPSTREAM_METRICS_ADDR", "127.0.0.1")
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    bound = int(server.server_port)
+    where = out_dir or os.environ.get(METRICS_DIR_ENV)
+    if where:
+        d = Path(where)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{name}.json.tmp"
+        tmp.write_text(json.dumps({**info, "pid": os.getpid(), "port": bound,
+                                   "url": f"http://127.0.0.1:{bound}/metrics"}) + "\n")
+        os.replace(tmp, d / f"{name}.json")
+    log.info("metrics: %s on http://%s:%d/metrics", name, addr, bound)
+    return bound
+
+
+class SupervisorCollector:
+    """``expstream_restarts_total{stage}`` read from the supervisor's children at scrape time."""
+
+    def __init__(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily("expstream_restarts", METRICS["expstream_restarts_total"][1], labels=["stage"])
+        counts: dict[str, int] = {}
+        for child in list(getattr(self.supervisor, "children", [])):
+            stage = child.label.split("[", 1)[0]
+            counts[stage] = counts.get(stage, 0) + int(child.restarts)
+        for stage, n in sorted(counts.items()):
+            fam.add_metric([stage], n)
+        yield fam
+
+
+def serve_supervisor(supervisor: Any, out_dir: str | os.PathLike[str]) -> int | None:
+    """The run process's registry (restarts); None when metrics are switched off or cannot bind."""
+    if not enabled():
+        return None
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SupervisorCollector(supervisor))
+    try:
+        return _serve(registry, "supervisor", {"stage": "supervisor", "replica": "0"}, out_dir, 0)
+    except OSError as exc:
+        log.warning("metrics: the supervisor's endpoint did not start: %s", exc)
+        return None
+
+
+def exported_names() -> set[str]:
+    """Every metric name (and histogram series name) the code exports, for dashboards and tests."""
+    names = set()
+    for name, (kind, _doc, _labels) in METRICS.items():
+        names.add(name)
+        if kind == "histogram":
+            names.update({f"{name}_bucket", f"{name}_sum", f"{name}_count"})
+    return names
