@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     reuse.add_argument("--resume", action="store_true",
                        help="--output holds a previous run: continue it (not supported yet: refused with the reason)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-report", action="store_true", help="do not write report.html at the end (expstream report)")
     run.add_argument("--continuous", action="store_true",
                      help="asynchronous RL: feed the prompts epoch after epoch and train on the experiences with "
                           "`expstream train` until train.max_steps (= --set train.enabled=true; docs/async.md)")
@@ -103,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     from expstream.scale import add_scale_parser
 
     add_scale_parser(sub)
+    from expstream.status import add_status_parser
+
+    add_status_parser(sub)
+    from expstream.report import add_report_parser
+
+    add_report_parser(sub)
     return parser
 
 
@@ -124,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.scale import scale_command
 
             return scale_command(args)
+        if args.command == "status":
+            from expstream.status import status_command
+
+            return status_command(args)
+        if args.command == "report":
+            from expstream.report import report_command
+
+            return report_command(args)
         if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
             from expstream.replay import replay_command
             from expstream.replaybroker import broker_replay  # handed in: replaybroker imports replay

@@ -56,7 +56,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "expstream_staleness_versions": ("histogram", "announced policy version - the input record's", ()),
     "expstream_record_age_seconds": ("histogram", "now - the input record's produced_at_ms header", ()),
     "expstream_restarts_total": ("counter", "stage replica restarts by the supervisor", ()),
+    "expstream_replicas_wanted": ("gauge", "replicas the supervisor keeps running (after scale events)", ()),
 }
+#: The supervisor's series (its own registry), not a stage's.
+SUPERVISOR_METRICS = ("expstream_restarts_total", "expstream_replicas_wanted")
 
 
 def enabled() -> bool:
@@ -73,8 +76,8 @@ class StageMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         made: dict[str, Any] = {}
         for name, (kind, doc, extra) in METRICS.items():
-            if name == "expstream_restarts_total":
-                continue  # the supervisor's
+            if name in SUPERVISOR_METRICS:
+                continue
             labels = ("stage", *extra)
             if kind == "counter":
                 made[name] = Counter(name.removesuffix("_total"), doc, labels, registry=self.registry)
@@ -154,16 +157,22 @@ class SupervisorCollector:
         self.supervisor = supervisor
 
     def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         fam = CounterMetricFamily("expstream_restarts", METRICS["expstream_restarts_total"][1], labels=["stage"])
+        wanted = GaugeMetricFamily("expstream_replicas_wanted", METRICS["expstream_replicas_wanted"][1],
+                                   labels=["stage"])
         counts: dict[str, int] = {}
+        live: dict[str, int] = {}
         for child in list(getattr(self.supervisor, "children", [])):
             stage = child.label.split("[", 1)[0]
             counts[stage] = counts.get(stage, 0) + int(child.restarts)
+            live[stage] = live.get(stage, 0) + (0 if getattr(child, "retired", False) else 1)
         for stage, n in sorted(counts.items()):
             fam.add_metric([stage], n)
+            wanted.add_metric([stage], live[stage])
         yield fam
+        yield wanted
 
 
 def serve_supervisor(supervisor: Any, out_dir: str | os.PathLike[str]) -> int | None:

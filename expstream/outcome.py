@@ -151,6 +151,7 @@ class RunOutcome:
         except Exception as exc:  # noqa: BLE001 - Redis may be what failed
             stage_stats = {}
             problems.append(f"stage statistics not read: {type(exc).__name__}: {exc}")
+        accounting = self.accounting(problems)
         wall = time.monotonic() - self.started
         samples = len(col.samples) if col else 0
         rate = col.steady_rate() if col else None
@@ -193,9 +194,20 @@ class RunOutcome:
             "redis_url": self.redis_url,
             "topology": topo.source,
             "recording": self.recording(problems),
+            "accounting": accounting,
         }
         self.summary = write_summary(summary, self.out_dir, self.run_id)
         return summary
+
+    def accounting(self, problems: list[str]) -> dict:
+        """Per stage: samples in = out + dead-lettered + dropped + in flight (expstream/status.py)."""
+        try:
+            from expstream.status import accounting_block
+
+            return accounting_block(self.state, self.topo, log) if self.state is not None else {}
+        except Exception as exc:  # noqa: BLE001 - Redis may be what failed
+            problems.append(f"accounting not read: {type(exc).__name__}: {exc}")
+            return {}
 
 
 @dataclass
@@ -272,6 +284,7 @@ class ContinuousOutcome(RunOutcome):
             "redis_url": self.redis_url,
             "topology": topo.source,
             "recording": self.recording(problems),
+            "accounting": self.accounting(problems),
         }
         self.summary = write_summary(summary, self.out_dir, self.run_id)
         return summary

@@ -54,6 +54,7 @@ from expstream.resolve import build_builtin_models
 from expstream.rundir import claim_run_dir
 from expstream.scale import Scaler, lag_reader
 from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
+from expstream.status import StatusSampler
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.topics import create_topics, dlq_topic, loop_topics
 from expstream.topology import Topology
@@ -236,6 +237,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             topo_path, name, replica, bootstrap, run_id), lag_reader(topo, bootstrap, run_id), started=started)
         sup.start()
         stack.callback(sup.stop)
+        # one status snapshot per STATUS_INTERVAL_S into <output>/status.jsonl (expstream status, report)
+        sampler = StatusSampler(topo, bootstrap, redis_url, run_id, out_dir).start()
         try:
             if continuous:
                 run_continuous(topo, rows, out, sup, state, bootstrap, stop, scaler=scaler)
@@ -290,12 +293,20 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                 log.exception("run %s: %s", run_id, exc)
             out.fail(f"{type(exc).__name__}: {exc}")
         finally:
+            sampler.stop()
             if continuous or recording:
                 # the trainer's last steps are in train.jsonl, the recorder has drained and closed its
                 # files, before the summary reads them
                 sup.stop()
             summary = out.write()  # experiences.msgpack and summary.json, whatever happened
     print_summary(summary, out_dir)
+    if not getattr(args, "no_report", False):
+        try:
+            from expstream.report import write_report
+
+            print(f"  wrote {write_report(out_dir)}")
+        except Exception as exc:  # noqa: BLE001 - a report never fails a run
+            log.warning("run %s: report not written: %s", run_id, exc)
     if out.error:
         print(f"expstream: run failed: {out.error}", file=sys.stderr)
     return out.status

@@ -583,6 +583,14 @@ class StageRunner:
                 self.ctx.state.record_stage_time(self.stage.name, seconds, samples, batch.batch_id)
             except ExpstreamError as exc:  # statistics only
                 self.log.warning("stage %s %s: stage time not recorded: %s", self.stage.name, where, exc)
+        if batch is not None:  # the accounting (status, summary.json): in = out + dead + dropped + in flight
+            per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(batch, PromptBatch) else 1
+            flow = {"in": len(batch) * per, "out": sum(o.samples for o in outputs),
+                    "dead": sum(len(lt.batch) * per if lt.batch is not None else len(batch) * per for lt in letters)}
+            try:
+                self.ctx.state.record_flow(self.stage.name, batch.batch_id, flow)
+            except ExpstreamError as exc:  # statistics only
+                self.log.warning("stage %s %s: sample accounting not recorded: %s", self.stage.name, where, exc)
         return _Done(batch.batch_id if batch is not None else None, len(batch) if batch is not None else 0,
                      len(outputs), len(letters), seconds)
 

@@ -115,6 +115,9 @@ class State(Protocol):
     # stage statistics, heartbeats, policy version, counters
     def record_stage_time(self, stage: str, seconds: float, samples: int, batch_id: str) -> bool: ...
     def stage_stats(self) -> dict[str, dict[str, float]]: ...
+    def stage_recent(self, stage: str) -> list[tuple[float, float, int]]: ...
+    def record_flow(self, stage: str, batch_id: str, counts: dict[str, int]) -> bool: ...
+    def flows(self) -> dict[str, dict[str, int]]: ...
     def heartbeat(self, stage: str, replica_id: str | int) -> None: ...
     def heartbeats(self) -> dict[tuple[str, str], float]: ...
     def policy_version(self) -> int: ...
@@ -140,6 +143,16 @@ class State(Protocol):
 
 
 # --- shared by both implementations ------------------------------------------------------------
+#: Why 512: the status view's window (60 s) holds a few hundred micro-batches of the fastest stage.
+RECENT_BATCHES = 512
+
+
+def parse_recent(raw: bytes | str) -> tuple[float, float, int]:
+    """One entry of a stage's recent list: ``"unix_time,seconds,samples"``."""
+    t, sec, n = (raw.decode() if isinstance(raw, bytes) else raw).split(",")
+    return float(t), float(sec), int(n)
+
+
 def check_group_members(group_id: str, n: int, members: Mapping[int, bytes]) -> dict[int, bytes]:
     """Validate a park_group call; ``{index: payload}`` with int indices in ``[0, n)``."""
     if not isinstance(n, int) or n < 1:

@@ -23,6 +23,7 @@ import numpy as np
 from expstream.running import adaptive_kl_update, batch_moments, check_kl_update, merge_batch_moments
 from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
+    RECENT_BATCHES,
     Moments,
     WindowTaken,
     check_admission,
@@ -78,6 +79,9 @@ class MemoryState:
         self._rewind: dict[str, tuple[str, float]] = {}  # stage -> (request id, monotonic expiry)
         self._rewind_acks: dict[str, dict[str, tuple[str, float]]] = {}  # stage -> replica -> (request id, expiry)
         self._policy_version = 0
+        self._recent: dict[str, list[tuple[float, float, int]]] = {}
+        self._flows: dict[str, dict[str, int]] = {}
+        self._flow_applied: dict[str, set[str]] = {}
         self._once: dict[str, set[str]] = {}
         self._counters: dict[str, float] = {}
         self._counter_applied: dict[str, set[str]] = {}
@@ -217,7 +221,29 @@ class MemoryState:
             row["batches"] += 1
             row["samples"] += int(samples)
             row["seconds"] += float(seconds)
+            recent = self._recent.setdefault(stage, [])
+            recent.insert(0, (time.time(), float(seconds), int(samples)))
+            del recent[RECENT_BATCHES:]
             return True
+
+    def stage_recent(self, stage: str) -> list[tuple[float, float, int]]:
+        with self._lock:
+            return list(self._recent.get(stage, []))
+
+    def record_flow(self, stage: str, batch_id: str, counts: dict[str, int]) -> bool:
+        with self._lock:
+            applied = self._flow_applied.setdefault(stage, set())
+            if batch_id in applied:
+                return False
+            applied.add(batch_id)
+            row = self._flows.setdefault(stage, {})
+            for k, v in counts.items():
+                row[k] = row.get(k, 0) + int(v)
+            return True
+
+    def flows(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {s: dict(self._flows[s]) for s in sorted(self._flows)}
 
     def stage_stats(self) -> dict[str, dict[str, float]]:
         with self._lock:

@@ -65,11 +65,13 @@ from expstream.running import batch_moments, check_kl_update
 from expstream.secrets import redact_url
 from expstream.state.base import (
     DEFAULT_GROUP_TTL_S,
+    RECENT_BATCHES,
     Moments,
     WindowTaken,
     check_admission,
     check_group_members,
     kl_not_initialised,
+    parse_recent,
 )
 
 __all__ = [
@@ -198,6 +200,17 @@ redis.call('SADD', KEYS[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'batches', 1)
 redis.call('HINCRBY', KEYS[1], 'samples', ARGV[3])
 redis.call('HINCRBYFLOAT', KEYS[1], 'seconds', ARGV[2])
+if KEYS[4] then
+  redis.call('LPUSH', KEYS[4], ARGV[5])
+  redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
+end
+return 1
+"""
+
+_FLOW = """
+-- KEYS[1] flow hash, KEYS[2] applied set; ARGV batch_id, then (field, count) pairs
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -341,6 +354,7 @@ class RedisState:
                 ("kl_init", _KL_INIT),
                 ("kl_adaptive", _KL_ADAPTIVE),
                 ("stage_time", _STAGE_TIME),
+                ("flow", _FLOW),
                 ("policy", _POLICY_VERSION),
                 ("incr", _INCR_COUNTER),
                 ("park_window", _PARK_WINDOW),
@@ -554,10 +568,36 @@ class RedisState:
         """
         res = self._script(
             "stage_time",
-            [self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages")],
-            [batch_id, repr(float(seconds)), str(int(samples)), stage],
+            [self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages"),
+             self.key("stage", stage, "recent")],
+            [batch_id, repr(float(seconds)), str(int(samples)), stage,
+             f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES)],
         )
         return bool(int(res))
+
+    def stage_recent(self, stage: str) -> list[tuple[float, float, int]]:
+        """The last RECENT_BATCHES micro-batches of ``stage``, newest first: (unix time, seconds, samples)."""
+        rows = self._call("stage_recent", self._r.lrange, self.key("stage", stage, "recent"), 0, -1)
+        return [parse_recent(r) for r in rows]
+
+    def record_flow(self, stage: str, batch_id: str, counts: dict[str, int]) -> bool:
+        """Add a record's sample accounting (``in``, ``out``, ``dead``, ``dropped``) once per (stage, batch_id)."""
+        args: list[str] = [batch_id]
+        for k, v in counts.items():
+            args += [k, str(int(v))]
+        res = self._script("flow", [self.key("flow", stage), self.key("flow", stage, "applied")], args)
+        return bool(int(res))
+
+    def flows(self) -> dict[str, dict[str, int]]:
+        """``{stage: {"in", "out", "dead", "dropped"}}`` for every stage that recorded any."""
+        stages = sorted(s.decode() for s in self._call("stage_stats", self._r.smembers, self.key("stages")))
+
+        def read(pipe: redis.client.Pipeline) -> None:
+            for s in stages:
+                pipe.hgetall(self.key("flow", s))
+
+        rows = self._pipeline("flows", read, transaction=False) if stages else []
+        return {s: {k.decode(): int(v) for k, v in row.items()} for s, row in zip(stages, rows, strict=True)}
 
     def stage_stats(self) -> dict[str, dict[str, float]]:
         """``{stage: {"batches": int, "samples": int, "seconds": float}}`` for every stage seen."""

@@ -1,0 +1,372 @@
+"""``expstream status``: where the samples are, per stage, on a live run; and the run's status.jsonl.
+
+One snapshot (:func:`collect_status`) reads
+
+* Redis (the run's state): heartbeats (replicas alive), the recent micro-batches of every stage
+  (records and samples per second and p50/p95 time per micro-batch over the last
+  ``STATUS_WINDOW_S``), the sample accounting (``in = out + dead + dropped + in flight``), the
+  announced policy version, dynamic sampling's dropped groups;
+* the broker: per stage, the records of its input topic its consumer group has not committed (lag),
+  and the dead letters on the input's ``.dlq`` twin (end offsets);
+* the run directory when given: replicas wanted (topology, scale events), restarts (the
+  supervisor's metrics endpoint), and each stage's Prometheus endpoint for the record age (lag in
+  time) and staleness histograms.
+
+The **bottleneck** is the stage with the largest input lag (records waiting); with no lag anywhere,
+the one with the largest share of busy time. ``expstream run`` runs a :class:`StatusSampler` that
+appends one snapshot per ``STATUS_INTERVAL_S`` to ``<run>/status.jsonl`` (what ``expstream report``
+plots); ``expstream status --run-dir`` prints the newest (or collects one when the run is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from expstream.errors import ConfigError
+
+log = logging.getLogger("expstream.status")
+
+#: Why 60 s: "the last minute" — long enough to smooth micro-batch jitter, short enough to show a stall.
+STATUS_WINDOW_S = 60.0
+#: Why 2 s: a status line per couple of seconds plots smoothly; each costs a few admin requests per stage.
+STATUS_INTERVAL_S = 2.0
+#: Why 15 s: a replica's heartbeat comes every few seconds; three missed ones mean it is gone.
+ALIVE_WITHIN_S = 15.0
+#: Why 1 s: a metrics endpoint on loopback answers in milliseconds; a dead one must not stall status.
+SCRAPE_TIMEOUT_S = 1.0
+STATUS_FILE = "status.jsonl"
+#: Why 2 s: Redis on loopback answers at once; a finished run's is gone, and status then shows its last snapshot.
+GONE_CHECK_S = 2.0
+
+
+def _last_line(path: Path) -> dict | None:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def window_stats(recent: list[tuple[float, float, int]], now: float, window_s: float = STATUS_WINDOW_S) -> dict:
+    """Rates and p50/p95 time per micro-batch over the last ``window_s`` from (time, seconds, samples)."""
+    inside = [r for r in recent if now - r[0] <= window_s]
+    span = min(window_s, max(1e-9, now - min((r[0] for r in inside), default=now))) if inside else window_s
+    span = max(span, 1.0)
+    secs = [r[1] for r in inside]
+    return {"records_per_s": round(len(inside) / span, 3), "samples_per_s": round(sum(r[2] for r in inside) / span, 3),
+            "batch_p50_s": _percentile(secs, 0.5), "batch_p95_s": _percentile(secs, 0.95),
+            "busy_share": round(min(1.0, sum(secs) / span), 3),
+            "last_progress_s": round(now - recent[0][0], 3) if recent else None}
+
+
+def accounting(flow: dict[str, int], dropped: int = 0) -> dict[str, Any]:
+    """in = out + dead + dropped + in flight; ``balanced`` when in flight is 0 and nothing is negative."""
+    s_in, out, dead = int(flow.get("in", 0)), int(flow.get("out", 0)), int(flow.get("dead", 0))
+    in_flight = s_in - out - dead - dropped
+    return {"samples_in": s_in, "samples_out": out, "samples_dead": dead, "samples_dropped": dropped,
+            "in_flight": in_flight, "balanced": in_flight == 0}
+
+
+def accounting_block(state: Any, topo: Any, log_to: logging.Logger | None = None) -> dict[str, Any]:
+    """summary.json's ``accounting``: per stage in/out/dead/dropped/in flight, ``balanced``; a warning per
+    stage that does not balance (at the end of a run every sample should be out, dead or dropped)."""
+    flows = state.flows()
+    dropped_groups = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
+    n = topo.generate.n_samples_per_prompt
+    out = {}
+    for st in topo.enabled_stages():
+        acc = accounting(flows.get(st.name, {}), dropped_groups * n if st.name == "advantage" else 0)
+        out[st.name] = acc
+        if not acc["balanced"] and log_to is not None:
+            log_to.warning("accounting: stage %s does not balance: in %d != out %d + dead %d + dropped %d (in flight "
+                           "%d)", st.name, acc["samples_in"], acc["samples_out"], acc["samples_dead"],
+                           acc["samples_dropped"], acc["in_flight"])
+    return out
+
+
+def _scrape(url: str) -> dict[str, dict]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - loopback, our own port
+        text = resp.read().decode()
+    out: dict[str, dict] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out.setdefault(smp.name, {})[tuple(sorted(smp.labels.items()))] = smp.value
+    return out
+
+
+def _hist_mean(series: dict[tuple, float] | None, count: dict[tuple, float] | None) -> float | None:
+    if not series or not count:
+        return None
+    n = sum(count.values())
+    return round(sum(series.values()) / n, 3) if n else None
+
+
+def scrape_run(run_dir: Path) -> dict[str, Any]:
+    """Per stage from the metrics endpoints under ``run_dir/run/metrics``: mean record age and staleness;
+    the supervisor's restarts per stage."""
+    out: dict[str, Any] = {"stages": {}, "restarts": {}, "wanted": {}}
+    for f in sorted((Path(run_dir) / "run" / "metrics").glob("*.json")):
+        try:
+            info = json.loads(f.read_text())
+            m = _scrape(info["url"])
+        except (OSError, ValueError, KeyError):
+            continue
+        if info.get("stage") == "supervisor":
+            for labels, v in (m.get("expstream_restarts_total") or {}).items():
+                out["restarts"][dict(labels)["stage"]] = int(v)
+            for labels, v in (m.get("expstream_replicas_wanted") or {}).items():
+                out["wanted"][dict(labels)["stage"]] = int(v)
+            continue
+        row = out["stages"].setdefault(info["stage"], {"age": [0.0, 0.0], "stale": [0.0, 0.0]})
+        for key, name in (("age", "expstream_record_age_seconds"), ("stale", "expstream_staleness_versions")):
+            row[key][0] += sum((m.get(f"{name}_sum") or {}).values())
+            row[key][1] += sum((m.get(f"{name}_count") or {}).values())
+    for row in out["stages"].values():
+        for key in ("age", "stale"):
+            s, n = row.pop(key)
+            row[key] = round(s / n, 3) if n else None
+    return out
+
+
+def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, run_dir: Path | None = None,
+                   state: Any = None, admin: Any = None) -> dict[str, Any]:
+    """One snapshot (the format of status.jsonl; docs/observability.md)."""
+    from expstream.bus import _partitions, end_offsets, make_admin, topic_lag
+    from expstream.state import RedisState
+    from expstream.topics import dlq_topic
+
+    now = time.time()
+    own_state = state is None
+    state = state or RedisState(redis_url, run_id)
+    own_admin = admin is None
+    admin = admin or make_admin(bootstrap, topo.kafka)
+    try:
+        beats = state.heartbeats()
+        flows = state.flows()
+        counters = state.counters()
+        announced = int(state.policy_version())
+        scraped = scrape_run(run_dir) if run_dir is not None else {"stages": {}, "restarts": {}, "wanted": {}}
+        wanted = scraped["wanted"]
+        stages: dict[str, Any] = {}
+        topics: dict[str, Any] = {}
+        n = topo.generate.n_samples_per_prompt
+        for st in topo.enabled_stages():
+            group = f"expstream.{run_id}.{st.name}"
+            try:
+                lag = int(sum(topic_lag(bootstrap, topo.kafka, group, st.input, admin=admin, timeout_s=5).values()))
+            except Exception as exc:  # noqa: BLE001 - a topic not created yet, a broker hiccup: shown as unknown
+                log.debug("lag of %s: %r", st.name, exc)
+                lag = None
+            dead = None
+            try:
+                ends = end_offsets(bootstrap, topo.kafka, _partitions(admin, dlq_topic(st.input)), timeout_s=5)
+                dead = int(sum(ends.values()))
+            except Exception as exc:  # noqa: BLE001
+                log.debug("dead letters of %s: %r", st.name, exc)
+            alive = sum(1 for (stage, _r), t in beats.items() if stage == st.name and now - t <= ALIVE_WITHIN_S)
+            dropped = int(counters.get("dynamic_sampling_dropped_groups", 0)) * n if st.name == "advantage" else 0
+            extra = scraped["stages"].get(st.name, {})
+            stages[st.name] = {
+                "replicas_alive": alive, "replicas_wanted": wanted.get(st.name, st.replicas),
+                "restarts": int(scraped["restarts"].get(st.name, 0)),
+                **window_stats(state.stage_recent(st.name), now),
+                "input_topic": st.input, "input_lag_records": lag, "input_lag_s": extra.get("age"),
+                "dead_letters": dead, **accounting(flows.get(st.name, {}), dropped),
+                "policy_version_seen": announced, "staleness_versions": extra.get("stale"),
+            }
+            topics.setdefault(st.input, {"lag": {}})["lag"][st.name] = lag
+        return {"t": round(now, 3), "run_id": run_id, "policy_version": announced, "stages": stages,
+                "topics": topics, "bottleneck": bottleneck(stages)}
+    finally:
+        if own_admin:
+            admin.close()
+        if own_state:
+            state.close()
+
+
+def bottleneck(stages: dict[str, Any]) -> dict[str, Any] | None:
+    """The stage with the most input records waiting; without any lag, the busiest one."""
+    if not stages:
+        return None
+    lagged = {k: v["input_lag_records"] or 0 for k, v in stages.items()}
+    name = max(lagged, key=lambda k: (lagged[k], stages[k]["busy_share"]))
+    if lagged[name] == 0:
+        name = max(stages, key=lambda k: stages[k]["busy_share"])
+        return {"stage": name, "why": f"busiest: {stages[name]['busy_share']:.0%} of the last minute processing, "
+                                      "no input waiting anywhere"}
+    age = stages[name].get("input_lag_s")
+    return {"stage": name, "why": f"{lagged[name]} input records waiting" + (f", records {age:.1f}s old on arrival"
+                                                                             if age is not None else "")}
+
+
+def render_status(snap: dict[str, Any]) -> Any:
+    """A rich renderable: the bottleneck line, a flow table and an accounting table (one row per stage)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    def f(x: Any, spec: str = ".1f") -> str:
+        return "-" if x is None else (format(x, spec) if isinstance(x, float) else str(x))
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    b = (snap.get("bottleneck") or {}).get("stage")
+    when = time.strftime("%H:%M:%S", time.localtime(snap["t"]))
+    flow = Table(title=f"run {snap['run_id']}  policy v{snap['policy_version']}  {when}", title_justify="left")
+    for col in ("stage", "repl", "lag", "age s", "rec/s", "smp/s", "p50ms", "p95ms", "busy", "idle s"):
+        flow.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True, min_width=16 if col == "stage" else None)
+    acct = Table(title="samples: in = out + dead + dropped + in flight", title_justify="left")
+    for col in ("stage", "in", "out", "dead", "drop", "flight", "DLQ rec", "stale v", "restarts"):
+        acct.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True, min_width=16 if col == "stage" else None)
+    for name, s in snap["stages"].items():
+        style = "bold red" if name == b else ""
+        flow.add_row(Text(name, style=style), f"{s['replicas_alive']}/{s['replicas_wanted']}", f(s["input_lag_records"]),
+                     f(s["input_lag_s"]), f(s["records_per_s"]), f(s["samples_per_s"]), ms(s["batch_p50_s"]),
+                     ms(s["batch_p95_s"]), f"{s['busy_share']:.0%}", f(s["last_progress_s"]))
+        acct.add_row(Text(name, style=style), f(s["samples_in"]), f(s["samples_out"]), f(s["samples_dead"]),
+                     f(s["samples_dropped"]), Text(str(s["in_flight"]), style="" if s["in_flight"] >= 0 else "bold red"),
+                     f(s["dead_letters"]), f(s["staleness_versions"]), f(s["restarts"]))
+    head = Text(f"bottleneck: {b} ({snap['bottleneck']['why']})" if b else "bottleneck: -", style="bold")
+    return Group(head, flow, acct)
+
+
+class StatusSampler:
+    """Appends a snapshot to ``path`` every ``interval_s`` on a daemon thread; :meth:`stop` writes a last one."""
+
+    def __init__(self, topo: Any, bootstrap: str, redis_url: str, run_id: str, run_dir: Path,
+                 interval_s: float = STATUS_INTERVAL_S) -> None:
+        self.topo, self.bootstrap, self.redis_url, self.run_id = topo, bootstrap, redis_url, run_id
+        self.run_dir, self.interval_s = Path(run_dir), interval_s
+        self.path = self.run_dir / STATUS_FILE
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="status-sampler", daemon=True)
+        self.snapshots = 0
+
+    def start(self) -> StatusSampler:
+        self._thread.start()
+        return self
+
+    def _one(self, state: Any, admin: Any) -> None:
+        try:
+            snap = collect_status(self.topo, bootstrap=self.bootstrap, redis_url=self.redis_url, run_id=self.run_id,
+                                  run_dir=self.run_dir, state=state, admin=admin)
+        except Exception as exc:  # noqa: BLE001 - observability never stops a run
+            log.debug("status snapshot failed: %r", exc)
+            return
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(snap, separators=(",", ":")) + "\n")
+        self.snapshots += 1
+
+    def _loop(self) -> None:
+        from expstream.bus import make_admin
+        from expstream.state import RedisState
+
+        try:
+            state, admin = RedisState(self.redis_url, self.run_id), make_admin(self.bootstrap, self.topo.kafka)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("status sampler not started: %s", exc)
+            return
+        try:
+            while not self._stop.wait(self.interval_s):
+                self._one(state, admin)
+            self._one(state, admin)  # the final state, after the last experience
+        finally:
+            admin.close()
+            state.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+
+# ---- the command -----------------------------------------------------------------------------
+def add_status_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="per-stage replicas, lag, rates, time per batch, dead letters, accounting")
+    p.add_argument("--run-dir", help="a run's --output directory (reads its services, topology, metrics)")
+    p.add_argument("--bootstrap-servers", help="the broker, without --run-dir")
+    p.add_argument("--redis-url", help="the run's Redis, without --run-dir (or EXPSTREAM_REDIS_URL)")
+    p.add_argument("--run-id", help="the run id, without --run-dir")
+    p.add_argument("--topology", help="topology YAML, without --run-dir (default lookup as expstream run)")
+    p.add_argument("--watch", action="store_true", help="redraw in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=STATUS_INTERVAL_S, help="seconds between redraws (--watch)")
+    p.add_argument("--json", action="store_true", help="print the snapshot as JSON (status.jsonl's format)")
+
+
+def status_command(args: argparse.Namespace) -> int:
+    import os
+
+    from expstream.secrets import REDIS_URL_ENV
+    from expstream.topology import load_topology
+
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is not None:
+        services = run_dir / "run" / "services.json"
+        if not services.is_file():
+            raise ConfigError(f"--run-dir: {run_dir} has no run/services.json; give the --output of an expstream run",
+                              field="--run-dir")
+        svc = json.loads(services.read_text())
+        bootstrap, run_id = args.bootstrap_servers or svc["bootstrap_servers"], args.run_id or svc["run_id"]
+        redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV) or svc["redis_url"]
+        topo = load_topology(str(run_dir / "run" / "topology.yaml"), [])
+    else:
+        redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
+        if not (args.bootstrap_servers and redis_url and args.run_id):
+            raise ConfigError("status needs --run-dir, or --bootstrap-servers, --redis-url and --run-id",
+                              field="--run-dir", fix="e.g. expstream status --run-dir runs/demo")
+        bootstrap, run_id = args.bootstrap_servers, args.run_id
+        topo = load_topology(args.topology, [])
+
+    def snap() -> dict[str, Any]:
+        return collect_status(topo, bootstrap=bootstrap, redis_url=redis_url, run_id=run_id, run_dir=run_dir)
+
+    from expstream.preflight import check_redis
+
+    try:
+        check_redis(redis_url, timeout_s=GONE_CHECK_S)
+    except ConfigError:
+        last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
+        if last is None:
+            raise
+        print(f"the run's services are gone; its last snapshot ({time.strftime('%H:%M:%S', time.localtime(last['t']))}"
+              f", {run_dir / STATUS_FILE}):")
+        snap = lambda: last  # noqa: E731
+
+    if args.json:
+        print(json.dumps(snap(), indent=1))
+        return 0
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    if not args.watch:
+        console.print(render_status(snap()))
+        return 0
+    try:
+        with Live(render_status(snap()), console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                time.sleep(max(0.2, args.interval))
+                live.update(render_status(snap()))
+    except KeyboardInterrupt:
+        return 0
