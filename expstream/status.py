@@ -152,9 +152,8 @@ def scrape_run(run_dir: Path) -> dict[str, Any]:
 def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, run_dir: Path | None = None,
                    state: Any = None, admin: Any = None) -> dict[str, Any]:
     """One snapshot (the format of status.jsonl; docs/observability.md)."""
-    from expstream.bus import _partitions, end_offsets, make_admin, topic_lag
+    from expstream.bus import make_admin
     from expstream.state import RedisState
-    from expstream.topics import dlq_topic
 
     now = time.time()
     own_state = state is None
@@ -171,19 +170,9 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
         stages: dict[str, Any] = {}
         topics: dict[str, Any] = {}
         n = topo.generate.n_samples_per_prompt
+        lags, deads = _broker_view(topo, bootstrap, run_id, admin)
         for st in topo.enabled_stages():
-            group = f"expstream.{run_id}.{st.name}"
-            try:
-                lag = int(sum(topic_lag(bootstrap, topo.kafka, group, st.input, admin=admin, timeout_s=5).values()))
-            except Exception as exc:  # noqa: BLE001 - a topic not created yet, a broker hiccup: shown as unknown
-                log.debug("lag of %s: %r", st.name, exc)
-                lag = None
-            dead = None
-            try:
-                ends = end_offsets(bootstrap, topo.kafka, _partitions(admin, dlq_topic(st.input)), timeout_s=5)
-                dead = int(sum(ends.values()))
-            except Exception as exc:  # noqa: BLE001
-                log.debug("dead letters of %s: %r", st.name, exc)
+            lag, dead = lags.get(st.name), deads.get(st.name)
             alive = sum(1 for (stage, _r), t in beats.items() if stage == st.name and now - t <= ALIVE_WITHIN_S)
             dropped = int(counters.get("dynamic_sampling_dropped_groups", 0)) * n if st.name == "advantage" else 0
             extra = scraped["stages"].get(st.name, {})
@@ -203,6 +192,52 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
             admin.close()
         if own_state:
             state.close()
+
+
+def _broker_view(topo: Any, bootstrap: str, run_id: str, admin: Any) -> tuple[dict, dict]:
+    """Per stage: input records its group has not committed, and records on its input's dead-letter
+    twin. One metadata request, one end-offset probe for every partition, one committed-offset request
+    per group: a snapshot costs a handful of round trips, not one probe per topic."""
+    from expstream.bus import _partitions, end_offsets
+    from expstream.topics import dlq_topic
+
+    stages = list(topo.enabled_stages())
+    tps: dict[str, list] = {}
+    for name in {st.input for st in stages} | {dlq_topic(st.input) for st in stages}:
+        try:
+            tps[name] = _partitions(admin, name)
+        except Exception as exc:  # noqa: BLE001 - not created yet: shown as unknown
+            log.debug("partitions of %s: %r", name, exc)
+    every = [tp for v in tps.values() for tp in v]
+    try:
+        ends = end_offsets(bootstrap, topo.kafka, every, timeout_s=5) if every else {}
+        from kafka.admin import OffsetSpec
+
+        starts = admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in every}) if every else {}
+    except Exception as exc:  # noqa: BLE001 - a broker hiccup: unknown this time
+        log.debug("end offsets: %r", exc)
+        return {}, {}
+    lags: dict[str, int | None] = {}
+    deads: dict[str, int | None] = {}
+    for st in stages:
+        dlq = tps.get(dlq_topic(st.input))
+        deads[st.name] = int(sum(ends.get(tp, 0) for tp in dlq)) if dlq is not None else None
+        parts = tps.get(st.input)
+        if parts is None:
+            lags[st.name] = None
+            continue
+        group = f"expstream.{run_id}.{st.name}"
+        try:
+            committed = admin.list_group_offsets({group: parts}).get(group, {})
+        except Exception:  # noqa: BLE001 - a group that never committed (or a broker without it)
+            committed = {}
+        lag = 0
+        for tp in parts:
+            c = committed.get(tp)
+            pos = c.offset if c is not None and c.offset is not None and c.offset >= 0 else starts[tp].offset
+            lag += max(0, ends.get(tp, 0) - pos)
+        lags[st.name] = lag
+    return lags, deads
 
 
 def bottleneck(stages: dict[str, Any]) -> dict[str, Any] | None:
