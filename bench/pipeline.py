@@ -101,6 +101,8 @@ def parse_args() -> argparse.Namespace:
                    help="instead: the recording's cost, streaming runs with record.enabled=false and true "
                         "interleaved (no baseline, no hops); writes bench/results/pipeline-record.json")
     p.add_argument("--record-repeats", type=int, default=3, help="with --record: (off, on) pairs per prompt count")
+    p.add_argument("--metrics", action="store_true",
+                   help="the observability's cost instead: EXPSTREAM_METRICS=0 vs on, interleaved (record_cost)")
     p.add_argument("--vl", action="store_true",
                    help="images through the pipeline instead: bytes per hop with and without the claim check, "
                         "samples/s of a mixed text/image run vs the same prompts without images (vl_cost)")
@@ -397,13 +399,14 @@ def stage_pids(log_dir: Path) -> dict[int, str]:
     return out
 
 
-def stream_run(prompts: Path, sets: list[str], out: Path) -> dict[str, Any]:
+def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
-           "--no-progress", "--set", "run.timeout_s=120"]
+           "--no-progress", "--no-report", "--set", "run.timeout_s=120"]
     for s in sets:
         cmd += ["--set", s]
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     with TreeCPU(proc.pid) as tree:
         try:
             stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -489,13 +492,13 @@ def main() -> int:
         save("pipeline-vl", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
                              "end_loadavg": machine()["loadavg"], **result})
         return 0
-    if args.record:
+    if args.record or args.metrics:
         try:
-            result = record_cost(args, sets, prompt_files, work)
+            result = record_cost(args, sets, prompt_files, work, "metrics" if args.metrics else "record")
         finally:
             if not args.keep_runs:
                 shutil.rmtree(work, ignore_errors=True)
-        save("pipeline-record", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+        save("pipeline-metrics" if args.metrics else "pipeline-record", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
                                  "end_loadavg": machine()["loadavg"], **result})
         return 0
     try:
@@ -606,8 +609,10 @@ def vl_cost(args: argparse.Namespace, sets: list[str], work: Path) -> dict[str, 
 
 
 def record_cost(args: argparse.Namespace, sets: list[str], prompt_files: dict[int, Path],
-                work: Path) -> dict[str, Any]:
+                work: Path, what: str = "record") -> dict[str, Any]:
     """``--record``: the recording's throughput cost, record.enabled=false vs true in the same bench.
+    ``--metrics`` (``what="metrics"``): the same for the observability (EXPSTREAM_METRICS=0 switches off
+    every Prometheus registry and endpoint and the status sampler; the recording stays on in both).
 
     Per repeat, for N then 2N prompts, one run with the recording off and one with it on, their
     order alternating between repeats (off, on / on, off) so that slow drifts of the machine's load
@@ -624,10 +629,13 @@ def record_cost(args: argparse.Namespace, sets: list[str], prompt_files: dict[in
         for count, path in prompt_files.items():
             pair = {}
             for on in order:
-                r = stream_run(path, sets + [f"record.enabled={str(on).lower()}"], work / f"rec-{on}-{count}-{rep}")
+                if what == "record":
+                    r = stream_run(path, sets + [f"record.enabled={str(on).lower()}"], work / f"rec-{on}-{count}-{rep}")
+                else:
+                    r = stream_run(path, sets, work / f"met-{on}-{count}-{rep}", env={"EXPSTREAM_METRICS": "1" if on else "0"})
                 runs[on][count].append(r)
                 pair[on] = r["log_steady_samples_per_s"]
-                progress(f"record={'on ' if on else 'off'} {count} prompts run {rep + 1}/{args.record_repeats}: "
+                progress(f"{what}={'on ' if on else 'off'} {count} prompts run {rep + 1}/{args.record_repeats}: "
                          f"summary wall {r['wall_s']:.1f}s, log steady {fmt(r['log_steady_samples_per_s'])}/s")
             pair_ratios.append(ratio(pair[True], pair[False]))
         (n1, _), (n2, _) = sorted(prompt_files.items())
@@ -639,11 +647,15 @@ def record_cost(args: argparse.Namespace, sets: list[str], prompt_files: dict[in
     steady = {on: median([r["log_steady_samples_per_s"] for rs in runs[on].values() for r in rs]) for on in runs}
     rows = [[f"pair {i + 1}", x] for i, x in enumerate(pair_ratios)]
     print()
-    print(table(["log steady ratio on/off", "ratio"], rows, title="recording cost, per (off, on) pair"))
+    print(table(["log steady ratio on/off", "ratio"], rows, title=f"{what} cost, per (off, on) pair"))
     print()
     rows = [["log steady (median of pair ratios)", median(pair_ratios), min(pair_ratios), max(pair_ratios)],
             ["two-point (median of repeats)", median(two_point_ratios), min(two_point_ratios), max(two_point_ratios)]]
-    print(table(["throughput record on / off", "median", "min", "max"], rows))
+    print(table([f"throughput {what} on / off", "median", "min", "max"], rows))
+    cpu_per = {on: median([r["cpu_s"]["total"] / max(1, r["samples"]) for rs in runs[on].values() for r in rs])
+               for on in runs}
+    print(f"CPU seconds per sample, whole run (median): off {cpu_per[False]:.4f}, on {cpu_per[True]:.4f} "
+          f"({ratio(cpu_per[True], cpu_per[False]):.3f}x)")
     print(f"steady samples/s (median of runs): off {fmt(steady[False])}, on {fmt(steady[True])}")
     rec_cpu = [r["cpu_s"]["stages"].get("recorder", 0.0) for rs in runs[True].values() for r in rs]
     rec_share = [r["cpu_s"]["stages"].get("recorder", 0.0) / r["cpu_s"]["total"]

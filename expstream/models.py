@@ -441,6 +441,23 @@ def _as_id_set(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
+def check_generate_args(prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                        min_new_tokens: int) -> None:
+    """The argument checks of every generator's ``generate`` (ValueError naming the argument)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
+
 class _BehaviourLogProbs:
     """A pass-through logits processor that keeps the log-prob of each sampled token.
 
@@ -540,20 +557,9 @@ class TransformersGenerator:
         """
         from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not 0 <= min_new_tokens <= max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
         if not prompts:
             return ([], []) if return_log_probs else []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
 
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         width = max(len(r) for r in rows)

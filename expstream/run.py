@@ -44,6 +44,7 @@ import yaml
 from expstream.continuous import TRAINER, resolve_weight_store, run_continuous, trainer_argv
 from expstream.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
 from expstream.metrics import METRICS_DIR_ENV, serve_supervisor
+from expstream.metrics import enabled as metrics_enabled
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
@@ -238,7 +239,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         sup.start()
         stack.callback(sup.stop)
         # one status snapshot per STATUS_INTERVAL_S into <output>/status.jsonl (expstream status, report)
-        sampler = StatusSampler(topo, bootstrap, redis_url, run_id, out_dir).start()
+        sampler = StatusSampler(topo, bootstrap, redis_url, run_id, out_dir)
+        if metrics_enabled():
+            sampler.start()
         try:
             if continuous:
                 run_continuous(topo, rows, out, sup, state, bootstrap, stop, scaler=scaler)

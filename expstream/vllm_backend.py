@@ -193,22 +193,13 @@ class VllmGenerator:
         ``seed`` seeds prompt g's requests with ``seed + g``, so a micro-batch samples the same
         tokens whenever it is (re)processed, whatever else the engine is doing.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not 0 <= min_new_tokens <= max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        from expstream.models import check_generate_args
+
+        check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
         if self._closed:
             raise RuntimeError("VllmGenerator.generate after close()")
         if not prompts:
             return ([], []) if return_log_probs else []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
         if should_stop is not None and should_stop():
             raise ShutdownRequested("stop requested before the generation started")
 
