@@ -389,7 +389,7 @@ def load_causal_lm(
 ) -> Any:
     """Load an actor or reference model (``AutoModelForCausalLM``; a vision-language model, one with a
     ``vision_config``, with ``AutoModelForImageTextToText``), in eval mode, without grads."""
-    from expstream.vl import is_vl_dir
+    from expstream.vision import is_vl_dir
 
     if is_vl_dir(path):
         return _load("AutoModelForImageTextToText", "vision-language model", path, device, dtype, field)

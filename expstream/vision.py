@@ -23,6 +23,7 @@ import base64
 import binascii
 import io
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -156,3 +157,14 @@ def load_video(store: BlobStore, ref: str, what: str) -> list[Any]:
     except (ValueError, KeyError, TypeError) as exc:
         raise BadImageError(f"{what}: {ref} is not a video manifest ({exc})") from None
     return [load_image(store.get(r), f"{what} frame {i}") for i, r in enumerate(refs)]
+
+
+def is_vl_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether a model directory holds a vision-language model (a preprocessor config next to it)."""
+    p = Path(path)
+    if not (p / "preprocessor_config.json").is_file():
+        return False
+    try:
+        return "vision_config" in json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return False

@@ -40,7 +40,7 @@ import torch
 
 from expstream.blobs import BlobStore, open_blob_store
 from expstream.errors import PoisonRecordError
-from expstream.vision import BadImageError, load_image, load_video
+from expstream.vision import BadImageError, is_vl_dir, load_image, load_video
 
 log = logging.getLogger("expstream.vl")
 
@@ -53,17 +53,6 @@ _FORMAT = 1
 PIXEL_CACHE_ENTRIES = 256
 #: The tiny processor's pixel bounds: 56x56 to 112x112 pixels, so 4 to 16 image tokens per image.
 TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 112 * 112
-
-
-def is_vl_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether a model directory holds a vision-language model (a preprocessor config next to it)."""
-    p = Path(path)
-    if not (p / "preprocessor_config.json").is_file():
-        return False
-    try:
-        return "vision_config" in json.loads((p / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
 
 
 def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
