@@ -577,8 +577,10 @@ class StageRunner:
         # statistics: every record the stage did its work on, including those parked in a group
         # buffer (no output yet); samples are the record's own, or for a prompt record the samples
         # generated from it, counted in the outputs
-        if batch is not None and (outputs or not letters):
+        samples = 0
+        if batch is not None:
             samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
+        if batch is not None and (outputs or not letters):
             try:
                 self.ctx.state.record_stage_time(self.stage.name, seconds, samples, batch.batch_id)
             except ExpstreamError as exc:  # statistics only
@@ -591,8 +593,7 @@ class StageRunner:
                 self.ctx.state.record_flow(self.stage.name, batch.batch_id, flow)
             except ExpstreamError as exc:  # statistics only
                 self.log.warning("stage %s %s: sample accounting not recorded: %s", self.stage.name, where, exc)
-        return _Done(batch.batch_id if batch is not None else None, len(batch) if batch is not None else 0,
-                     len(outputs), len(letters), seconds)
+        return _Done(batch.batch_id if batch is not None else None, samples, len(outputs), len(letters), seconds)
 
     # -- process, with retries and splitting (worker thread) ---------------------------------------
     def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
