@@ -105,6 +105,8 @@ class Experience:
     # ---- visual inputs (schema v3; empty for text-only rows): what a trainer needs to rebuild pixel_values ----
     images: list[list[str]] = field(default_factory=list)  # (B; k_b) image blob references (expstream/blobs.py)
     image_grid_thw: list[list[tuple[int, int, int]]] = field(default_factory=list)  # (B; k_b) (t, h, w) per image
+    videos: list[list[str]] = field(default_factory=list)  # (B; v_b) video manifest blob references
+    video_grid_thw: list[list[tuple[int, int, int]]] = field(default_factory=list)  # (B; v_b) (t, h, w) per video
     # ---- packed layout only (None for the padded layout) ----
     packed_seq_lens: list[int] | None = None  # per sample: tokens in `sequences`
     num_actions: list[int] | None = None  # per sample: actions in the action-level row
@@ -194,7 +196,7 @@ class Experience:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"Experience.info[{key!r}]: expected a tensor of shape (B={b},), got {shape}")
         for name in ("sample_ids", "prompt_ids", "group_ids", "sample_index", "rollout_versions",
-                     "logprob_versions"):
+                     "logprob_versions", *VISUAL_FIELDS):
             ids = getattr(self, name)
             if ids and len(ids) != b:
                 raise ValueError(
@@ -334,15 +336,22 @@ class Experience:
         )
 
 
+#: Per-row visual fields of Experience and BufferItem (schema v3; empty for text-only rows).
+VISUAL_FIELDS = ("images", "image_grid_thw", "videos", "video_grid_thw")
+
+
 def _visual(batch: Any, idx: list[int]) -> dict[str, Any]:
     """Rows ``idx`` of the visual claim checks and grids (nothing for a text-only record)."""
-    images = list(getattr(batch, "images", None) or [])
-    if not images:
-        return {}
-    grid = getattr(batch, "image_grid_thw", None)
-    rows = [grid.row(r).tolist() if grid is not None else [] for r in idx]
-    return {"images": [list(images[r]) for r in idx],
-            "image_grid_thw": [[tuple(int(x) for x in g[i:i + 3]) for i in range(0, len(g), 3)] for g in rows]}
+    out: dict[str, Any] = {}
+    for refs_name, grid_name in (("images", "image_grid_thw"), ("videos", "video_grid_thw")):
+        refs = list(getattr(batch, refs_name, None) or [])
+        if not refs:
+            continue
+        grid = getattr(batch, grid_name, None)
+        rows = [grid.row(r).tolist() if grid is not None else [] for r in idx]
+        out[refs_name] = [list(refs[r]) for r in idx]
+        out[grid_name] = [[tuple(int(x) for x in g[i:i + 3]) for i in range(0, len(g), 3)] for g in rows]
+    return out
 
 
 def _versions(batch: Any, name: str, idx: list[int]) -> list[int]:
@@ -545,6 +554,11 @@ class BufferItem:
     sample_index: int = -1
     batch_id: str = ""
     policy_version: int = 0
+    # visual inputs of this sample (empty for a text-only one): blob references and (t, h, w) grids
+    images: list[str] = field(default_factory=list)
+    image_grid_thw: list[tuple[int, int, int]] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
+    video_grid_thw: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def split_experience_batch(experience: Experience) -> list[BufferItem]:
@@ -574,6 +588,7 @@ def split_experience_batch(experience: Experience) -> list[BufferItem]:
                 logprob_version=pick(experience.logprob_versions, -1),
                 batch_id=experience.batch_id,
                 policy_version=experience.policy_version,
+                **{name: list(pick(getattr(experience, name), [])) for name in VISUAL_FIELDS},
             )
         )
     return items
@@ -669,7 +684,15 @@ def make_experience_batch(items: Sequence[BufferItem], packing_samples: bool = F
         rollout_versions=[it.rollout_version for it in items] if all(it.rollout_version >= 0 for it in items) else [],
         logprob_versions=[it.logprob_version for it in items] if all(it.logprob_version >= 0 for it in items) else [],
         policy_version=min(it.policy_version for it in items),
+        **_visual_of_items(items),
     )
+
+
+def _visual_of_items(items: Sequence[BufferItem]) -> dict[str, Any]:
+    """The per-row visual fields of a batch of items: none when every item is text-only."""
+    if not any(getattr(it, name) for it in items for name in VISUAL_FIELDS):
+        return {}
+    return {name: [list(getattr(it, name)) for it in items] for name in VISUAL_FIELDS}
 
 
 def remove_padding_in_sequences(items: Iterable[BufferItem]) -> list[BufferItem]:

@@ -180,6 +180,9 @@ def split_samples(batch: Any, located: Located) -> list[Sample]:
             elif kind == "opt_ints":
                 if value:
                     fields[name] = value[r]
+            elif kind == "opt_refs":  # images / videos: the sample's blob references (text-only: left out)
+                if value:
+                    fields[name] = list(value[r])
             elif kind == "ragged":
                 fields[name] = np.asarray(value.row(r))
             elif kind == "array":

@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,10 +32,10 @@ class PromptRow:
     prompt: str
     label: str = ""
     reference: str = ""
-    # Visual inputs (expstream/vision.py): image file bytes / video frame bytes as read, until
-    # store_media() replaces them with blob references (str) for the wire.
-    images: list[bytes | str] = field(default_factory=list)
-    videos: list[list[bytes] | str] = field(default_factory=list)
+    # Visual inputs (expstream/vision.py): image file bytes / video frame bytes as read (or PIL images
+    # from a Python caller), until store_media() replaces them with blob references (str) for the wire.
+    images: list[Any] = field(default_factory=list)
+    videos: list[list[Any] | str] = field(default_factory=list)
 
 
 def _media(path: str | Path, lineno: int, obj: dict, key: str) -> list:
@@ -54,12 +55,17 @@ def _media(path: str | Path, lineno: int, obj: dict, key: str) -> list:
 
 def store_media(rows: list[PromptRow], store: object) -> int:
     """Put every image and video of ``rows`` into the blob store, in place; returns the blobs referenced."""
-    from expstream.vision import store_video
+    from expstream.vision import item_bytes, store_video
 
     count = 0
     for row in rows:
-        row.images = [x if isinstance(x, str) else store.put(x) for x in row.images]  # type: ignore[attr-defined]
-        row.videos = [x if isinstance(x, str) else store_video(store, x) for x in row.videos]  # type: ignore[arg-type]
+        # bytes as read from a prompt file, or what a Python caller put in a PromptRow (a PIL image is
+        # stored as PNG); a str is a blob reference already
+        row.images = [x if isinstance(x, str) else store.put(  # type: ignore[attr-defined]
+            item_bytes(x, f"prompt {row.prompt_id}: images[{i}]")) for i, x in enumerate(row.images)]
+        row.videos = [x if isinstance(x, str) else store_video(store, [  # type: ignore[arg-type]
+            item_bytes(f, f"prompt {row.prompt_id}: videos[{i}][{j}]") for j, f in enumerate(x)])
+            for i, x in enumerate(row.videos)]
         count += len(row.images) + len(row.videos)
     return count
 

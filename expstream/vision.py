@@ -36,6 +36,8 @@ _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _DATA_URI = re.compile(r"^data:([^;,]*)(;base64)?,(.*)$", re.S)
 #: Why 4096 characters: a path is short; a longer string without a path separator is base64 data.
 _MAX_PATH_CHARS = 4096
+#: The first bytes of the image file formats bare base64 may carry (PNG, JPEG, GIF, BMP, WebP/RIFF, TIFF).
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00", b"MM\x00*")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
 
 
@@ -75,10 +77,16 @@ def item_bytes(item: Any, where: str, base_dir: Path | None = None) -> bytes:
         if path.is_file():
             return path.read_bytes()
     try:
-        return base64.b64decode(item.strip(), validate=True)
+        data = base64.b64decode(item.strip(), validate=True)
     except (binascii.Error, ValueError):
-        raise _media_error(where, f"no file {item[:120]!r} (and not base64 either)", "give an existing image path "
-                           "(relative to the prompt file's directory), a data:image/...;base64 URI or base64") from None
+        data = None
+    # A short path such as "pics/cat" is valid base64 too: bare base64 counts only when it decodes to
+    # the signature of an image file format, so that a missing file is reported as missing.
+    if data is None or not data.startswith(_IMAGE_MAGIC):
+        raise _media_error(where, f"no file {item[:120]!r} (and not base64 of an image file either)",
+                           "give an existing image path (relative to the prompt file's directory), a "
+                           "data:image/...;base64 URI or base64 of a PNG/JPEG/GIF/BMP/WebP/TIFF file")
+    return data
 
 
 def _b64(text: str, where: str) -> bytes:  # a data: URI's payload

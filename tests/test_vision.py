@@ -307,7 +307,11 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     assert len(e.images[i]) == 2 and len(e.image_grid_thw[i]) == 2 and e.image_grid_thw[i][0][0] == 1
     e, i = by_id["text"]
     assert e.images == [] or e.images[i] == []
+    e, i = by_id["video"]
+    # 3 frames of 80x60 px: padded to 4 frames = t 2; rounded to multiples of 28 px (84x56) = 4x6 patches of 14
+    assert len(e.videos[i]) == 1 and e.video_grid_thw[i] == [(2, 4, 6)], (e.videos, e.video_grid_thw)
     assert all(torch.isfinite(e.advantages).all() for e in exps)
+    _image_log_probs_equal_a_direct_forward(out, tmp_path / "models")
     assert len(list((out / "blobs").rglob("*.*"))) == 0 and any((out / "blobs").rglob("*"))  # the claim check
     # the blobs live in the run directory: a replay of the scoring stages reproduces the experiences
     rp = tmp_path / "replay"
@@ -318,6 +322,57 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     res = subprocess.run([sys.executable, "-m", "expstream", "diff", str(out), str(rp), "--topic", "experiences"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "EQUAL within tolerance" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def _image_log_probs_equal_a_direct_forward(run: Path, cache_dir: Path) -> None:
+    """The actor log-probs the run recorded for its image samples equal an unpadded forward of the
+    tiny VL actor on the same tokens and the pixels of the stored bytes (the run's own blob store)."""
+    from expstream.inspect import read_samples
+    from expstream.models import load_causal_lm
+    from expstream.vl import image_processor
+
+    store = DirectoryBlobStore(run / "blobs")
+    samples = read_samples(run, "actor").samples
+    imaged = [s for s in samples.values() if s.fields.get("images")]
+    assert {s.sample_id.split("#")[0] for s in imaged} == {"one", "two"}, sorted(samples)
+    from expstream.inspect import load_run_topology
+    from expstream.resolve import model_dir
+
+    actor_dir = model_dir(load_run_topology(run), "actor")
+    assert str(actor_dir).startswith(str(cache_dir)), actor_dir
+    model, proc = load_causal_lm(actor_dir), image_processor(actor_dir)
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(actor_dir)
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    vision_ids = set(tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"]))
+    for s in imaged:
+        f = s.fields
+        acts = f["action_ids"].tolist()
+        ids = f["prompt_ids"].tolist() + [f["pad_token_id"] if t in vision_ids else t for t in acts]
+        enc = proc(images=[Image.open(io.BytesIO(store.get(r))).convert("RGB") for r in f["images"]],
+                   return_tensors="pt")
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x), mm_token_type_ids=(x == image_id).long(),
+                           pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"]).logits[0].float()
+        want = torch.log_softmax(logits[-len(acts) - 1:-1], -1).gather(-1, torch.tensor(acts)[:, None])[:, 0]
+        assert np.abs(f["action_log_probs"] - want.numpy()).max() <= TOL, s.sample_id
+
+
+def test_prompt_rows_from_python_take_pil_images_and_a_missing_short_path_is_not_base64(tmp_path):
+    """A Python caller's PromptRow may hold PIL images (stored as PNG); "pics/cat" is valid base64
+    alphabet but no image, so it is reported as a missing file, not stored as 6 garbage bytes."""
+    from expstream.prompts import PromptRow
+
+    store = DirectoryBlobStore(tmp_path / "blobs")
+    pil = Image.new("RGB", (30, 20), (9, 8, 7))
+    rows = [PromptRow("a", "what?", images=[pil, png()], videos=[[pil, pil]])]
+    assert store_media(rows, store) == 2
+    assert Image.open(io.BytesIO(store.get(rows[0].images[0]))).size == (30, 20)
+    assert rows[0].images[1] == blob_ref(png())
+    frames = json.loads(store.get(rows[0].videos[0]))["frames"]
+    assert frames == [rows[0].images[0]] * 2
+    with pytest.raises(ConfigError, match="no file 'pics/cat'"):
+        item_bytes("pics/cat", "p.jsonl:1: images[0]", tmp_path)
 
 
 def test_a_video_prompt_goes_through_generate_and_the_actor_like_an_unpadded_forward(vl):
