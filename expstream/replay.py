@@ -439,6 +439,7 @@ def prepare_replay(run_dir: str | Path, from_topic: str, stages: str, *, overrid
     topo_path = Path(topology) if topology else recorded_topology_path(run_dir)
     loop_on = load_topology(topo_path, overrides).train.enabled
     topo = load_topology(topo_path, [*overrides, NO_LOOP_OVERRIDE])
+    _follow_moved_blobs(topo, run_dir, overrides)
     if loop_on:
         log.info("replay: the configuration has train.enabled true (a continuous run); a replay has no trainer, "
                  "so it runs with train.enabled=false (no admission control, no weight reloading)")
@@ -455,6 +456,19 @@ def prepare_replay(run_dir: str | Path, from_topic: str, stages: str, *, overrid
     items = _selected(run_dir, from_topic, filters, counts)
     out_dir.mkdir(parents=True, exist_ok=True)
     return Prepared(run_dir, topo, topo_path, overrides, loop_on, span, out_dir, items, counts)
+
+
+def _follow_moved_blobs(topo: Topology, run_dir: Path, overrides: list[str]) -> None:
+    """A run directory copied or moved elsewhere keeps its images in ``<run>/blobs``, while its
+    topology names the absolute directory it was written to: use the run's own copy when that one is
+    gone (unless ``--set run.blob_store=...`` says where to look)."""
+    recorded = topo.run.blob_store
+    if not recorded or any(o.startswith("run.blob_store=") for o in overrides) or "://" in recorded:
+        return
+    own = run_dir / "blobs"
+    if not Path(recorded).is_dir() and own.is_dir():
+        log.info("replay: the recorded blob store %s is gone; reading the run directory's copy %s", recorded, own)
+        topo.run.blob_store = str(own.resolve())
 
 
 def summary_head(prep: Prepared, from_topic: str, filters: Filters, run_id: str) -> dict[str, Any]:

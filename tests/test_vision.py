@@ -263,6 +263,32 @@ def test_stray_vision_tokens_in_a_response_are_repaired_and_cut_image_tokens_are
         ctx.topology = saved
 
 
+def test_a_missing_blob_and_an_image_token_count_that_cannot_match_its_grid_are_poison(vl):
+    """Both are a sample's problem (PoisonRecordError: the runner bisects the micro-batch and
+    dead-letters that sample alone, tests/test_runner*.py), with a reason naming the sample."""
+    from stages import STAGES
+
+    _, store, ctxs = vl
+    ref = store.put(png((64, 64), (1, 2, 3)))
+    batch = PromptBatch(batch_id="p2", prompt_id=["m"], prompt=["see"], label=[""], reference=[""], images=[[ref]])
+    (out,) = STAGES["generate"].process(batch, ctxs["generate"])
+    (cut,) = STAGES["shard-preprocess"].process(out, ctxs["shard-preprocess"])
+    missing = blob_ref(b"never stored in this run")
+    gone = cut.replace(images=[[ref], [missing]])
+    with pytest.raises(MissingBlobError, match=missing.split(":")[1][:12]):
+        STAGES["actor-logprob"].process(gone, ctxs["actor-logprob"])
+    assert issubclass(MissingBlobError, PoisonRecordError)
+    image_id = ctxs["actor-logprob"].models["vision"].image_id
+    rows = cut.prompt_ids.rows()
+    first_pad = rows[0].tolist().index(image_id)
+    rows[0] = np.delete(rows[0], first_pad).astype(np.int32)  # 3 image tokens left for a 4-token grid
+    short = cut.replace(prompt_ids=Ragged.from_rows(rows, "int32"))
+    with pytest.raises(PoisonRecordError, match=r"m#0: 3 image tokens in the sequence but its 1 images need 4"):
+        STAGES["actor-logprob"].process(short, ctxs["actor-logprob"])
+    (fine,) = STAGES["actor-logprob"].process(cut, ctxs["actor-logprob"])  # the untouched batch still goes
+    assert np.isfinite(fine.action_log_probs.values).all()
+
+
 def dataclasses_replace_topo(topo, **generate):
     import copy
     import dataclasses
@@ -313,7 +339,9 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     assert all(torch.isfinite(e.advantages).all() for e in exps)
     _image_log_probs_equal_a_direct_forward(out, tmp_path / "models")
     assert len(list((out / "blobs").rglob("*.*"))) == 0 and any((out / "blobs").rglob("*"))  # the claim check
-    # the blobs live in the run directory: a replay of the scoring stages reproduces the experiences
+    # the blobs live in the run directory: a replay of the scoring stages reproduces the experiences,
+    # also after the run directory was moved (its topology names the old absolute blob directory)
+    out = out.rename(tmp_path / "moved")
     rp = tmp_path / "replay"
     res = subprocess.run([sys.executable, "-m", "expstream", "replay", str(out), "--from", "rollouts", "--stages",
                           "shard-preprocess..advantage", "--output", str(rp)], cwd=ROOT, env=env, capture_output=True,
