@@ -9,6 +9,10 @@ and on CPU. The forward passes follow docs/numerics.md §1.3:
   (``V_t`` = value of the state before action t);
 * ``forward_reward``: the sequence-classification score read at the last non-pad token.
 
+The critic and the reward model of a vision-language run are :class:`expstream.vl.VisionValueModel` s
+(a Qwen2-VL backbone plus a value head); ``load_critic`` / ``load_reward_model`` pick them from the
+directory's config, and the forwards take their visual inputs like the actor's.
+
 The packed variants take the docs/numerics.md §1.4 layout (segments concatenated in one row, position ids
 restarting at 0 in each segment) and give the same numbers as the padded layout: segments never attend to each
 other (a block-diagonal causal 4-D mask, or the position ids for flash attention).
@@ -403,8 +407,24 @@ def load_critic(
     *,
     field: str | None = None,
 ) -> Any:
-    """Load a critic (``AutoModelForTokenClassification``, ``num_labels=1``): one value per token."""
+    """Load a critic (``AutoModelForTokenClassification``, ``num_labels=1``): one value per token.
+
+    A Qwen2-VL / Qwen2.5-VL directory loads as an :class:`expstream.vl.VisionValueModel` (the backbone
+    plus a linear value head, fed the pixels), since transformers has no token-classification head
+    for those models.
+    """
+    if _is_vl_scorer(path):
+        from expstream.vl import load_value_model
+
+        return load_value_model(path, "critic", device, dtype, field=field)
     return _load("AutoModelForTokenClassification", "critic", path, device, dtype, field, num_labels=1)
+
+
+def _is_vl_scorer(path: str | Path) -> bool:
+    """Whether a critic / reward directory holds a vision-language model (loaded with a value head)."""
+    from expstream.vl import is_vl_dir, is_vl_scoring_dir
+
+    return is_vl_dir(path) or is_vl_scoring_dir(path)
 
 
 def load_reward_model(
@@ -418,11 +438,18 @@ def load_reward_model(
     """Load a reward model (``AutoModelForSequenceClassification``, ``num_labels=1``).
 
     The score is read at the last non-pad token, which needs ``config.pad_token_id``: pass
-    ``pad_token_id`` to set it when the saved config has none.
+    ``pad_token_id`` to set it when the saved config has none. A Qwen2-VL / Qwen2.5-VL directory
+    loads as an :class:`expstream.vl.VisionValueModel` (backbone + linear head, fed the pixels; the
+    score read at the last attended token).
     """
-    model = _load(
-        "AutoModelForSequenceClassification", "reward model", path, device, dtype, field, num_labels=1
-    )
+    if _is_vl_scorer(path):
+        from expstream.vl import load_value_model
+
+        model = load_value_model(path, "reward", device, dtype, field=field)
+    else:
+        model = _load(
+            "AutoModelForSequenceClassification", "reward model", path, device, dtype, field, num_labels=1
+        )
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
@@ -776,22 +803,27 @@ def forward_action_log_probs(
 
 
 @torch.inference_mode()
-def forward_values(critic: Any, sequences: Tensor, attention_mask: Tensor, num_actions: int) -> Tensor:
-    """Critic values (B, A) float32: outputs at positions ``[:-1]``, last A (V_t = V(state before t))."""
+def forward_values(critic: Any, sequences: Tensor, attention_mask: Tensor, num_actions: int,
+                   visual: dict[str, Any] | None = None) -> Tensor:
+    """Critic values (B, A) float32: outputs at positions ``[:-1]``, last A (V_t = V(state before t)).
+
+    ``visual``: a vision-language critic's extra inputs, as in :func:`forward_action_log_probs`.
+    """
     _check_padded(sequences, attention_mask, num_actions)
-    out, _ = _padded_forward(critic, sequences, attention_mask)
+    out, _ = _padded_forward(critic, sequences, attention_mask, visual)
     values = out.logits[..., 0] if out.logits.dim() == 3 else out.logits
     return values[:, :-1][:, -num_actions:].float()
 
 
 @torch.inference_mode()
-def forward_reward(rm: Any, sequences: Tensor, attention_mask: Tensor) -> Tensor:
+def forward_reward(rm: Any, sequences: Tensor, attention_mask: Tensor, visual: dict[str, Any] | None = None) -> Tensor:
     """Reward scores (B,) float32: the sequence-classification output at the last non-pad token.
 
     Needs ``rm.config.pad_token_id`` for batches of more than one row (see ``load_reward_model``).
+    ``visual``: a vision-language reward model's extra inputs, as in :func:`forward_action_log_probs`.
     """
     _check_padded(sequences, attention_mask, None)
-    out, sequences = _padded_forward(rm, sequences, attention_mask)
+    out, sequences = _padded_forward(rm, sequences, attention_mask, visual)
     return out.logits.reshape(sequences.shape[0], -1)[:, 0].float()
 
 

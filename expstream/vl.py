@@ -3,9 +3,16 @@
 ``builtin:tiny-vl`` (``models.actor`` / ``models.reference``) is a Qwen2-VL with random weights built
 offline (../notes: hidden 64, 2 layers, heads of 32, a 2-block vision tower with patch 14, merge 2,
 temporal patch 2), saved with its tokenizer (the tiny BPE plus the vision special tokens) and the
-image processor's config. The critic and reward models of a tiny-vl run are the tiny text models
-built on the same tokenizer (they see the image placeholder tokens, not the pixels; give your own
-VL reward model or a reward function, which receives the images as PIL).
+image processor's config. Its critic and reward model are :class:`VisionValueModel` s: a Qwen2-VL
+backbone (``Qwen2VLModel``, no LM head) plus a linear value head, so they see the pixels too.
+
+A vision-language critic / reward model directory (the convention :func:`save_value_model` writes and
+:func:`load_value_model` reads) is a Qwen2-VL or Qwen2.5-VL directory -- the backbone saved with
+``save_pretrained`` (a ``*ForConditionalGeneration`` checkpoint loads too: its LM head is ignored),
+its tokenizer and ``preprocessor_config.json`` -- plus ``value_head.safetensors``: the head's
+``weight`` (1, hidden) and ``bias`` (1,), with the metadata ``{"format": "1", "kind": "critic" |
+"reward"}``. A critic directory without the head file (e.g. ``models.critic`` pointed at the VL
+actor) starts from a zero head, so V = 0 until trained; a reward model without it is refused.
 
 :class:`VisionInputs` is what a model stage holds to turn a SampleBatch's claim checks back into
 model inputs, deterministically (same bytes -> same tensors):
@@ -47,7 +54,13 @@ log = logging.getLogger("expstream.vl")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 BUILTIN_TINY_VL = "builtin:tiny-vl"
 _MARKER = "EXPSTREAM_COMPLETE.json"
-_FORMAT = 1
+# 2: the critic and the reward model are VisionValueModels (1 had text models); the directory name carries it
+_FORMAT = 2
+#: The file of a vision-language critic's / reward model's linear head, next to the backbone.
+VALUE_HEAD_FILE = "value_head.safetensors"
+_HEAD_FORMAT = "1"
+#: The model types whose backbone (``AutoModel``) and processor VisionInputs knows how to feed.
+VL_SCORING_TYPES = ("qwen2_vl", "qwen2_5_vl")
 #: Why 256: the processed images of a few micro-batches (n samples of a group share their images);
 #: an image of the tiny processor is ~60 KB of float32 patches.
 PIXEL_CACHE_ENTRIES = 256
@@ -56,14 +69,12 @@ TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 112 * 112
 
 
 def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str, Path]:
-    """Build (once) the tiny Qwen2-VL and its text critic/reward; ``{tokenizer, actor, critic, reward}``."""
-    from transformers import (
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-        GenerationConfig,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-    )
+    """Build (once) the tiny Qwen2-VL and its VL critic / reward model; ``{tokenizer, actor, critic, reward}``.
+
+    The critic and the reward model are :class:`VisionValueModel` s on the actor's config, initialised
+    after ``torch.manual_seed(seed + 1)`` and ``seed + 2`` (the global RNG untouched).
+    """
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLModel
 
     from expstream import models as M
 
@@ -99,15 +110,14 @@ def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str,
                 actor.save_pretrained(tmp / "actor", safe_serialization=True)
             tok.save_pretrained(tmp / "actor")
             image_processor().save_pretrained(tmp / "actor")
-            for offset, (key, cls) in enumerate((("critic", AutoModelForTokenClassification),
-                                                 ("reward", AutoModelForSequenceClassification)), start=1):
-                tcfg = M._tiny_config(tok, 64, 2, num_labels=1)
+            for offset, key in enumerate(("critic", "reward"), start=1):
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed + offset)
-                    model = cls.from_config(tcfg, dtype=torch.float32)
-                with M._quiet_progress():
-                    model.save_pretrained(tmp / key, safe_serialization=True)
+                    model = VisionValueModel(Qwen2VLModel(cfg).eval(), key)  # type: ignore[arg-type]
+                    torch.nn.init.normal_(model.score.weight, std=1.0 / (model.hidden_size + 1))
+                save_value_model(model, tmp / key)
                 tok.save_pretrained(tmp / key)
+                image_processor().save_pretrained(tmp / key)
             (tmp / _MARKER).write_text(json.dumps({"format": _FORMAT, "seed": seed}) + "\n")
             if root.exists():
                 shutil.rmtree(root, ignore_errors=True)
@@ -261,10 +271,15 @@ class VisionInputs:
         return kw
 
 
-def vision_for(topology: Any, model_path: str | os.PathLike[str], tokenizer: Any) -> VisionInputs | None:
-    """A stage's VisionInputs when ``model_path`` is a vision-language model (None otherwise)."""
+def vision_for(topology: Any, model_path: str | os.PathLike[str], tokenizer: Any = None) -> VisionInputs | None:
+    """A stage's VisionInputs when ``model_path`` is a vision-language model (None otherwise);
+    ``tokenizer`` defaults to the one saved in ``model_path``."""
     if not is_vl_dir(model_path):
         return None
+    if tokenizer is None:
+        from expstream.models import load_tokenizer
+
+        tokenizer = load_tokenizer(model_path)
     where = topology.run.blob_store
     store = open_blob_store(where) if where else _NoStore()
     return VisionInputs(model_path, tokenizer, store)
@@ -285,5 +300,135 @@ class _NoStore:
         return False
 
 
-__all__ = ["BUILTIN_TINY_VL", "VisionInputs", "BadImageError", "build_tiny_vl", "image_processor", "is_vl_dir",
-           "vision_for"]
+# -- the vision-language critic and reward model ------------------------------------------------------
+class VisionValueModel(torch.nn.Module):
+    """A vision-language backbone plus a linear value head (hidden -> 1): the critic or the reward model
+    of a VL run, fed the same inputs as the actor (pixels, grids, ``mm_token_type_ids``).
+
+    ``kind="critic"``: ``logits`` (B, L, 1), one value per token (read like a token-classification
+    critic: the outputs at ``[:-1]``, last A). ``kind="reward"``: ``logits`` (B, 1), the head at the
+    last attended token of each row (the last non-pad token without an attention mask), like a
+    sequence-classification reward model. ``base_model`` and ``score`` are named as in transformers'
+    ``*ForSequenceClassification``, so the packed forwards of expstream/models.py work unchanged.
+    """
+
+    def __init__(self, backbone: torch.nn.Module, kind: str) -> None:
+        super().__init__()
+        if kind not in ("critic", "reward"):
+            raise ValueError(f"VisionValueModel: kind must be 'critic' or 'reward', got {kind!r}")
+        self.kind = kind
+        self.backbone = backbone
+        self.config = backbone.config
+        self.hidden_size = int(backbone.config.get_text_config().hidden_size)
+        self.score = torch.nn.Linear(self.hidden_size, 1)
+        torch.nn.init.zeros_(self.score.weight)
+        torch.nn.init.zeros_(self.score.bias)
+        param = next(backbone.parameters())
+        self.score.to(device=param.device, dtype=param.dtype)
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        """The backbone (``last_hidden_state``), as transformers' classification models name it."""
+        return self.backbone
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The pad token: the config's (``load_reward_model(pad_token_id=...)`` sets it) or the text config's."""
+        pad = getattr(self.config, "pad_token_id", None)
+        return pad if pad is not None else getattr(self.config.get_text_config(), "pad_token_id", None)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        """Values (critic) or scores (reward); ``kwargs`` (pixel_values, image_grid_thw,
+        pixel_values_videos, video_grid_thw, mm_token_type_ids, ...) go to the backbone."""
+        from transformers.modeling_outputs import SequenceClassifierOutputWithPast, TokenClassifierOutput
+
+        kwargs.setdefault("use_cache", False)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               **kwargs).last_hidden_state
+        values = self.score(hidden)
+        if self.kind == "critic":
+            return TokenClassifierOutput(logits=values)
+        return SequenceClassifierOutputWithPast(logits=values[torch.arange(values.shape[0], device=values.device),
+                                                              self._last_token(input_ids, attention_mask)])
+
+    def _last_token(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """(B,) the index of each row's last attended token (last non-pad token without a 2-D mask)."""
+        if attention_mask is not None and attention_mask.dim() == 2:
+            keep = attention_mask.to(torch.long)
+        elif self.pad_token_id is not None:
+            keep = (input_ids != self.pad_token_id).to(torch.long)
+        else:
+            keep = torch.ones_like(input_ids, dtype=torch.long)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return (positions * keep).argmax(-1)
+
+
+def is_vl_scoring_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a model directory whose config is a Qwen2-VL / Qwen2.5-VL (``model_type``)."""
+    try:
+        cfg = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return cfg.get("model_type") in VL_SCORING_TYPES
+
+
+def save_value_model(model: VisionValueModel, path: str | os.PathLike[str]) -> None:
+    """Write a VisionValueModel as a directory: the backbone (``save_pretrained``) and
+    ``value_head.safetensors`` (the tokenizer and the image processor are the caller's to add)."""
+    from safetensors.torch import save_file
+
+    from expstream import models as M
+
+    out = Path(path)
+    with M._quiet_progress():
+        model.backbone.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
+    head = {"weight": model.score.weight.detach().cpu().contiguous(), "bias": model.score.bias.detach().cpu().contiguous()}
+    save_file(head, str(out / VALUE_HEAD_FILE), metadata={"format": _HEAD_FORMAT, "kind": model.kind})
+
+
+def load_value_model(path: str | os.PathLike[str], kind: str, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | str | None = None, *, field: str | None = None) -> VisionValueModel:
+    """Load a vision-language critic (``kind="critic"``) or reward model (``"reward"``) from ``path``
+    (the directory convention of the module docstring), in eval mode, without grads."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from expstream import models as M
+
+    label = field or f"models.{kind}"
+    if not is_vl_dir(path):
+        raise M.ModelNotFoundError(f"{label}: {path} is a Qwen2-VL model but has no preprocessor_config.json, so its "
+                                   "images cannot be processed; copy the processor's preprocessor_config.json into "
+                                   "that directory (processor.save_pretrained(dir))")
+    if not is_vl_scoring_dir(path):
+        raise M.ModelNotFoundError(f"{label}: {path} is a vision-language model but not a Qwen2-VL / Qwen2.5-VL one "
+                                   f"(model_type in {VL_SCORING_TYPES}); a VL critic or reward model needs one, or "
+                                   "use a text model on the same tokenizer")
+    model = VisionValueModel(M._load("AutoModel", f"vision-language {kind}", path, "cpu", dtype, field), kind)
+    head_file = Path(path).expanduser() / VALUE_HEAD_FILE
+    if head_file.is_file():
+        try:
+            head = load_file(str(head_file))
+        except (OSError, SafetensorError) as exc:
+            raise M.ModelNotFoundError(f"{label}: {head_file} is not a readable safetensors file ({exc}); save the "
+                                       "model again with expstream.vl.save_value_model") from exc
+        want = {"weight": (1, model.hidden_size), "bias": (1,)}
+        got = {k: tuple(v.shape) for k, v in head.items()}
+        if got != want:
+            raise M.ModelNotFoundError(f"{label}: {head_file} holds {got}, expected {want} for hidden size "
+                                       f"{model.hidden_size}; save the head of this backbone with "
+                                       "expstream.vl.save_value_model")
+        model.score.load_state_dict({k: v.to(model.score.weight.dtype) for k, v in head.items()})
+    elif kind == "reward":
+        raise M.ModelNotFoundError(f"{label}: {path} is a Qwen2-VL backbone without {VALUE_HEAD_FILE}, so it has "
+                                   "no reward head; save a trained reward model with expstream.vl.save_value_model, "
+                                   "or score with a reward function (models.reward_fn)")
+    else:
+        log.warning("%s: %s has no %s: the critic starts from a zero value head (V = 0 until trained)",
+                    label, path, VALUE_HEAD_FILE)
+    return M._finish(model, device)
+
+
+__all__ = ["BUILTIN_TINY_VL", "VALUE_HEAD_FILE", "VisionInputs", "VisionValueModel", "BadImageError", "build_tiny_vl",
+           "image_processor", "is_vl_dir", "is_vl_scoring_dir", "load_value_model", "save_value_model", "vision_for"]
