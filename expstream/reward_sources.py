@@ -16,8 +16,9 @@ one micro-batch at a time:
    (NaN where a source did not score the sample).
 
 A source is anything with ``name``, ``score(batch) -> float32 (len(batch),)`` and ``close()``:
-:class:`ModelSource` (a sequence-classification model), :class:`FnSource` (``module:function``)
-and ``expstream.reward_http.HttpRewardSource`` (a server speaking the /score API).
+:class:`ModelSource` (a sequence-classification model, or a vision-language one fed the pixels),
+:class:`FnSource` (``module:function``) and ``expstream.reward_http.HttpRewardSource`` (a server
+speaking the /score API).
 """
 
 from __future__ import annotations
@@ -58,15 +59,30 @@ class RewardSource(Protocol):
 
 
 class ModelSource:
-    """A sequence-classification reward model, scored at the last token (padded or packed layout)."""
+    """A sequence-classification reward model, scored at the last token (padded or packed layout).
 
-    def __init__(self, name: str, model: Any) -> None:
-        self.name, self.model = name, model
+    ``vision``: a vision-language reward model's :class:`expstream.vl.VisionInputs` (None for a text
+    model): the samples' pixels, grids and ``mm_token_type_ids`` are then fed to it, as to the actor.
+    """
+
+    def __init__(self, name: str, model: Any, vision: Any = None) -> None:
+        self.name, self.model, self.vision = name, model, vision
+
+    @classmethod
+    def load(cls, name: str, path: Any, topo: Topology, model: Any = None) -> ModelSource:
+        """The source of the reward model at ``path`` (``model``: its weights when loaded already),
+        with its own VisionInputs when it is a vision-language model."""
+        from expstream.models import load_reward_model
+        from expstream.vl import vision_for
+
+        if model is None:
+            model = load_reward_model(path, device=topo.models.device)
+        return cls(name, model, vision_for(topo, path))
 
     def score(self, batch: SampleBatch) -> np.ndarray:
         from stages.common import forward_reward
 
-        return forward_reward(self.model, batch)
+        return forward_reward(self.model, batch, vision=self.vision)
 
     def close(self) -> None:
         pass
@@ -143,17 +159,18 @@ def build_sources(topo: Topology, ctx: Any) -> dict[str, RewardSource]:
     out: dict[str, RewardSource] = {}
     if topo.rewards.sources is None:
         if models.reward:
-            out["model"] = ModelSource("model", load_reward_model(model_dir(topo, "reward"), device=models.device))
+            out["model"] = ModelSource.load("model", model_dir(topo, "reward"), topo)
         if models.reward_fn:
             out["fn"] = FnSource("fn", reward_fn(models.reward_fn), tok(), blob_store=topo.run.blob_store)
         return out
-    loaded: dict[str, Any] = {}  # two sources on one directory share the weights
+    # two sources on one directory share the weights (each keeps its own VisionInputs: sources run in threads)
+    loaded: dict[str, Any] = {}
     for name, cfg in topo.rewards.sources.items():
         if cfg.kind == "model":
             path = str(source_model_dir(topo, cfg))
             if path not in loaded:
                 loaded[path] = load_reward_model(path, device=models.device)
-            out[name] = ModelSource(name, loaded[path])
+            out[name] = ModelSource.load(name, path, topo, loaded[path])
         elif cfg.kind == "fn":
             out[name] = FnSource(name, import_function(cfg.fn or "", f"{cfg.where}.fn"), tok(), what=f"{cfg.where}.fn",
                                  blob_store=topo.run.blob_store)

@@ -17,20 +17,21 @@ def vision_inputs_for(ctx: Any, role: str) -> Any:
     """The :class:`expstream.vl.VisionInputs` of a stage whose ``models.<role>`` is a vision-language
     model (None for a text model)."""
     from expstream.resolve import model_dir
-    from expstream.vl import is_vl_dir, vision_for
+    from expstream.vl import vision_for
 
-    path = model_dir(ctx.topology, role)
-    if not is_vl_dir(path):
-        return None
-    from expstream.models import load_tokenizer
+    return vision_for(ctx.topology, model_dir(ctx.topology, role))
 
-    return vision_for(ctx.topology, path, load_tokenizer(path))
+
+def with_pixels(vision: Any, batch: SampleBatch) -> bool:
+    """Whether ``batch`` goes through a vision-language model with its visual inputs: the model is a
+    VL one (``vision`` not None) and some sample has an image or a video. Such a batch runs padded."""
+    return vision is not None and (any(batch.images) or any(batch.videos or []))
 
 
 def visual_inputs(vision: Any, batch: SampleBatch, lay: Any) -> dict[str, Any] | None:
     """A vision-language model's extra inputs for the padded layout ``lay`` of ``batch`` (None for a
     text model or a batch without images): pixels from the claim checks, the repaired input ids."""
-    if vision is None or not (any(batch.images) or any(batch.videos)):
+    if not with_pixels(vision, batch):
         return None
     inputs = lay.sequences.clone()
     kw = vision.model_kwargs(inputs, batch.images, batch.sample_ids(), [lay.prompt_width] * len(batch),
@@ -46,7 +47,7 @@ def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False
     model's :class:`expstream.vl.VisionInputs` (images are fed in the padded layout)."""
     from expstream.models import forward_action_log_probs, forward_packed_action_log_probs_and_entropy
 
-    if vision is not None and (any(batch.images) or any(batch.videos)):
+    if with_pixels(vision, batch):
         lay = padded(batch)
         logp, entropy = forward_action_log_probs(model, lay.sequences, lay.attention_mask, lay.num_actions,
                                                  with_entropy=with_entropy, visual=visual_inputs(vision, batch, lay))
@@ -62,10 +63,15 @@ def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False
     return to_ragged(logp, batch), None if entropy is None else to_ragged(entropy, batch)
 
 
-def forward_values(critic: Any, batch: SampleBatch) -> Ragged:
-    """Per-action critic values V(state before action t), ragged (B; a_b), in the batch's layout."""
+def forward_values(critic: Any, batch: SampleBatch, vision: Any = None) -> Ragged:
+    """Per-action critic values V(state before action t), ragged (B; a_b), in the batch's layout.
+    ``vision``: a vision-language critic's :class:`expstream.vl.VisionInputs` (images fed padded)."""
     from expstream import models
 
+    if with_pixels(vision, batch):
+        lay = padded(batch)
+        return to_ragged(models.forward_values(critic, lay.sequences, lay.attention_mask, lay.num_actions,
+                                               visual=visual_inputs(vision, batch, lay)), batch)
     if is_packed(batch):
         pk = packed(batch)
         return ragged_from_flat(
@@ -74,10 +80,15 @@ def forward_values(critic: Any, batch: SampleBatch) -> Ragged:
     return to_ragged(models.forward_values(critic, lay.sequences, lay.attention_mask, lay.num_actions), batch)
 
 
-def forward_reward(rm: Any, batch: SampleBatch) -> np.ndarray:
-    """Reward-model scores (B,) float32: at the last token of each sequence (the repaired EOS)."""
+def forward_reward(rm: Any, batch: SampleBatch, vision: Any = None) -> np.ndarray:
+    """Reward-model scores (B,) float32: at the last token of each sequence (the repaired EOS).
+    ``vision``: a vision-language reward model's :class:`expstream.vl.VisionInputs` (images fed padded)."""
     from expstream import models
 
+    if with_pixels(vision, batch):
+        lay = padded(batch)
+        return scalar(models.forward_reward(rm, lay.sequences, lay.attention_mask,
+                                            visual=visual_inputs(vision, batch, lay)))
     if is_packed(batch):
         pk = packed(batch)
         return scalar(models.forward_packed_reward(rm, pk.sequences, pk.position_ids, pk.seq_lens))
@@ -86,4 +97,5 @@ def forward_reward(rm: Any, batch: SampleBatch) -> np.ndarray:
 
 
 def scalar(x: torch.Tensor) -> np.ndarray:
+    """A model output as a float32 numpy array (detached, on the CPU)."""
     return x.detach().to(torch.float32).cpu().numpy().astype(np.float32)
