@@ -54,7 +54,7 @@ def check_models(topo: Topology) -> None:
     for cfg in (topo.rewards.sources or {}).values():
         if cfg.kind == "fn":
             import_function(cfg.fn or "", f"{cfg.where}.fn")
-        elif cfg.kind == "model" and cfg.path != BUILTIN_TINY:
+        elif cfg.kind == "model" and cfg.path not in (BUILTIN_TINY, BUILTIN_TINY_VL):
             _checked_dir("reward", cfg.path or "", field=f"{cfg.where}.path")
     combine_fn(topo)
     if topo.generate.backend == "vllm" and _is_vl_actor(topo):
@@ -79,12 +79,14 @@ def build_builtin_models(topo: Topology) -> None:
     before any stage starts, so that stages load them instead of racing to build them."""
     roles = [role for role in model_roles(topo) if getattr(topo.models, role) in (BUILTIN_TINY, BUILTIN_TINY_VL)]
     sources = (topo.rewards.sources or {}).values()
-    if any(cfg.kind == "model" and cfg.path == BUILTIN_TINY for cfg in sources) and "reward" not in roles:
-        roles.append("reward")  # a model source on builtin:tiny loads the tiny reward model
+    builtin_sources = {cfg.path for cfg in sources if cfg.kind == "model" and cfg.path in (BUILTIN_TINY, BUILTIN_TINY_VL)}
+    if builtin_sources and "reward" not in roles:
+        roles.append("reward")  # a model source on builtin:tiny(-vl) loads that family's tiny reward model
     for role in roles:
         try:
             if role == "reward" and topo.rewards.sources is not None:
-                _builtin_family(topo, BUILTIN_TINY)
+                for value in sorted(builtin_sources):
+                    _builtin_family(topo, value)
             else:
                 model_dir(topo, role)
         except OSError as exc:  # building the tiny models: cache_dir not writable, disk full
@@ -105,7 +107,9 @@ def model_dir(topo: Topology, role: str) -> Path:
 
 def _builtin_family(topo: Topology, value: str) -> dict[str, Path]:
     """The built-in models a ``builtin:*`` value names. With ``models.actor: builtin:tiny-vl`` every
-    ``builtin:tiny`` role resolves to the tiny-vl family too (one tokenizer for every model of a run)."""
+    ``builtin:tiny`` role resolves to the tiny-vl family too (one tokenizer for every model of a run):
+    the critic and the reward model are then the vision-language ones (expstream/vl.py
+    VisionValueModel), fed the pixels. A text-only run (``builtin:tiny`` actor) keeps the text family."""
     if value == BUILTIN_TINY_VL or topo.models.actor == BUILTIN_TINY_VL:
         from expstream.vl import build_tiny_vl
 
@@ -132,7 +136,24 @@ def _checked_dir(role: str, value: str, field: str | None = None) -> Path:
     if role != "tokenizer" and not (path / "config.json").is_file():
         raise ConfigError(f"directory {value!r} has no config.json, so it is not a saved model",
                           field=field, fix="point it at the directory save_pretrained wrote")
+    if role == "reward":
+        _check_vl_reward_head(path, field)
     return path
+
+
+def _check_vl_reward_head(path: Path, field: str) -> None:
+    """A vision-language reward model needs its value head file (a VL critic may start from zero)."""
+    from expstream.vision import is_vl_dir
+
+    if not is_vl_dir(path):
+        return
+    from expstream.vl import VALUE_HEAD_FILE, is_vl_scoring_dir  # torch, only for a VL directory
+
+    if is_vl_scoring_dir(path) and not (path / VALUE_HEAD_FILE).is_file():
+        raise ConfigError(f"directory {str(path)!r} is a Qwen2-VL model without {VALUE_HEAD_FILE}, so it has no "
+                          "reward head", field=field,
+                          fix="save a trained VL reward model with expstream.vl.save_value_model, or score with a "
+                              "reward function (models.reward_fn)")
 
 
 def reward_fn(path: str) -> Callable:
