@@ -394,7 +394,7 @@ def test_prompt_rows_from_python_take_pil_images_and_a_missing_short_path_is_not
     store = DirectoryBlobStore(tmp_path / "blobs")
     pil = Image.new("RGB", (30, 20), (9, 8, 7))
     rows = [PromptRow("a", "what?", images=[pil, png()], videos=[[pil, pil]])]
-    assert store_media(rows, store) == 2
+    assert store_media(rows, store) == 3  # references: 2 images and 1 video
     assert Image.open(io.BytesIO(store.get(rows[0].images[0]))).size == (30, 20)
     assert rows[0].images[1] == blob_ref(png())
     frames = json.loads(store.get(rows[0].videos[0]))["frames"]
