@@ -48,7 +48,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "expstream_send_seconds": ("histogram", "produce + flush + confirm of a micro-batch's outputs", ()),
     "expstream_commit_seconds": ("histogram", "synchronous offset commit", ()),
     "expstream_consumer_lag_records": ("gauge", "records behind the partitions' high watermark", ("topic",)),
-    "expstream_dead_letters_total": ("counter", "records and samples sent to the dead-letter topic", ()),
+    "expstream_dead_letters_total": ("counter", "dead letters (records) sent to the input's dead-letter topic", ()),
     "expstream_retries_total": ("counter", "retries after retriable errors", ("step",)),
     "expstream_model_reload_seconds": ("histogram", "weight reloads between micro-batches", ("role",)),
     "expstream_policy_version": ("gauge", "policy version of the last record handled", ()),

@@ -3,8 +3,9 @@
 Every record the pipeline writes carries three headers (DESIGN.md, "The run directory"):
 
 =====================  ==========================================================================
-``producer``           the stage that wrote it (``generate``, ``reward``, ...), or ``feeder`` (the
-                       prompt records), ``trainer`` (policy announcements), ``run`` (end-of-input)
+``producer``           the stage that wrote it (``generate``, ``reward``, ...; the end-of-input
+                       flush the run publishes is named after the stage it speaks for), ``feeder``
+                       (the prompt records) or ``trainer`` (policy announcements)
 ``policy_version``     ASCII decimal: the SampleBatch's ``policy_version`` (the weights that
                        generated it), or the announced version for other records
 ``produced_at_ms``     ASCII decimal: wall-clock milliseconds since the epoch when it was sent
@@ -12,7 +13,8 @@ Every record the pipeline writes carries three headers (DESIGN.md, "The run dire
 
 So lag in *time* (not only in offsets), staleness and provenance are measurable per hop: a stage
 observes ``now - produced_at_ms`` of each input (``expstream_record_age_seconds``), ``status``
-shows the age of the oldest uncommitted record, and the report plots both from the recording.
+shows the mean age of the records each stage handled since its previous snapshot, and the report
+plots records written per second by producer from the recording when a run has no status.jsonl.
 
 The names do not collide with the dead-letter headers (expstream/letters.py: ``stage`` is the
 stage that *failed*); a dead letter keeps the original record's three headers byte for byte.

@@ -72,7 +72,8 @@ def _save(fig: Any, out: Path, name: str) -> str:
 
 
 def _series_plot(snaps: list[dict], key: str, title: str, ylabel: str, out: Path, name: str,
-                 scale: float = 1.0) -> str | None:
+                 scale: float = 1.0, by_topic: bool = False) -> str | None:
+    """One line per stage of ``key`` over the snapshots (``by_topic``: labelled by the stage's input topic)."""
     if not snaps:
         return None
     t0 = snaps[0]["t"]
@@ -86,7 +87,10 @@ def _series_plot(snaps: list[dict], key: str, title: str, ylabel: str, out: Path
                 xs.append(snap["t"] - t0)
                 ys.append(v * scale)
         if xs:
-            ax.plot(xs, ys, label=stage, marker=".", linewidth=1)
+            topic = next((snap["stages"][stage].get("input_topic") for snap in snaps if stage in snap.get("stages", {})),
+                         None)
+            label = f"{topic} (read by {stage})" if by_topic and topic else stage
+            ax.plot(xs, ys, label=label, marker=".", linewidth=1)
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, out, name)
 
@@ -118,10 +122,11 @@ def _recording_rates(run_dir: Path, out: Path) -> str | None:
     return _save(fig, out, "records_per_s.png")
 
 
-def _hist(values: np.ndarray, title: str, xlabel: str, out: Path, name: str, bins: int = 40) -> str | None:
+def _hist(values: np.ndarray, title: str, xlabel: str, out: Path, name: str, bins: int = 40,
+          ylabel: str = "samples") -> str | None:
     if values.size == 0:
         return None
-    fig, ax = _fig(title, xlabel, "samples")
+    fig, ax = _fig(title, xlabel, ylabel)
     ax.hist(values, bins=bins, color="#4477aa")
     ax.axvline(float(values.mean()), color="k", linestyle="--", linewidth=1, label=f"mean {values.mean():.3g}")
     ax.legend(fontsize=7)
@@ -130,12 +135,11 @@ def _hist(values: np.ndarray, title: str, xlabel: str, out: Path, name: str, bin
 
 def experience_arrays(run_dir: Path) -> dict[str, np.ndarray]:
     """Per-sample reward, processed reward, response length, staleness and the per-token advantages
-    (from the SampleBatch records of experiences.msgpack, deduped by sample id)."""
-    from expstream.experience import iter_experience_batches
-
+    (from the SampleBatch records of experiences.msgpack, deduped by sample id; a continuous run, whose
+    experiences went to the trainer, from the recording of its ``experiences`` topic)."""
     cols: dict[str, list] = defaultdict(list)
     seen: set[str] = set()
-    for b in iter_experience_batches(run_dir / "experiences.msgpack"):
+    for b in _experience_batches(run_dir):
         rows = [i for i, sid in enumerate(b.sample_ids()) if sid not in seen]
         seen.update(b.sample_ids())
         if not rows:
@@ -151,6 +155,26 @@ def experience_arrays(run_dir: Path) -> dict[str, np.ndarray]:
         if b.rollout_version and b.logprob_version:
             cols["staleness"].append(np.asarray(b.logprob_version)[rows] - np.asarray(b.rollout_version)[rows])
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}
+
+
+def _experience_batches(run_dir: Path) -> Any:
+    """The run's experience SampleBatches: experiences.msgpack, else the recorded ``experiences`` topic."""
+    from expstream.experience import iter_experience_batches
+
+    if (run_dir / "experiences.msgpack").is_file() or not (run_dir / "topics" / "experiences").is_dir():
+        yield from iter_experience_batches(run_dir / "experiences.msgpack")
+        return
+    from expstream.recording import iter_topic
+    from schemas import SampleBatch, decode
+    from schemas.errors import SchemaError
+
+    for frame in iter_topic(run_dir, "experiences"):
+        try:
+            b = decode(frame.value) if frame.value else None
+        except SchemaError:
+            continue  # the stage dead-letters such records; the report only reads
+        if isinstance(b, SampleBatch):
+            yield b
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -169,8 +193,8 @@ def write_report(run_dir: str | Path) -> Path:
         flow = [p for p in (
             _series_plot(snaps, "samples_per_s", "samples per second per stage (last 60 s window)", "samples/s",
                          out, "samples_per_s.png"),
-            _series_plot(snaps, "input_lag_records", "input lag per stage (records its group has not committed)",
-                         "records", out, "lag.png"),
+            _series_plot(snaps, "input_lag_records", "lag per topic (records its consumer group has not committed)",
+                         "records", out, "lag.png", by_topic=True),
             _series_plot(snaps, "batch_p50_s", "time per micro-batch per stage, p50", "ms", out, "batch_p50.png", 1000),
             _series_plot(snaps, "batch_p95_s", "time per micro-batch per stage, p95", "ms", out, "batch_p95.png", 1000),
         ) if p]
@@ -184,18 +208,20 @@ def write_report(run_dir: str | Path) -> Path:
     note = ""
     try:
         arr = experience_arrays(run_dir)
-        for key, title, xlabel in (("reward", "reward per sample", "reward"),
-                                   ("processed_reward", "processed reward per sample", "processed reward"),
-                                   ("advantage", "advantage per action token", "advantage"),
-                                   ("response_length", "response length", "tokens")):
-            p = _hist(arr.get(key, np.zeros(0)), title, xlabel, out, f"{key}.png")
+        for key, title, xlabel, ylabel in (("reward", "reward per sample", "reward", "samples"),
+                                           ("processed_reward", "processed reward per sample", "processed reward",
+                                            "samples"),
+                                           ("advantage", "advantage per action token", "advantage", "tokens"),
+                                           ("response_length", "response length", "tokens", "samples")):
+            p = _hist(arr.get(key, np.zeros(0)), title, xlabel, out, f"{key}.png", ylabel=ylabel)
             if p:
                 dist.append(p)
         stale = arr.get("staleness", np.zeros(0))
     except Exception as exc:  # noqa: BLE001 - a report section, never the run
         note = f"experiences.msgpack not readable ({exc})"
         stale = np.zeros(0)
-    sections.append(("Distributions", dist, note or "from experiences.msgpack"))
+    source = "experiences.msgpack" if (run_dir / "experiences.msgpack").is_file() else "the recorded experiences topic"
+    sections.append(("Distributions", dist, note or f"from {source}"))
     train = _read_jsonl(run_dir / "train.jsonl")
     learn: list[str] = []
     if train:

@@ -123,9 +123,11 @@ def _hist_mean(series: dict[tuple, float] | None, count: dict[tuple, float] | No
     return round(sum(series.values()) / n, 3) if n else None
 
 
-def scrape_run(run_dir: Path) -> dict[str, Any]:
-    """Per stage from the metrics endpoints under ``run_dir/run/metrics``: mean record age and staleness;
-    the supervisor's restarts per stage."""
+def scrape_run(run_dir: Path, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per stage from the metrics endpoints under ``run_dir/run/metrics``: mean record age and staleness
+    (since ``previous``, an earlier scrape's result, when given: the last interval instead of the
+    whole run), the oldest policy version its replicas handled last; the supervisor's restarts per stage.
+    The histograms' raw sums and counts stay in ``raw`` for the next call."""
     out: dict[str, Any] = {"stages": {}, "restarts": {}, "wanted": {}}
     for f in sorted((Path(run_dir) / "run" / "metrics").glob("*.json")):
         try:
@@ -139,20 +141,32 @@ def scrape_run(run_dir: Path) -> dict[str, Any]:
             for labels, v in (m.get("expstream_replicas_wanted") or {}).items():
                 out["wanted"][dict(labels)["stage"]] = int(v)
             continue
-        row = out["stages"].setdefault(info["stage"], {"age": [0.0, 0.0], "stale": [0.0, 0.0]})
+        row = out["stages"].setdefault(info["stage"], {"age": [0.0, 0.0], "stale": [0.0, 0.0], "version": None})
         for key, name in (("age", "expstream_record_age_seconds"), ("stale", "expstream_staleness_versions")):
             row[key][0] += sum((m.get(f"{name}_sum") or {}).values())
             row[key][1] += sum((m.get(f"{name}_count") or {}).values())
-    for row in out["stages"].values():
+        handled = sum((m.get("expstream_records_processed_total") or {}).values())
+        versions = list((m.get("expstream_policy_version") or {}).values())
+        if versions and handled:  # a replica that handled nothing yet has no version to show
+            row["version"] = int(min(versions)) if row["version"] is None else min(row["version"], int(min(versions)))
+    raw: dict[str, Any] = {}
+    before = (previous or {}).get("raw", {})
+    for stage, row in out["stages"].items():
+        raw[stage] = {key: list(row[key]) for key in ("age", "stale")}
         for key in ("age", "stale"):
             s, n = row.pop(key)
+            s0, n0 = before.get(stage, {}).get(key, (0.0, 0.0))
+            if previous is not None and n - n0 > 0 and n0 <= n:
+                s, n = s - s0, n - n0  # only what was handled since the previous scrape
             row[key] = round(s / n, 3) if n else None
+    out["raw"] = raw
     return out
 
 
 def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, run_dir: Path | None = None,
-                   state: Any = None, admin: Any = None) -> dict[str, Any]:
-    """One snapshot (the format of status.jsonl; docs/observability.md)."""
+                   state: Any = None, admin: Any = None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One snapshot (the format of status.jsonl; docs/observability.md). ``previous``: the last
+    snapshot's ``scrape`` (record age and staleness are then over the interval since it)."""
     from expstream.bus import make_admin
     from expstream.state import RedisState
 
@@ -166,7 +180,7 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
         flows = state.flows()
         counters = state.counters()
         announced = int(state.policy_version())
-        scraped = scrape_run(run_dir) if run_dir is not None else {"stages": {}, "restarts": {}, "wanted": {}}
+        scraped = scrape_run(run_dir, previous) if run_dir is not None else {"stages": {}, "restarts": {}, "wanted": {}}
         wanted = scraped["wanted"]
         stages: dict[str, Any] = {}
         topics: dict[str, Any] = {}
@@ -183,11 +197,14 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
                 **window_stats(state.stage_recent(st.name), now),
                 "input_topic": st.input, "input_lag_records": lag, "input_lag_s": extra.get("age"),
                 "dead_letters": dead, **accounting(flows.get(st.name, {}), dropped),
-                "policy_version_seen": announced, "staleness_versions": extra.get("stale"),
+                # the oldest policy version the stage's replicas handled last (their gauges); without
+                # the metrics endpoints (no --run-dir) only the announced version is known
+                "policy_version_seen": extra.get("version") if run_dir is not None else None,
+                "staleness_versions": extra.get("stale"),
             }
             topics.setdefault(st.input, {"lag": {}})["lag"][st.name] = lag
         return {"t": round(now, 3), "run_id": run_id, "policy_version": announced, "stages": stages,
-                "topics": topics, "bottleneck": bottleneck(stages)}
+                "topics": topics, "bottleneck": bottleneck(stages), "scrape": {"raw": scraped.get("raw", {})}}
     finally:
         if own_admin:
             admin.close()
@@ -269,12 +286,13 @@ def render_status(snap: dict[str, Any]) -> Any:
         return "-" if v is None else f"{v * 1000:.0f}"
 
     b = (snap.get("bottleneck") or {}).get("stage")
+    finished = bool(snap.get("finished"))
     when = time.strftime("%H:%M:%S", time.localtime(snap["t"]))
     flow = Table(title=f"run {snap['run_id']}  policy v{snap['policy_version']}  {when}", title_justify="left")
     for col in ("stage", "repl", "lag", "age s", "rec/s", "smp/s", "p50ms", "p95ms", "busy", "idle s"):
         flow.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True, min_width=16 if col == "stage" else None)
     acct = Table(title="samples: in = out + dead + dropped + in flight", title_justify="left")
-    for col in ("stage", "in", "out", "dead", "drop", "flight", "DLQ rec", "stale v", "restarts"):
+    for col in ("stage", "in", "out", "dead", "drop", "flight", "DLQ rec", "policy v", "stale v", "restarts"):
         acct.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True, min_width=16 if col == "stage" else None)
     for name, s in snap["stages"].items():
         style = "bold red" if name == b else ""
@@ -282,10 +300,21 @@ def render_status(snap: dict[str, Any]) -> Any:
                      f(s["input_lag_s"]), f(s["records_per_s"]), f(s["samples_per_s"]), ms(s["batch_p50_s"]),
                      ms(s["batch_p95_s"]), f"{s['busy_share']:.0%}", f(s["last_progress_s"]))
         acct.add_row(Text(name, style=style), f(s["samples_in"]), f(s["samples_out"]), f(s["samples_dead"]),
-                     f(s["samples_dropped"]), Text(str(s["in_flight"]), style="" if s["in_flight"] >= 0 else "bold red"),
-                     f(s["dead_letters"]), f(s["staleness_versions"]), f(s["restarts"]))
+                     f(s["samples_dropped"]), Text(str(s["in_flight"]), style=_flight_style(s["in_flight"], finished)),
+                     f(s["dead_letters"]), f(s.get("policy_version_seen")), f(s["staleness_versions"]), f(s["restarts"]))
     head = Text(f"bottleneck: {b} ({snap['bottleneck']['why']})" if b else "bottleneck: -", style="bold")
-    return Group(head, flow, acct)
+    parts = [head, flow, acct]
+    if finished:
+        unbalanced = [name for name, s in snap["stages"].items() if s["in_flight"] != 0]
+        parts.append(Text(f"the run has ended: {', '.join(unbalanced)} do not balance (samples neither out, "
+                          "dead-lettered nor dropped)" if unbalanced else "the run has ended: every stage balances",
+                          style="bold red" if unbalanced else ""))
+    return Group(*parts)
+
+
+def _flight_style(in_flight: int, finished: bool) -> str:
+    """Red when the accounting cannot be right: negative, or samples still "in flight" after the run ended."""
+    return "bold red" if in_flight < 0 or (finished and in_flight != 0) else ""
 
 
 class StatusSampler:
@@ -299,18 +328,22 @@ class StatusSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="status-sampler", daemon=True)
         self.snapshots = 0
+        self._previous: dict[str, Any] | None = None  # the last snapshot's raw histogram sums
 
     def start(self) -> StatusSampler:
         self._thread.start()
         return self
 
-    def _one(self, state: Any, admin: Any) -> None:
+    def _one(self, state: Any, admin: Any, final: bool = False) -> None:
         try:
             snap = collect_status(self.topo, bootstrap=self.bootstrap, redis_url=self.redis_url, run_id=self.run_id,
-                                  run_dir=self.run_dir, state=state, admin=admin)
+                                  run_dir=self.run_dir, state=state, admin=admin, previous=self._previous)
         except Exception as exc:  # noqa: BLE001 - observability never stops a run
             log.debug("status snapshot failed: %r", exc)
             return
+        self._previous = snap.get("scrape")
+        if final:  # the run has ended: in flight should be 0 everywhere (render_status flags it otherwise)
+            snap["finished"] = True
         with self.path.open("a") as fh:
             fh.write(json.dumps(snap, separators=(",", ":")) + "\n")
         self.snapshots += 1
@@ -327,7 +360,7 @@ class StatusSampler:
         try:
             while not self._stop.wait(self.interval_s):
                 self._one(state, admin)
-            self._one(state, admin)  # the final state, after the last experience
+            self._one(state, admin, final=True)  # the final state, after the last experience
         finally:
             admin.close()
             state.close()
@@ -375,8 +408,13 @@ def status_command(args: argparse.Namespace) -> int:
         bootstrap, run_id = args.bootstrap_servers, args.run_id
         topo = load_topology(args.topology, [])
 
+    previous: list[dict[str, Any] | None] = [None]
+
     def snap() -> dict[str, Any]:
-        return collect_status(topo, bootstrap=bootstrap, redis_url=redis_url, run_id=run_id, run_dir=run_dir)
+        got = collect_status(topo, bootstrap=bootstrap, redis_url=redis_url, run_id=run_id, run_dir=run_dir,
+                             previous=previous[0])
+        previous[0] = got.get("scrape")  # --watch: age and staleness over each redraw interval
+        return got
 
     from expstream.preflight import check_redis
 
@@ -388,6 +426,7 @@ def status_command(args: argparse.Namespace) -> int:
             raise
         print(f"the run's services are gone; its last snapshot ({time.strftime('%H:%M:%S', time.localtime(last['t']))}"
               f", {run_dir / STATUS_FILE}):")
+        last["finished"] = True
         snap = lambda: last  # noqa: E731
 
     if args.json:

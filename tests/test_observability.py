@@ -69,6 +69,20 @@ def test_the_bottleneck_is_the_stage_with_input_waiting_and_status_renders_it():
     idle = _snap(generate=0, reward=0)
     idle["stages"]["generate"]["busy_share"] = 0.9
     assert bottleneck(idle["stages"])["stage"] == "generate"
+    # a run's last snapshot: samples still "in flight" after it ended are flagged (and only then)
+    done = _snap(generate=0, reward=0)
+    done["stages"]["reward"]["in_flight"] = 3
+    console = Console(width=160, record=True)
+    console.print(render_status(done))
+    assert "ended" not in console.export_text()  # a live run: 3 in flight is normal
+    done["finished"] = True
+    console = Console(width=160, record=True)
+    console.print(render_status(done))
+    assert "the run has ended: reward do not balance" in console.export_text()
+    done["stages"]["reward"]["in_flight"] = 0
+    console = Console(width=160, record=True)
+    console.print(render_status(done))
+    assert "the run has ended: every stage balances" in console.export_text()
 
 
 # -- the dashboard and the compose profile -----------------------------------------------------------
@@ -91,7 +105,9 @@ def test_the_monitoring_profile_scrapes_the_stages_and_keeps_secrets_out():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     svcs = compose["services"]
     assert svcs["prometheus"]["profiles"] == ["monitoring"] == svcs["grafana"]["profiles"]
-    assert svcs["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD")
+    assert svcs["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_ADMIN_PASSWORD:-}"
+    # a blank password stops grafana at its start, not every `docker compose up` (the profile may be off)
+    assert "GF_SECURITY_ADMIN_PASSWORD" in " ".join(svcs["grafana"]["entrypoint"])
     prom = yaml.safe_load((ROOT / "deploy/monitoring/prometheus.yml").read_text())
     sd = prom["scrape_configs"][0]["dns_sd_configs"][0]
     from expstream.topology import STAGE_ORDER
@@ -155,6 +171,8 @@ def test_a_live_run_is_visible_in_metrics_status_headers_accounting_and_report(t
         assert res.returncode == 0, res.stderr[-2000:]
         snap = json.loads(res.stdout)
         assert list(snap["stages"])[:2] == ["generate", "shard-preprocess"] and snap["bottleneck"]["stage"]
+        # the policy version each stage's replicas handled last (their gauges): 0, no trainer in this run
+        assert snap["stages"]["generate"]["policy_version_seen"] == 0 and snap["policy_version"] == 0
         for name, s in snap["stages"].items():
             assert s["replicas_alive"] >= 1 and s["input_lag_records"] >= 0 and s["samples_out"] <= s["samples_in"] \
                 + (s["samples_in"] if name == "advantage" else 0), (name, s)
@@ -210,3 +228,41 @@ def test_the_report_of_a_run_dir_with_only_a_trainer_log_and_no_experiences(tmp_
     assert "no status.jsonl" in html and "experiences.msgpack not readable" in html
     assert "<td>samples</td><td>40</td>" in html
     assert "in 10 = out 8 + dead 1 + dropped 0 + in flight 1  ✗ imbalance" in html
+
+
+def test_expstream_report_command_plots_a_continuous_run_from_its_recorded_experiences(tmp_path):
+    """A continuous run's experiences went to the trainer (no experiences.msgpack): the distributions
+    come from the recorded ``experiences`` topic; the command writes report.html and its PNGs."""
+    import numpy as np
+
+    from expstream.cli import main
+    from expstream.recording import RecordFrame, RecordingWriter
+    from schemas import Ragged, SampleBatch, encode
+
+    def batch(group: str, rewards: list[float]) -> SampleBatch:
+        b = len(rewards)
+        ids = Ragged.from_rows([np.arange(4 + i, dtype=np.int32) for i in range(b)], "int32")
+        return SampleBatch(batch_id=f"g/{group}", policy_version=0, n_samples_per_prompt=b, eos_token_id=3,
+                           pad_token_id=0, prompt_id=[group] * b, group_id=[group] * b, sample_index=list(range(b)),
+                           prompt=["q"] * b, label=[""] * b, reference=[""] * b, response=["r"] * b,
+                           prompt_ids=Ragged.from_rows([np.array([5, 6], np.int32)] * b, "int32"), response_ids=ids,
+                           layout="padded", action_ids=ids,
+                           action_mask=Ragged.from_rows([np.ones(4 + i, bool) for i in range(b)], "bool"),
+                           advantages=Ragged.from_rows([np.full(4 + i, r, np.float32) for i, r in enumerate(rewards)],
+                                                       "float32"),
+                           rewards=np.asarray(rewards, np.float32))
+
+    with RecordingWriter(tmp_path) as w:
+        for k, b in enumerate([batch("a", [0.0, 1.0]), batch("b", [0.5, 0.25]), batch("a", [0.0, 1.0])]):
+            w.append(RecordFrame("experiences", 0, k, 1_764_000_000_000 + k, b"k", encode(b)))
+    (tmp_path / "train.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.4}) + "\n")
+    assert main(["report", str(tmp_path)]) == 0
+    html = (tmp_path / "report.html").read_text()
+    assert "from the recorded experiences topic" in html
+    for png in ("reward.png", "advantage.png", "response_length.png", "reward_curve.png"):
+        assert f"report/{png}" in html and (tmp_path / "report" / png).read_bytes()[:4] == b"\x89PNG", png
+    from expstream.report import experience_arrays
+
+    arr = experience_arrays(tmp_path)  # the repeated group "a" record is counted once (dedupe by sample id)
+    assert sorted(arr["reward"].tolist()) == [0.0, 0.25, 0.5, 1.0]
+    assert arr["advantage"].size == 4 + 5 + 4 + 5
