@@ -71,6 +71,10 @@ def _save(fig: Any, out: Path, name: str) -> str:
     return f"{PNG_DIR}/{name}"
 
 
+#: Why 2: a line over time needs two points at least; a shorter run's flow is plotted from its recording instead.
+MIN_SNAPSHOTS = 2
+
+
 def _series_plot(snaps: list[dict], key: str, title: str, ylabel: str, out: Path, name: str,
                  scale: float = 1.0, by_topic: bool = False) -> str | None:
     """One line per stage of ``key`` over the snapshots (``by_topic``: labelled by the stage's input topic)."""
@@ -117,7 +121,7 @@ def _recording_rates(run_dir: Path, out: Path) -> str | None:
     base = int(t0 // BUCKET_S)
     for who, c in sorted(per.items()):
         xs = list(range(0, max(c) - base + 1))
-        ax.plot(xs, [c.get(base + x, 0) / BUCKET_S for x in xs], label=who, linewidth=1)
+        ax.step(xs, [c.get(base + x, 0) / BUCKET_S for x in xs], where="post", label=who, linewidth=1)
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, out, "records_per_s.png")
 
@@ -181,6 +185,8 @@ def write_report(run_dir: str | Path) -> Path:
     """Write ``run_dir/report.html`` and ``run_dir/report/*.png``; returns the HTML path."""
     run_dir = Path(run_dir)
     out = run_dir / PNG_DIR
+    for old in out.glob("*.png"):  # a report written again shows only what this one plotted
+        old.unlink(missing_ok=True)
     sections: list[tuple[str, list[str], str]] = []  # (title, images, note)
     summary = {}
     try:
@@ -189,7 +195,7 @@ def write_report(run_dir: str | Path) -> Path:
         pass
     snaps = _read_jsonl(run_dir / "status.jsonl")
     flow: list[str] = []
-    if snaps:
+    if len(snaps) >= MIN_SNAPSHOTS:
         flow = [p for p in (
             _series_plot(snaps, "samples_per_s", "samples per second per stage (last 60 s window)", "samples/s",
                          out, "samples_per_s.png"),
@@ -201,9 +207,10 @@ def write_report(run_dir: str | Path) -> Path:
         sections.append(("Flow over time", flow, f"{len(snaps)} status snapshots (status.jsonl)"))
     else:
         rec = _recording_rates(run_dir, out) if (run_dir / "topics").is_dir() else None
+        why = (f"only {len(snaps)} status snapshot(s): the run was shorter than a few sampling intervals"
+               if snaps else "no status.jsonl (the run predates it, or was not started by expstream run)")
         sections.append(("Flow over time", [rec] if rec else [],
-                         "no status.jsonl (the run predates it, or was not started by expstream run); "
-                         + ("records per second from the recording" if rec else "and no recording either")))
+                         why + "; " + ("records per second from the recording" if rec else "and no recording either")))
     dist: list[str] = []
     note = ""
     try:
