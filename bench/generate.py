@@ -16,14 +16,31 @@ reset). The transformers rows run first: vLLM's CPU backend binds the process's 
 engine starts and refuses ``torch.set_num_threads`` afterwards. Each figure is the best of ``--repeats``
 (default 3) timed passes after one warm-up pass (vLLM's first call in a process costs ~2 s).
 
-Usage: ``.venv/bin/python bench/generate.py [--model-size tiny|small] [--prompts 64] [--repeats 3]``.
+Bare vLLM gets the very ``SamplingParams`` the stage submits (per-prompt seeds, flat log-probs), so
+both sample the same tokens and the ratio is the stage's own cost (the script checks the token counts).
+
+Time to first sample:
+
+* **in a stage process**, per backend: a fresh process that has imported what the fork server preloads
+  (``expstream.forkserver.PRELOAD``, plus ``vllm`` for the vLLM backend as ``expstream run`` does; a
+  stage process is forked from it), then the clock runs from the start of ``stages.generate.setup``
+  (for vLLM: the in-process engine, the mode the stage uses) to the first ``SampleBatch`` out of
+  ``stages.generate.process`` on a default record (2 prompts); the preload's import time is reported
+  apart (the fork server pays it once, while the broker starts);
+* **end to end** (``--e2e``, on by default for the tiny model): ``expstream run --prompts
+  examples/prompts.jsonl --set generate.backend=B --set run.prompt_batch_size=8`` for both backends, one
+  run each: summary.json's ``first_experience_after_s`` and the command's wall.
+
+Usage: ``.venv/bin/python bench/generate.py [--model-size tiny|small] [--prompts 64] [--repeats 3] [--no-e2e]``.
 Nothing is asserted: the script reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import SMALL_CACHE, TINY_CACHE, fmt, machine, progress, ratio, save, table, write_prompts
+from common import ROOT, SMALL_CACHE, TINY_CACHE, fmt, machine, progress, ratio, save, table, write_prompts
 
 from expstream.prompts import prompt_batches, read_prompts
 from expstream.topology import load_topology
@@ -79,25 +96,84 @@ def run_stage(ctx: Any, batches: list) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-def run_bare(ctx: Any, token_batches: list[list[list[int]]], seed: int) -> tuple[int, float]:
-    """(generated tokens, seconds) of bare ``LLM.generate`` on the engine the stage built."""
-    from vllm import SamplingParams
-
+def run_bare(ctx: Any, token_batches: list[list[list[int]]], seeds: list[int]) -> tuple[int, float]:
+    """(generated tokens, seconds) of bare ``LLM.generate`` on the engine the stage built, with the
+    SamplingParams the stage submits for each record (``seeds``: the records' batch seeds)."""
     gen = ctx.models["generator"]
     g = ctx.topology.generate
-    params = SamplingParams(n=g.n_samples_per_prompt, temperature=g.temperature, top_p=g.top_p,
-                            max_tokens=g.max_new_tokens, min_tokens=g.min_new_tokens, seed=seed, logprobs=0,
-                            detokenize=False, stop_token_ids=sorted(gen.stop_token_ids))
+    params = [[gen._params(g.n_samples_per_prompt, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                           max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens,
+                           seed=(seed + i) % 2**31, ignore_eos=False, logprobs=True) for i in range(len(prompts))]
+              for prompts, seed in zip(token_batches, seeds, strict=True)]
 
     def call() -> tuple[int, float]:
         t0 = time.perf_counter()
         tokens = 0
-        for prompts in token_batches:
-            outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompts, ps in zip(token_batches, params, strict=True):
+            outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], ps, use_tqdm=False)
             tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)
         return tokens, time.perf_counter() - t0
 
     return gen._on_engine_thread(call)  # the engine's own thread (expstream/vllm_backend.py)
+
+
+def first_sample(size: str, backend: str, max_new_tokens: int, n: int) -> dict[str, float]:
+    """Seconds from the start of the generate stage's setup to its first SampleBatch, in a fresh
+    process that starts like a stage process (the fork server's imports done, nothing else)."""
+    out = subprocess.run([sys.executable, __file__, "--first-sample-child", backend, "--model-size", size,
+                          "--max-new-tokens", str(max_new_tokens), "--n", str(n)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode != 0:
+        raise RuntimeError(f"first-sample child ({backend}) failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def first_sample_child(args: argparse.Namespace) -> int:
+    import importlib
+
+    from expstream.forkserver import PRELOAD
+
+    t0 = time.perf_counter()
+    # what a stage process has imported when it is forked from the fork server (expstream run adds
+    # vllm to the preload with generate.backend=vllm: expstream/run.py)
+    for module in PRELOAD + (["vllm"] if args.first_sample_child == "vllm" else []):
+        importlib.import_module(module)
+    import_s = time.perf_counter() - t0
+    from stages import generate
+    from stages.context import make_context
+
+    topo = topology(args.model_size, args.first_sample_child, 2, args.max_new_tokens, args.n)
+    torch.set_num_threads(topo.run.torch_threads)  # as expstream/stage.py does before setup
+    with tempfile.TemporaryDirectory() as tmp:
+        record = next(iter(prompt_batches(read_prompts(str(write_prompts(Path(tmp) / "p.jsonl", 8))),
+                                          topo.run.prompt_batch_size)))
+    t0 = time.perf_counter()
+    ctx = make_context(topo, "generate")
+    generate.setup(ctx)
+    setup_s = time.perf_counter() - t0
+    outs = generate.process(record, ctx)
+    first_s = time.perf_counter() - t0
+    assert outs and isinstance(outs[0], SampleBatch)
+    generate.teardown(ctx)
+    print(json.dumps({"preload_import_s": round(import_s, 2), "setup_s": round(setup_s, 2),
+                      "first_sample_s": round(first_s, 2)}))
+    return 0
+
+
+def end_to_end(backend: str, out_dir: Path) -> dict[str, Any]:
+    """One ``expstream run`` of the example prompts (8 prompts per record): the command's wall and
+    summary.json's first_experience_after_s."""
+    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", "examples/prompts.jsonl", "--output", str(out_dir),
+           "--no-progress", "--set", f"generate.backend={backend}", "--set", "run.prompt_batch_size=8"]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"expstream run ({backend}) exited {res.returncode}:\n{res.stderr[-3000:]}")
+    summary = json.loads((out_dir / "summary.json").read_text())
+    return {"wall_s": round(wall, 2), "first_experience_after_s": summary["first_experience_after_s"],
+            "run_wall_s": summary["wall_s"], "samples": summary["samples"]}
 
 
 def best_rate(fn: Any, repeats: int) -> tuple[float, list[float]]:
@@ -116,12 +192,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=None,
+                    help="time expstream run end to end with both backends (default: with --model-size tiny)")
+    ap.add_argument("--first-sample-child", choices=["vllm", "transformers"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if args.first_sample_child:
+        return first_sample_child(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         rows = read_prompts(str(write_prompts(Path(tmp) / "p.jsonl", args.prompts)))
     results: dict[str, Any] = {"machine": machine(), "args": vars(args)}
+    print("load average at start:", Path("/proc/loadavg").read_text().strip())
     rate: dict[str, float] = {}
 
     # transformers first (see the module docstring)
@@ -136,6 +218,21 @@ def main() -> int:
     from stages.generate import batch_seed, tokenize_prompts
 
     topo = topology(args.model_size, "vllm", 2, args.max_new_tokens, args.n)
+    # time to first sample, each backend in a process of its own started like a stage process
+    ttfs = {}
+    for backend in ("vllm", "transformers"):
+        progress(f"time to first sample, {backend} (a fresh process)")
+        ttfs[backend] = first_sample(args.model_size, backend, args.max_new_tokens, args.n)
+    results["first_sample"] = ttfs
+    if args.e2e if args.e2e is not None else args.model_size == "tiny":
+        e2e: dict[str, Any] = {"loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+        with tempfile.TemporaryDirectory() as tmp:
+            for backend in ("vllm", "transformers"):
+                progress(f"expstream run end to end, {backend}")
+                e2e[backend] = end_to_end(backend, Path(tmp) / backend)
+        e2e["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        results["end_to_end"] = e2e
+
     progress("vLLM engine start")
     t0 = time.perf_counter()
     ctx = stage_context(topo)
@@ -143,15 +240,22 @@ def main() -> int:
     whole = list(prompt_batches(rows, len(rows)))
     toks = [tokenize_prompts(b, ctx) for b in batches]
     toks_whole = [tokenize_prompts(whole[0], ctx)]
-    seed = batch_seed(topo.run.seed, "bench")
+    seeds = [batch_seed(topo.run.seed, b.batch_id) for b in batches]
+    seeds_whole = [batch_seed(topo.run.seed, whole[0].batch_id)]
+    tokens: dict[str, set[int]] = {}
     for _ in range(args.repeats):  # interleaved: the machine's noise hits every variant alike
         for name, fn in (("stage_per_record", lambda: run_stage(ctx, batches)),
-                         ("bare_per_record", lambda: run_bare(ctx, toks, seed)),
+                         ("bare_per_record", lambda: run_bare(ctx, toks, seeds)),
                          ("stage_one_record", lambda: run_stage(ctx, whole)),
-                         ("bare_one_call", lambda: run_bare(ctx, toks_whole, seed))):
+                         ("bare_one_call", lambda: run_bare(ctx, toks_whole, seeds_whole))):
             progress(name)
-            best, _ = best_rate(fn, 1)
-            rate[name] = max(rate.get(name, 0.0), best)
+            fn()  # warm-up
+            count, seconds = fn()
+            tokens.setdefault(name, set()).add(count)
+            rate[name] = max(rate.get(name, 0.0), count / seconds)
+    # the same seeds on both sides: the stage and bare vLLM sample the same tokens, so the same counts
+    same_tokens = tokens["stage_per_record"] == tokens["bare_per_record"] and \
+        tokens["stage_one_record"] == tokens["bare_one_call"] and all(len(v) == 1 for v in tokens.values())
 
     progress("weight reload")
     from expstream.models import load_causal_lm
@@ -182,11 +286,25 @@ def main() -> int:
         ["weight reload in the stage (median of 5)", fmt(sorted(reloads)[2] * 1000, ".1f") + " ms", "", ""],
         ["vLLM engine start (stage setup)", fmt(results["engine_start_s"]) + " s", "", ""],
     ]
+    for backend in ("vllm", "transformers"):
+        t = ttfs[backend]
+        rows_out.append([f"time to first sample, {backend} stage process", fmt(t["first_sample_s"]) + " s",
+                         f"setup {fmt(t['setup_s'])} s; preload {fmt(t['preload_import_s'])} s", ""])
+    if "end_to_end" in results:
+        e2e = results["end_to_end"]
+        for backend in ("vllm", "transformers"):
+            rows_out.append([f"expstream run, {backend}, 8 prompts per record: first experience / wall",
+                             f"{fmt(e2e[backend]['first_experience_after_s'])} s / {fmt(e2e[backend]['wall_s'])} s",
+                             f"load {e2e['loadavg_before'][0]:.2f} -> {e2e['loadavg_after'][0]:.2f}", ""])
     print(table(["measure", "tokens/s or figure", "ratio", "goal"], rows_out,
                 title=f"generate, {args.model_size} model, {len(rows)} prompts x {args.n} samples x "
                       f"<= {args.max_new_tokens} tokens (best of {args.repeats})"))
+    print(f"stage and bare vLLM sampled the same token counts: {same_tokens} {tokens}")
+    print("load average at end:", Path("/proc/loadavg").read_text().strip())
+    results["machine_end"] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
     results.update(rates=rate, reload_s=reloads, stage_vs_bare=ratio(best_stage, best_bare),
-                   stage_vs_transformers=ratio(best_stage, best_tf))
+                   stage_vs_transformers=ratio(best_stage, best_tf), same_tokens=same_tokens,
+                   token_counts={k: sorted(v) for k, v in tokens.items()})
     print("saved", save(f"generate-{args.model_size}", results))
     return 0
 

@@ -79,14 +79,17 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
     runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
     started = time.monotonic()
-    module.setup(ctx)
-    log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
-    if runner.stop_requested:
-        return EXIT_OK
+    # setup inside the try/finally: what it built before a SIGTERM (the handler lets it finish) or an
+    # error, such as a vLLM engine, is torn down too; every stage's teardown copes with a partial setup
     try:
-        return runner.run()
-    except ExpstreamError as exc:
-        log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
-        return EXIT_FAILED
+        module.setup(ctx)
+        log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
+        if runner.stop_requested:
+            return EXIT_OK
+        try:
+            return runner.run()
+        except ExpstreamError as exc:
+            log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
+            return EXIT_FAILED
     finally:
-        teardown(ctx)  # the stage's own resources (HTTP sessions, thread pools), after the last commit
+        teardown(ctx)  # the stage's own resources (HTTP sessions, thread pools, an engine), after the last commit

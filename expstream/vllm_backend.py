@@ -91,6 +91,15 @@ def _engine_env(kv_cache_gib: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _sampled_logprobs(lps: Any, toks: list[int]) -> list[float]:
+    """The log-prob of every sampled token: with ``logprobs=0`` and ``flat_logprobs`` the engine keeps
+    exactly the sampled token's per position, so the flat list is the answer (checked by its token ids)."""
+    flat = getattr(lps, "logprobs", None)
+    if flat is not None and lps.token_ids == toks and len(flat) == len(toks):
+        return list(flat)
+    return [float(step[tok].logprob) for step, tok in zip(lps, toks, strict=True)]
+
+
 class VllmWeights:
     """What :class:`expstream.weights.PolicyFollower` needs of a model, for a vLLM engine.
 
@@ -169,7 +178,8 @@ class VllmGenerator:
             top_k=0 if greedy or top_k is None or top_k <= 0 else int(top_k),
             max_tokens=int(max_new_tokens), min_tokens=0 if ignore_eos else int(min_new_tokens),
             seed=seed, ignore_eos=ignore_eos, stop_token_ids=sorted(self.stop_token_ids),
-            logprobs=0 if logprobs else None, detokenize=False, skip_special_tokens=False,
+            # flat: the engine keeps one float per token instead of a {token: Logprob} dict per step
+            logprobs=0 if logprobs else None, flat_logprobs=logprobs, detokenize=False, skip_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -215,6 +225,7 @@ class VllmGenerator:
         # vLLM refuses n > 1 with greedy decoding: the n samples of a greedy prompt are one sample, copied.
         per_request = 1 if temperature == 0 else n
         ids = [f"expstream-{os.getpid()}-{next(_ids)}" for _ in prompts]
+        ours = set(ids)
         for g, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
             params = self._params(per_request, temperature=temperature, top_p=top_p, top_k=top_k,
                                   max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
@@ -228,7 +239,7 @@ class VllmGenerator:
                     raise ShutdownRequested(f"stop requested with {len(ids) - len(done)} of {len(ids)} prompts "
                                             "unfinished; generation abandoned")
                 for out in self.engine.step():
-                    if out.finished and out.request_id in ids:
+                    if out.finished and out.request_id in ours:
                         done[out.request_id] = out
                 if not self.engine.has_unfinished_requests() and len(done) < len(ids):
                     raise RuntimeError(f"vLLM finished without outputs for {len(ids) - len(done)} prompts")
@@ -245,10 +256,10 @@ class VllmGenerator:
                 raise RuntimeError(f"vLLM returned {len(outs)} samples for a prompt, expected {per_request}")
             outs = outs * (n // per_request)
             for o in outs:
-                toks = [int(t) for t in o.token_ids]
+                toks = list(o.token_ids)
                 tokens.append(toks)
                 if return_log_probs:
-                    logprobs.append([float(step[tok].logprob) for step, tok in zip(o.logprobs, toks, strict=True)])
+                    logprobs.append(_sampled_logprobs(o.logprobs, toks))
         return (tokens, logprobs) if return_log_probs else tokens
 
     # -- weights ------------------------------------------------------------------------------------

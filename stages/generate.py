@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import numpy as np
 
@@ -47,6 +48,7 @@ def teardown(ctx: StageContext) -> None:
     close = getattr(ctx.models.get("generator"), "close", None)
     if close is not None:
         close()
+        ctx.log.info("generate: vLLM engine shut down")
 
 
 def batch_seed(run_seed: int, batch_id: str) -> int:
@@ -69,7 +71,7 @@ def tokenize_prompts(batch: PromptBatch, ctx: StageContext) -> list[list[int]]:
     if (any(images) or any(videos)) and vision is None:
         raise PoisonRecordError(f"PromptBatch.images/videos: models.actor ({ctx.topology.models.actor}) is not a "
                                 "vision-language model; use one (e.g. builtin:tiny-vl) or drop the images")
-    out = []
+    texts, grids_of = [], []
     for pid, text, refs, vrefs in zip(batch.prompt_id, batch.prompt, images, videos, strict=True):
         if not text or not text.strip():
             raise PoisonRecordError(f"PromptBatch.prompt[{pid}]: empty prompt; give every prompt some text")
@@ -79,7 +81,12 @@ def tokenize_prompts(batch: PromptBatch, ctx: StageContext) -> list[list[int]]:
         if gen.apply_chat_template and getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+        texts.append(text)
+        grids_of.append((grids, vgrids))
+    # one tokenizer call per record: the same ids as a call per prompt, at ~2/3 of the cost
+    encoded = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+    out = []
+    for pid, refs, vrefs, (grids, vgrids), ids in zip(batch.prompt_id, images, videos, grids_of, encoded, strict=True):
         if refs:  # one image pad per image -> as many as its grid has merged patches
             ids = _expand_pads(ids, vision, vision.image_id, grids, pid)
         if vrefs:
@@ -153,13 +160,21 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         label=rep(batch.label),
         reference=rep(batch.reference),
         response=tok.batch_decode(outputs, skip_special_tokens=gen.skip_special_tokens),
-        prompt_ids=Ragged.from_rows([np.asarray(p, np.int32) for p in rep(prompts)], "int32"),
-        response_ids=Ragged.from_rows([np.asarray(o, np.int32) for o in outputs], "int32"),
+        prompt_ids=_ragged(rep(prompts), np.int32),
+        response_ids=_ragged(outputs, np.int32),
         # response-level (B; o_b) until shard-preprocess aligns it with action_ids
-        rollout_log_probs=Ragged.from_rows([np.asarray(lp, np.float32) for lp in logprobs], "float32"),
+        rollout_log_probs=_ragged(logprobs, np.float32),
         rollout_version=[int(version)] * len(outputs),
         **(_visual_fields(rep(images), rep(videos), vision) if any(images) or any(videos) else {}),
     )]
+
+
+def _ragged(rows: list, dtype: type) -> Ragged:
+    """Rows of Python numbers as one Ragged, converted in one pass (``Ragged.from_rows`` converts and
+    checks every row on its own: ~1 ms per field of a 256-sample record)."""
+    lengths = np.fromiter(map(len, rows), np.int32, count=len(rows))
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype, count=int(lengths.sum()))
+    return Ragged(values, lengths)
 
 
 def _visual_fields(images: list[list[str]], videos: list[list[str]], vision: object) -> dict:
