@@ -43,6 +43,7 @@ from torch import Tensor  # noqa: E402
 
 from expstream.errors import ShutdownRequested  # noqa: E402
 from expstream.layout import position_ids_from_attention  # noqa: E402
+from expstream.modelcache import MARKER, MODEL_KEYS, TINY_FORMAT, is_complete, tiny_root  # noqa: E402
 
 __all__ = [
     "MODEL_KEYS",
@@ -63,7 +64,6 @@ __all__ = [
     "forward_packed_reward",
 ]
 
-MODEL_KEYS = ("tokenizer", "actor", "critic", "reward")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -71,9 +71,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_MARKER = "EXPSTREAM_COMPLETE.json"
-# 2: heads of size 32 (vLLM refuses 16); the cache directory name carries it, so a v1 cache is not reused
-_FORMAT_VERSION = 2
+_MARKER = MARKER
+_FORMAT_VERSION = TINY_FORMAT
 _VOCAB_SIZE = 512
 
 
@@ -227,8 +226,7 @@ def _quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _is_complete(root: Path) -> bool:
-    return (root / _MARKER).is_file() and all((root / k).is_dir() for k in MODEL_KEYS)
+_is_complete = is_complete
 
 
 @contextlib.contextmanager
@@ -265,7 +263,7 @@ def build_tiny_models(
     ``torch.manual_seed(seed)``, ``seed + 1`` and ``seed + 2`` (the global RNG is left untouched).
     """
     cache_dir = Path(cache_dir)
-    root = cache_dir / f"tiny-llama-h{hidden}-l{layers}-s{seed}-f{_FORMAT_VERSION}"
+    root = tiny_root(cache_dir, seed, hidden, layers)
     paths = {key: root / key for key in MODEL_KEYS}
     if _is_complete(root):
         return paths
@@ -407,24 +405,23 @@ def load_critic(
     *,
     field: str | None = None,
 ) -> Any:
-    """Load a critic (``AutoModelForTokenClassification``, ``num_labels=1``): one value per token.
+    """Load a text critic (``AutoModelForTokenClassification``, ``num_labels=1``): one value per token.
 
-    A Qwen2-VL / Qwen2.5-VL directory loads as an :class:`expstream.vl.VisionValueModel` (the backbone
-    plus a linear value head, fed the pixels), since transformers has no token-classification head
-    for those models.
+    A Qwen2-VL / Qwen2.5-VL directory is refused here (transformers has no token-classification head
+    for it): ``expstream.vl.load_critic`` loads either kind (this module never imports expstream.vl,
+    which builds on it).
     """
-    if _is_vl_scorer(path):
-        from expstream.vl import load_value_model
-
-        return load_value_model(path, "critic", device, dtype, field=field)
+    _refuse_vl_scorer(path, "critic", field)
     return _load("AutoModelForTokenClassification", "critic", path, device, dtype, field, num_labels=1)
 
 
-def _is_vl_scorer(path: str | Path) -> bool:
-    """Whether a critic / reward directory holds a vision-language model (loaded with a value head)."""
-    from expstream.vl import is_vl_dir, is_vl_scoring_dir
+def _refuse_vl_scorer(path: str | Path, kind: str, field: str | None) -> None:
+    from expstream.vision import is_vl_dir, is_vl_scoring_dir
 
-    return is_vl_dir(path) or is_vl_scoring_dir(path)
+    if is_vl_dir(path) or is_vl_scoring_dir(path):
+        raise ModelNotFoundError(f"{field or kind}: {path} is a vision-language model; load it with "
+                                 f"expstream.vl.load_{'critic' if kind == 'critic' else 'reward_model'} (a backbone "
+                                 "plus a value head, fed the pixels)")
 
 
 def load_reward_model(
@@ -438,18 +435,11 @@ def load_reward_model(
     """Load a reward model (``AutoModelForSequenceClassification``, ``num_labels=1``).
 
     The score is read at the last non-pad token, which needs ``config.pad_token_id``: pass
-    ``pad_token_id`` to set it when the saved config has none. A Qwen2-VL / Qwen2.5-VL directory
-    loads as an :class:`expstream.vl.VisionValueModel` (backbone + linear head, fed the pixels; the
-    score read at the last attended token).
+    ``pad_token_id`` to set it when the saved config has none. A Qwen2-VL / Qwen2.5-VL directory is
+    refused here: ``expstream.vl.load_reward_model`` loads either kind.
     """
-    if _is_vl_scorer(path):
-        from expstream.vl import load_value_model
-
-        model = load_value_model(path, "reward", device, dtype, field=field)
-    else:
-        model = _load(
-            "AutoModelForSequenceClassification", "reward model", path, device, dtype, field, num_labels=1
-        )
+    _refuse_vl_scorer(path, "reward", field)
+    model = _load("AutoModelForSequenceClassification", "reward model", path, device, dtype, field, num_labels=1)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model

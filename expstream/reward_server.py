@@ -139,8 +139,9 @@ class ModelScorer(Scorer):
     def __init__(self, path: str, device: str = "cpu", cache_dir: str = ".cache/expstream/models") -> None:
         from pathlib import Path
 
-        from expstream.models import build_tiny_models, load_reward_model, load_tokenizer
+        from expstream.models import build_tiny_models, load_tokenizer
         from expstream.topology import BUILTIN_TINY
+        from expstream.vl import load_reward_model
 
         if path == BUILTIN_TINY:
             model_path = tok_path = Path(build_tiny_models(cache_dir)["reward"])

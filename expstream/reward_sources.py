@@ -72,8 +72,7 @@ class ModelSource:
     def load(cls, name: str, path: Any, topo: Topology, model: Any = None) -> ModelSource:
         """The source of the reward model at ``path`` (``model``: its weights when loaded already),
         with its own VisionInputs when it is a vision-language model."""
-        from expstream.models import load_reward_model
-        from expstream.vl import vision_for
+        from expstream.vl import load_reward_model, vision_for
 
         if model is None:
             model = load_reward_model(path, device=topo.models.device)
@@ -145,7 +144,8 @@ def build_sources(topo: Topology, ctx: Any) -> dict[str, RewardSource]:
     ``rewards.sources: null``: the single-source configuration, ``model`` (models.reward) then
     ``fn`` (models.reward_fn), as before the rewards block existed.
     """
-    from expstream.models import load_reward_model, load_tokenizer
+    from expstream.models import load_tokenizer
+    from expstream.vl import load_reward_model
 
     models = topo.models
     tokenizer = getattr(ctx, "models", {}).get("tokenizer")

@@ -167,6 +167,19 @@ def load_video(store: BlobStore, ref: str, what: str) -> list[Any]:
     return [load_image(store.get(r), f"{what} frame {i}") for i, r in enumerate(refs)]
 
 
+#: The model types whose backbone and processor expstream.vl knows how to feed (critic, reward model).
+VL_SCORING_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def is_vl_scoring_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a model directory whose config is a Qwen2-VL / Qwen2.5-VL (``model_type``)."""
+    try:
+        cfg = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return cfg.get("model_type") in VL_SCORING_TYPES
+
+
 def is_vl_dir(path: str | os.PathLike[str]) -> bool:
     """Whether a model directory holds a vision-language model (a preprocessor config next to it)."""
     p = Path(path)

@@ -47,20 +47,25 @@ import torch
 
 from expstream.blobs import BlobStore, open_blob_store
 from expstream.errors import PoisonRecordError
-from expstream.vision import BadImageError, is_vl_dir, load_image, load_video
+from expstream.modelcache import MARKER, TINY_VL_FORMAT, tiny_vl_root
+from expstream.vision import (
+    VL_SCORING_TYPES,
+    BadImageError,
+    is_vl_dir,
+    is_vl_scoring_dir,
+    load_image,
+    load_video,
+)
 
 log = logging.getLogger("expstream.vl")
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 BUILTIN_TINY_VL = "builtin:tiny-vl"
-_MARKER = "EXPSTREAM_COMPLETE.json"
-# 2: the critic and the reward model are VisionValueModels (1 had text models); the directory name carries it
-_FORMAT = 2
+_MARKER = MARKER
+_FORMAT = TINY_VL_FORMAT
 #: The file of a vision-language critic's / reward model's linear head, next to the backbone.
 VALUE_HEAD_FILE = "value_head.safetensors"
 _HEAD_FORMAT = "1"
-#: The model types whose backbone (``AutoModel``) and processor VisionInputs knows how to feed.
-VL_SCORING_TYPES = ("qwen2_vl", "qwen2_5_vl")
 #: Why 256: the processed images of a few micro-batches (n samples of a group share their images);
 #: an image of the tiny processor is ~60 KB of float32 patches.
 PIXEL_CACHE_ENTRIES = 256
@@ -78,7 +83,7 @@ def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str,
 
     from expstream import models as M
 
-    root = Path(cache_dir) / f"tiny-vl-h64-l2-s{seed}-f{_FORMAT}"
+    root = tiny_vl_root(cache_dir, seed)
     paths = {k: root / k for k in ("tokenizer", "actor", "critic", "reward")}
     if (root / _MARKER).is_file():
         return paths
@@ -364,13 +369,30 @@ class VisionValueModel(torch.nn.Module):
         return (positions * keep).argmax(-1)
 
 
-def is_vl_scoring_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a model directory whose config is a Qwen2-VL / Qwen2.5-VL (``model_type``)."""
-    try:
-        cfg = json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return cfg.get("model_type") in VL_SCORING_TYPES
+def load_critic(path: str | os.PathLike[str], device: str | torch.device = "cpu",
+                dtype: torch.dtype | str | None = None, *, field: str | None = None) -> Any:
+    """A critic directory of either kind: a Qwen2-VL / Qwen2.5-VL one as a :class:`VisionValueModel`
+    (fed the pixels), any other through ``expstream.models.load_critic``."""
+    if is_vl_dir(path) or is_vl_scoring_dir(path):
+        return load_value_model(path, "critic", device, dtype, field=field)
+    from expstream.models import load_critic as load_text_critic
+
+    return load_text_critic(path, device, dtype, field=field)
+
+
+def load_reward_model(path: str | os.PathLike[str], device: str | torch.device = "cpu",
+                      dtype: torch.dtype | str | None = None, *, field: str | None = None,
+                      pad_token_id: int | None = None) -> Any:
+    """A reward model directory of either kind (see :func:`load_critic`); ``pad_token_id`` as in
+    ``expstream.models.load_reward_model``."""
+    if is_vl_dir(path) or is_vl_scoring_dir(path):
+        model = load_value_model(path, "reward", device, dtype, field=field)
+        if pad_token_id is not None:
+            model.config.pad_token_id = pad_token_id
+        return model
+    from expstream.models import load_reward_model as load_text_reward_model
+
+    return load_text_reward_model(path, device, dtype, field=field, pad_token_id=pad_token_id)
 
 
 def save_value_model(model: VisionValueModel, path: str | os.PathLike[str]) -> None:

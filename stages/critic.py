@@ -15,7 +15,7 @@ from stages.context import StageContext
 
 
 def setup(ctx: StageContext) -> None:
-    from expstream.models import load_critic
+    from expstream.vl import load_critic
 
     ctx.models["critic"] = load_critic(model_dir(ctx.topology, "critic"), device=ctx.topology.models.device)
     ctx.models["vision"] = vision_inputs_for(ctx, "critic")  # a vision-language critic (None otherwise)

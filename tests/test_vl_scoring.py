@@ -60,9 +60,8 @@ def _cut(vl, batch: PromptBatch) -> SampleBatch:
 def _direct(vl, cut: SampleBatch, i: int, raw: dict[str, bytes], role: str, pixels: bool = True) -> torch.Tensor:
     """An unpadded forward of sample ``i`` alone through the ``role`` model's backbone + head, on the
     processor's inputs for the original image bytes: the head output (L,) at every position."""
-    from expstream.models import load_critic, load_reward_model
     from expstream.resolve import model_dir
-    from expstream.vl import image_processor
+    from expstream.vl import image_processor, load_critic, load_reward_model
 
     topo, _, ctxs = vl
     path = model_dir(topo, role)
@@ -198,9 +197,16 @@ def test_mixed_text_and_image_micro_batches_through_critic_and_reward_with_vl_an
 
 
 def test_value_head_save_load_round_trip_and_missing_or_wrong_heads(vl, tmp_path):
-    from expstream.models import ModelNotFoundError, load_critic, load_reward_model
+    from expstream import models as text_models
+    from expstream.models import ModelNotFoundError
     from expstream.resolve import model_dir
-    from expstream.vl import VALUE_HEAD_FILE, image_processor, save_value_model
+    from expstream.vl import (
+        VALUE_HEAD_FILE,
+        image_processor,
+        load_critic,
+        load_reward_model,
+        save_value_model,
+    )
 
     topo, _, _ = vl
     critic = load_critic(model_dir(topo, "critic"))
@@ -210,6 +216,8 @@ def test_value_head_save_load_round_trip_and_missing_or_wrong_heads(vl, tmp_path
     out = tmp_path / "critic"
     save_value_model(critic, out)
     image_processor(model_dir(topo, "critic")).save_pretrained(out)
+    with pytest.raises(ModelNotFoundError, match="vision-language model; load it with expstream.vl.load_critic"):
+        text_models.load_critic(out)  # the text loader refuses a VL directory and says which loader to use
     back = load_critic(out)
     own, got = critic.state_dict(), back.state_dict()
     assert set(own) == set(got) and all(torch.equal(own[k], got[k]) for k in own)

@@ -97,9 +97,10 @@ class Trainer:
     def __init__(self, topo: Topology, args: Any, output: Path) -> None:
         from expstream.admission import StalenessGate
         from expstream.control import PipelineControl
-        from expstream.models import load_causal_lm, load_critic, load_tokenizer
+        from expstream.models import load_causal_lm, load_tokenizer
         from expstream.resolve import model_dir
         from expstream.state import RedisState
+        from expstream.vl import load_critic
         from expstream.weights import open_store
 
         self.topo, self.args, self.output = topo, args, output
