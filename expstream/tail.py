@@ -102,9 +102,10 @@ def format_record(record: Any) -> str:
         if error is not None:
             line = f"{where} undecodable ({len(record.value)} bytes): {' '.join(error.split())[:300]}"
         else:
-            from schemas.codec import SCHEMA_VERSIONS
+            from schemas.codec import peek_header
 
-            line = (f"{where} batch_id={msg.batch_id} schema={msg.SCHEMA} v{SCHEMA_VERSIONS[msg.SCHEMA]} "
+            version = peek_header(record.value)[1]  # the record's own version (text-only batches stay older)
+            line = (f"{where} batch_id={msg.batch_id} schema={msg.SCHEMA} v{version} "
                     f"{_count(msg)} size={len(record.value)}")
     headers = decode_headers(record.headers)
     if headers:
