@@ -141,7 +141,7 @@ def iter_located(run: str | Path, topic: str, *, flag: str = "RUN_DIR") -> Itera
         return
     exp = run / EXPERIENCES_FILE
     if topic == EXPERIENCES_TOPIC and exp.is_file():
-        from expstream.experience import iter_records
+        from expstream.expfile import iter_records
 
         try:
             for k, value in enumerate(iter_records(exp)):

@@ -163,7 +163,7 @@ def experience_arrays(run_dir: Path) -> dict[str, np.ndarray]:
 
 def _experience_batches(run_dir: Path) -> Any:
     """The run's experience SampleBatches: experiences.msgpack, else the recorded ``experiences`` topic."""
-    from expstream.experience import iter_experience_batches
+    from expstream.expfile import iter_experience_batches
 
     if (run_dir / "experiences.msgpack").is_file() or not (run_dir / "topics" / "experiences").is_dir():
         yield from iter_experience_batches(run_dir / "experiences.msgpack")
