@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "CROSS_BATCH_ESTIMATORS",
@@ -75,6 +76,12 @@ TABLE: Mapping[str, Estimator] = MappingProxyType({e.name: e for e in (
 ESTIMATORS: tuple[str, ...] = tuple(TABLE)
 GROUP_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in TABLE.items() if e.group)
 CROSS_BATCH_ESTIMATORS: tuple[str, ...] = tuple(n for n, e in TABLE.items() if e.cross_batch)
+
+def uses_window(algo: Any) -> bool:
+    """The advantage stage holds samples in a cross-batch normalisation window (``algo``: AlgoConfig);
+    only then has a finite run something to release at the end of its input."""
+    return algo.advantage_cross_batch_norm == "window" and algo.advantage_estimator in CROSS_BATCH_ESTIMATORS
+
 
 #: Token-level KL estimators of ``compute_approx_kl`` (docs/numerics.md §3).
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")

@@ -82,6 +82,8 @@ def build_builtin_models(topo: Topology) -> None:
     builtin_sources = {cfg.path for cfg in sources if cfg.kind == "model" and cfg.path in (BUILTIN_TINY, BUILTIN_TINY_VL)}
     if builtin_sources and "reward" not in roles:
         roles.append("reward")  # a model source on builtin:tiny(-vl) loads that family's tiny reward model
+    if _builtin_cached(topo, {getattr(topo.models, r) for r in roles if getattr(topo.models, r)} | builtin_sources):
+        return  # nothing to build: torch and transformers stay out of this process
     for role in roles:
         try:
             if role == "reward" and topo.rewards.sources is not None:
@@ -92,6 +94,17 @@ def build_builtin_models(topo: Topology) -> None:
         except OSError as exc:  # building the tiny models: cache_dir not writable, disk full
             raise ConfigError(f"cannot build the built-in tiny model for models.{role} ({exc})",
                               field="models.cache_dir", fix="set models.cache_dir to a writable directory") from exc
+
+
+def _builtin_cached(topo: Topology, values: set[str]) -> bool:
+    """Every built-in family in ``values`` is complete in the cache (checked without importing torch);
+    the families as :func:`_builtin_family` picks them."""
+    from expstream.modelcache import is_complete, tiny_root, tiny_vl_root
+
+    vl = {v == BUILTIN_TINY_VL or topo.models.actor == BUILTIN_TINY_VL for v in values if v in
+          (BUILTIN_TINY, BUILTIN_TINY_VL)}
+    roots = [tiny_vl_root(topo.models.cache_dir) if is_vl else tiny_root(topo.models.cache_dir) for is_vl in vl]
+    return all(is_complete(root) for root in roots)
 
 
 def model_dir(topo: Topology, role: str) -> Path:

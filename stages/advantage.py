@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from expstream import numerics
-from expstream.estimators import CROSS_BATCH_ESTIMATORS
+from expstream.estimators import CROSS_BATCH_ESTIMATORS, uses_window
 from expstream.layout import action_field, padded, to_ragged
 from schemas import Ragged, SampleBatch, decode, encode
 from stages.common import scalar
@@ -100,8 +100,7 @@ def cross_batch(outputs: list[SampleBatch], ctx: StageContext) -> list[SampleBat
 
 
 def _uses_window(ctx: StageContext) -> bool:
-    algo = ctx.topology.algo
-    return algo.advantage_cross_batch_norm == "window" and algo.advantage_estimator in CROSS_BATCH_ESTIMATORS
+    return uses_window(ctx.topology.algo)
 
 
 def held_samples(ctx: StageContext) -> int:
