@@ -90,6 +90,7 @@ class RunOutcome:
     finished: bool = False  # the loop stopped because every fed group was accounted for or the target met
     summary: dict | None = None  # once written
     recording_dir: Path | None = None  # the run directory, when the recorder ran (summary.json "recording")
+    timeline: Any = None  # expstream.timeline.Timeline of the run (summary.json "startup")
 
     def fail(self, error: str) -> None:
         """Mark the run failed; the first error is the one reported (a Redis password in it masked)."""
@@ -195,9 +196,30 @@ class RunOutcome:
             "topology": topo.source,
             "recording": self.recording(problems),
             "accounting": accounting,
+            "startup": self.startup(col, problems),
         }
         self.summary = write_summary(summary, self.out_dir, self.run_id)
         return summary
+
+    def startup(self, col: Any, problems: list[str]) -> dict | None:
+        """summary.json's ``startup`` (expstream/timeline.py): the run's and every replica's marks."""
+        if self.timeline is None:
+            return None
+        try:
+            from expstream.timeline import startup_summary
+
+            now_minus = time.time() - time.monotonic()  # monotonic -> wall clock for the collector's times
+            if col is not None and col.first_at is not None:
+                self.timeline.mark("first_experience", col.first_at + now_minus)
+                self.timeline.mark("last_experience", col.last_at + now_minus)
+            self.timeline.mark("summary_written")
+            out = startup_summary(self.timeline, self.out_dir / "run")
+            first = out["timeline_s"].get("first_experience")
+            out["first_experience_after_process_start_s"] = first
+            return out
+        except Exception as exc:  # noqa: BLE001 - a timeline is never worth losing the summary
+            problems.append(f"start-up timeline not written: {type(exc).__name__}: {exc}")
+            return None
 
     def accounting(self, problems: list[str]) -> dict:
         """Per stage: samples in = out + dead-lettered + dropped + in flight (expstream/status.py)."""

@@ -57,6 +57,7 @@ from expstream.scale import Scaler, lag_reader
 from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
 from expstream.status import StatusSampler
 from expstream.supervisor import Supervisor, SupervisorError
+from expstream.timeline import STARTUP_DIR, STARTUP_DIR_ENV, Timeline
 from expstream.topics import create_topics, dlq_topic, loop_topics
 from expstream.topology import Topology
 
@@ -161,13 +162,18 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     check_services(args.bootstrap_servers, args.redis_url, topo.kafka)
     # Held until the summary is written (released last by the ExitStack below, or at process exit).
     run_lock = claim_run_dir(out_dir, force=args.force, resume=args.resume)
-    build_builtin_models(topo)
+    timeline = Timeline()
+    timeline.mark("config_checked")
     if topo.run.spawn == "fork":
         from expstream.forkserver import warm_up
 
-        # imports torch/transformers once, while the broker and redis start; vllm too when it generates
-        # (an import only, 3-6 s per generate replica saved; its engine is built in the stage)
+        # imports torch/transformers once, while the models are checked and the broker and redis start
+        # (the longest step before a stage can start); vllm too when it generates (an import only, 3-6 s
+        # per generate replica saved; its engine is built in the stage)
         warm_up(("vllm",) if topo.generate.backend == "vllm" else ())
+        timeline.mark("fork_server_started")
+    build_builtin_models(topo)  # torch-free when the cache has them (expstream/modelcache.py)
+    timeline.mark("models_ready")
     run_dir = out_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
@@ -175,6 +181,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     continuous = topo.train.enabled
     outcome = ContinuousOutcome if continuous else RunOutcome
     out = outcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=started)
+    out.timeline = timeline
     with ExitStack() as stack:
         stack.callback(run_lock.release)
         stack.push(out.on_exit)  # outputs even when setting up fails (a no-op once written)
@@ -184,6 +191,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
 
             broker = LocalBroker(run_dir)
             bootstrap = broker.start()
+            timeline.mark("broker_ready")
             stack.callback(broker.stop)
             log.info("local broker at %s (log %s)", bootstrap, run_dir / "broker.log")
         out.bootstrap = bootstrap
@@ -192,6 +200,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
 
             redis = LocalRedis(run_dir)
             redis_url = redis.start()
+            timeline.mark("redis_ready")
             stack.callback(redis.stop)
             log.info("local redis at %s", redact_url(redis_url))
         from expstream.state import RedisState
@@ -213,6 +222,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         if has_media(rows):  # images and video frames by claim check, before the stages read the topology
             blobs = resolve_blob_store(topo, out_dir)
             log.info("run %s: %d images/videos stored in %s", run_id, store_media(rows, blobs), blobs)
+        timeline.mark("topics_created")
         state = out.state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
         write_resolved_topology(topo, topo_path)
@@ -220,7 +230,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         recording = topo.record.is_on(own_broker=not args.bootstrap_servers)
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
                          fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
-                                                     METRICS_DIR_ENV: str(run_dir / "metrics"), **stage_env(redis_url)})
+                                                     METRICS_DIR_ENV: str(run_dir / "metrics"),
+                                                     STARTUP_DIR_ENV: str(run_dir / STARTUP_DIR), **stage_env(redis_url)})
         serve_supervisor(sup, run_dir / "metrics")  # expstream_restarts_total (docs/observability.md)
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
@@ -237,6 +248,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         scaler = out.scaler = Scaler(topo, sup, out_dir, lambda name, replica: stage_argv(
             topo_path, name, replica, bootstrap, run_id), lag_reader(topo, bootstrap, run_id), started=started)
         sup.start()
+        timeline.mark("stages_spawned")
         stack.callback(sup.stop)
         # one status snapshot per STATUS_INTERVAL_S into <output>/status.jsonl (expstream status, report)
         sampler = StatusSampler(topo, bootstrap, redis_url, run_id, out_dir)
@@ -265,6 +277,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                         collector.expect_groups(r.prompt_id for r in rows[fed:want])  # before they can come out
                         records += feed_prompts(bootstrap, topo.kafka, topo.topics.input, rows[fed:want],
                                                 topo.run.prompt_batch_size, first_index=records)
+                        timeline.mark("prompts_fed")
                         log.info("run %s: fed prompts %d..%d to %s", run_id, fed, want - 1, topo.topics.input)
                         fed = out.fed = want
                     if collector.poll(MONITOR_POLL_MS):
@@ -296,6 +309,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
                 log.exception("run %s: %s", run_id, exc)
             out.fail(f"{type(exc).__name__}: {exc}")
         finally:
+            timeline.mark("stopping")
             sampler.stop()
             if continuous or recording:
                 # the trainer's last steps are in train.jsonl, the recorder has drained and closed its
@@ -343,10 +357,15 @@ def flush_last_window(topo: Topology, state: State, collector: ExperienceCollect
     samples); a finite run's last window never fills. So once the held samples are the only ones
     missing, the run calls the stage's ``end_of_input`` hook and publishes what it returns.
     """
+    from expstream.estimators import uses_window
+
+    last = topo.enabled_stages()[-1].name
+    if last == "advantage" and not uses_window(topo.algo):
+        return  # nothing held back; and the stage modules (torch) stay out of this process
     from stages import held_samples
     from stages.context import make_context
 
-    ctx = make_context(topo, topo.enabled_stages()[-1].name, state=state)
+    ctx = make_context(topo, last, state=state)
     pending = held_samples(ctx)
     n = topo.generate.n_samples_per_prompt
     expected = (prompts - dropped) * n - len(collector.dead_samples - collector.samples)

@@ -81,6 +81,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     started = time.monotonic()
     # setup inside the try/finally: what it built before a SIGTERM (the handler lets it finish) or an
     # error, such as a vLLM engine, is torn down too; every stage's teardown copes with a partial setup
+    runner.start_joining()  # the group join (seconds on a new group) overlaps the model load
     try:
         module.setup(ctx)
         log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)

@@ -99,6 +99,7 @@ from expstream.metrics import StageMetrics
 from expstream.metrics import enabled as metrics_on
 from expstream.provenance import provenance_headers, read_provenance
 from expstream.retry import Attempt, Backoff, Policy, retry
+from expstream.timeline import mark_stage
 from expstream.topics import dlq_topic
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.codec import peek_header
@@ -249,6 +250,12 @@ class StageRunner:
         # Prometheus metrics (expstream/metrics.py); served from run(); None when switched off
         self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
         ctx.metrics = self.metrics
+        self._join_thread: threading.Thread | None = None
+        self._setup_done = threading.Event()
+
+    def _mark(self, event: str) -> None:
+        """A start-up mark of this replica (expstream/timeline.py; summary.json ``startup``)."""
+        mark_stage(event, stage=self.stage.name, replica=self.ctx.replica_id)
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -286,15 +293,43 @@ class StageRunner:
         self.pausing = PausedPolling(self.consumer, self._poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
 
+    def start_joining(self) -> None:
+        """Connect and join the consumer group on a thread while the stage's ``setup`` loads its models.
+
+        A first group join takes seconds on its own (the broker's initial rebalance delay: 3 s on
+        Tansu and on Apache Kafka's defaults), model loading takes seconds too: done one after the
+        other they add up before the first record. The thread is the consumer's only user until
+        :meth:`run` takes it over (the consumer is not thread-safe): it polls with every assigned
+        partition paused (stages/pausing.py: nothing is consumed, anything returned is rewound), so
+        the membership is kept however long ``setup`` takes, then resumes them and ends.
+        """
+        def join() -> None:
+            if not self._connect():
+                return
+            self._subscribe()
+            while not self._setup_done.is_set() and not self.stop_requested:
+                self.pausing.poll_paused()
+            self.pausing.resume_all()
+
+        self._join_thread = threading.Thread(target=join, name=f"join-{self.stage.name}", daemon=True)
+        self._join_thread.start()
+
     def run(self) -> int:
+        self._mark("setup_done")  # run() is called once the stage's setup (models) is done
         if self.metrics is not None and self.metrics.port is None:
             try:
                 self.metrics.port = self.metrics.serve()
             except OSError as exc:  # observability must never stop a stage
                 self.log.warning("stage %s: metrics endpoint not started: %s", self.stage.name, exc)
-        if not self._connect():
-            return 0
-        self._subscribe()
+        if self._join_thread is not None:  # joined (or joining) while setup ran: take the consumer over
+            self._setup_done.set()
+            self._join_thread.join()
+            if self.consumer is None or self.pausing is None:  # stopped while connecting
+                return 0
+        else:
+            if not self._connect():
+                return 0
+            self._subscribe()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
@@ -457,6 +492,9 @@ class StageRunner:
     def _note_assignment(self) -> None:
         now = time.monotonic()
         if self.tracker.assigned:
+            if not self.handled and not getattr(self, "_assigned_marked", False):
+                self._assigned_marked = True
+                self._mark("assigned")
             if self._unassigned_since is not None and now - self._unassigned_since > UNASSIGNED_LOG_INTERVAL_S:
                 self.log.info("stage %s: partitions assigned again: %s", self.stage.name,
                               sorted(tp.partition for tp in self.tracker.assigned))
@@ -496,6 +534,8 @@ class StageRunner:
     # -- one record -----------------------------------------------------------------------------
     def _handle(self, tp: TopicPartition, record: Any) -> None:
         where = f"{record.topic}[{record.partition}]@{record.offset}"
+        if not self.handled:
+            self._mark("first_record")
         fut = self._executor.submit(self._work, record, where)
         busy = self.pausing.wait(fut, where)
         if busy is not None:
