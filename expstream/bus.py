@@ -118,6 +118,13 @@ class KafkaConfig:
     fetch_max_bytes: int = 64 * MiB
     # Why 64 MiB: same, per partition.
     max_partition_fetch_bytes: int = 64 * MiB
+    # Why 50 ms: the longest a fetch waits on the broker when the partition has nothing new. Apache
+    # Kafka answers a waiting fetch as soon as a record arrives, but Tansu (the embedded broker) answers
+    # only when the wait is over: with kafka-python's default (500 ms) a record waited 123 ms (median)
+    # per hop before its consumer saw it, 6 ms with 50 ms, 4.5 ms with 10 ms (measured here, a record
+    # produced 130 ms into the wait). Below ~50 ms an idle consumer spends more CPU on empty fetches
+    # (20 per second at 50 ms) than it saves in latency.
+    fetch_max_wait_ms: int = 50
 
     # --- producer ------------------------------------------------------------------------------
     # Why 2 ms: micro-batches are already batches; a short linger only coalesces the few records a
@@ -223,6 +230,7 @@ class KafkaConfig:
             "max_request_size",
             "fetch_max_bytes",
             "max_partition_fetch_bytes",
+            "fetch_max_wait_ms",
             "produce_timeout_s",
             "bootstrap_timeout_ms",
             "reconnect_backoff_max_ms",
@@ -343,6 +351,7 @@ class KafkaConfig:
                 "max_poll_records": self.max_poll_records,
                 "fetch_max_bytes": self.fetch_max_bytes,
                 "max_partition_fetch_bytes": self.max_partition_fetch_bytes,
+                "fetch_max_wait_ms": self.fetch_max_wait_ms,
                 "auto_offset_reset": self.auto_offset_reset,
                 "enable_auto_commit": False,
                 "allow_auto_create_topics": False,
