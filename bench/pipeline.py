@@ -40,9 +40,17 @@ Nothing is asserted: the script reports; it exits non-zero only when a run fails
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+
+# Why PASSIVE: libgomp's default lets waiting OpenMP threads spin; with two threads on a 2-core machine
+# that shares its cores (the pipeline's other processes, other work) every barrier then waits for a
+# scheduler slice, and 2 threads run 2-10x slower than 1 (bench/README.md, "Noise"). Read once when
+# torch loads libgomp, so it is set before the import below; `expstream run` sets it for its fork
+# server too (expstream/forkserver.py). An explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
 import re
 import shutil
 import subprocess
@@ -103,6 +111,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--record-repeats", type=int, default=3, help="with --record: (off, on) pairs per prompt count")
     p.add_argument("--metrics", action="store_true",
                    help="the observability's cost instead: EXPSTREAM_METRICS=0 vs on, interleaved (record_cost)")
+    p.add_argument("--demo-repeats", type=int, default=2,
+                   help="runs of the README's demo command (examples/prompts.jsonl, defaults, report on) for "
+                        "time to first experience, whole-command wall and memory (PSS); 0 skips them")
     p.add_argument("--vl", action="store_true",
                    help="images through the pipeline instead: bytes per hop with and without the claim check, "
                         "samples/s of a mixed text/image run vs the same prompts without images (vl_cost)")
@@ -327,9 +338,12 @@ class TreeCPU:
     and each process's last-seen counters are summed; a process's last < ``interval`` s is lost.
     """
 
-    def __init__(self, root: int, interval: float = 0.2) -> None:
-        self.root, self.interval = root, interval
+    def __init__(self, root: int, interval: float = 0.2, pss: bool = False) -> None:
+        self.root, self.interval, self.pss = root, interval, pss
         self.cpu: dict[tuple[int, int], tuple[str, float]] = {}
+        # with pss: the tree's summed proportional set size (shared pages split between sharers), peak
+        self.pss_peak_kib = 0
+        self.pss_peak_by: dict[str, int] = {}
         self.tick = os.sysconf("SC_CLK_TCK")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -364,12 +378,19 @@ class TreeCPU:
         for pid, (ppid, *_rest) in procs.items():
             kids.setdefault(ppid, []).append(pid)
         todo = [self.root]
+        pss: dict[str, int] = {}
         while todo:
             pid = todo.pop()
             if pid in procs:
                 _, comm, cpu, start = procs[pid]
                 self.cpu[(pid, start)] = (comm, cpu)
+                if self.pss:
+                    kib = _pss_kib(pid)
+                    if kib:
+                        pss[comm] = pss.get(comm, 0) + kib
             todo.extend(kids.get(pid, []))
+        if self.pss and sum(pss.values()) > self.pss_peak_kib:
+            self.pss_peak_kib, self.pss_peak_by = sum(pss.values()), pss
 
     def totals(self, stage_pids: dict[int, str]) -> dict[str, Any]:
         """CPU s: total, cli (the `expstream run` process), broker, redis, per stage, other (fork server)."""
@@ -387,6 +408,18 @@ class TreeCPU:
             else:
                 out["other"] += cpu
         return out
+
+
+def _pss_kib(pid: int) -> int:
+    """``Pss`` of one process in KiB (/proc/<pid>/smaps_rollup), 0 when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def stage_pids(log_dir: Path) -> dict[int, str]:
@@ -426,6 +459,71 @@ def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | 
             "log_steady_samples_per_s": log_steady_rate(out / "run" / "logs"), "stages": summary["stages"],
             "recording_bytes": (summary.get("recording") or {}).get("bytes"),
             "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
+
+
+def demo_run(out: Path) -> dict[str, Any]:
+    """The README's demo as a user runs it (``expstream run --prompts examples/prompts.jsonl``, the embedded
+    default topology, report on): whole-command wall, time to first experience (from the process start,
+    summary.json ``startup``; and from the run's own clock), and the peak summed PSS of its process tree."""
+    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(ROOT / "examples" / "prompts.jsonl"),
+           "--output", str(out), "--no-progress"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with TreeCPU(proc.pid, interval=0.1, pss=True) as tree:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        sys.stderr.write(stdout[-3000:] + stderr[-6000:])
+        raise SystemExit(f"the demo run failed with exit code {proc.returncode} (output in {out})")
+    summary = json.loads((out / "summary.json").read_text())
+    startup = summary.get("startup") or {}
+    return {"cmd_wall_s": wall, "first_experience_s": startup.get("first_experience_after_process_start_s"),
+            "first_experience_run_clock_s": summary.get("first_experience_after_s"),
+            "timeline_s": startup.get("timeline_s"), "critical_path": startup.get("critical_path"),
+            "pss_peak_mib": tree.pss_peak_kib / 1024,
+            "pss_peak_by_mib": {k: round(v / 1024, 1) for k, v in sorted(tree.pss_peak_by.items(),
+                                                                          key=lambda kv: -kv[1])}}
+
+
+def codec_vs_memcpy(target_bytes: int = 2_500_000, repeats: int = 30) -> dict[str, Any]:
+    """The codec's round trip (encode + decode) of one SampleBatch record of ~``target_bytes`` against a
+    memcpy of the same number of bytes: ratio = memcpy time / round-trip time (1.0 = as fast as a copy)."""
+    import numpy as np
+
+    from schemas import Ragged, SampleBatch
+
+    b, width = 64, 0
+    per_token = 4 * 3 + 4 * 8 + 1  # bytes per token: 3 int32 id fields + 8 float32 action fields + the bool mask
+    width = max(1, target_bytes // (b * per_token))
+    rng = np.random.default_rng(0)
+    ids = Ragged.from_rows([rng.integers(0, 500, width, dtype=np.int32) for _ in range(b)], "int32")
+
+    def floats() -> Ragged:
+        return Ragged.from_rows([rng.standard_normal(width).astype(np.float32) for _ in range(b)], "float32")
+
+    batch = SampleBatch(batch_id="bench", policy_version=0, n_samples_per_prompt=4, eos_token_id=1, pad_token_id=0,
+                        prompt_id=[f"p{i // 4}" for i in range(b)], group_id=[f"p{i // 4}" for i in range(b)],
+                        sample_index=[i % 4 for i in range(b)], prompt=["q"] * b, label=[""] * b, reference=[""] * b,
+                        response=["r"] * b, prompt_ids=ids, response_ids=ids, layout="padded", action_ids=ids,
+                        action_mask=Ragged.from_rows([np.ones(width, bool) for _ in range(b)], "bool"),
+                        action_log_probs=floats(), base_action_log_probs=floats(), values=floats(),
+                        rollout_log_probs=floats(), kl=floats(), token_rewards=floats(), advantages=floats(),
+                        returns=floats(), rewards=rng.standard_normal(b).astype(np.float32))
+    raw = encode(batch)
+    src = np.frombuffer(raw, np.uint8)
+    dst = np.empty_like(src)
+    codec, copy = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        back = decode(encode(batch))
+        t1 = time.perf_counter()
+        np.copyto(dst, src)
+        t2 = time.perf_counter()
+        codec.append(t1 - t0)
+        copy.append(t2 - t1)
+    assert back.batch_id == batch.batch_id
+    return {"bytes": len(raw), "roundtrip_ms": 1000 * median(codec), "memcpy_ms": 1000 * median(copy),
+            "ratio": median(copy) / median(codec)}
 
 
 def cpu_medians(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -519,6 +617,13 @@ def main() -> int:
         base = baseline.result()
         stream = streaming_result(runs)
         hops = measure_hops(topo, hop_records(topo, base["chain"]), args.hop_records)
+        demos = []
+        for rep in range(args.demo_repeats):
+            demos.append(demo_run(work / f"demo-{rep}"))
+            progress(f"demo run {rep + 1}/{args.demo_repeats}: first experience {fmt(demos[-1]['first_experience_s'])}s "
+                     f"after the process started, command {demos[-1]['cmd_wall_s']:.1f}s, PSS peak "
+                     f"{demos[-1]['pss_peak_mib']:.0f} MiB")
+        codec = codec_vs_memcpy()
     finally:
         if args.keep_runs:
             print(f"streaming runs kept in {work}", file=sys.stderr)
@@ -527,6 +632,7 @@ def main() -> int:
     info_end = machine()
 
     summary = report(args, topo, base, hops, stream, info_start, info_end, model_info)
+    summary["goals"] = goals_table(args, base, hops, stream, demos, codec)
     save(f"pipeline-{args.model_size}" if args.model_size != "tiny" else "pipeline", summary)
     return 0
 
@@ -820,6 +926,48 @@ def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops:
         "aims": {"pipeline_beats_baseline": beats, "pipeline_beats_baseline_by": how,
                  "hop_overhead_under_10pct": worst_pct < 10},
     }
+
+
+def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, Any], stream: dict[str, Any],
+                demos: list[dict[str, Any]], codec: dict[str, Any]) -> dict[str, Any]:
+    """Issue 15's table: each measure, its goal, met or not. The baseline is the best in-process
+    configuration measured in this run (the fastest thread count), never a handicapped one."""
+    best_threads = max((t for t in base if isinstance(t, int)), key=lambda t: base[t]["samples_per_s"])
+    best = base[best_threads]
+    steady = stream["steady_two_point_samples_per_s"]
+    if not steady == steady:
+        steady = stream["log_steady_samples_per_s"]
+    hop_median = median([1000 * h["total"] for h in hops["hops"].values()])
+    first = median([d["first_experience_s"] for d in demos if d["first_experience_s"] is not None]) if demos \
+        else float("nan")
+    wall = median([d["cmd_wall_s"] for d in demos]) if demos else float("nan")
+    pss = median([d["pss_peak_mib"] for d in demos]) if demos else float("nan")
+    rows = [
+        (f"steady state / best in-process chain ({best_threads} thread{'s' if best_threads > 1 else ''}), "
+         f"{args.model_size} models", ratio(steady, best["samples_per_s"]), ">= 1.8x", lambda v: v >= 1.8),
+        ("streaming CPU per sample / in-process CPU per sample (marginal)",
+         ratio(stream["cpu_ms_per_sample_marginal"], best["cpu_ms_per_sample"]), "<= 1.1x", lambda v: v <= 1.1),
+        ("broker + codec cost per record per hop, median of hops (ms)", hop_median, "<= 1 ms", lambda v: v <= 1.0),
+        ("time to first experience, demo (6 prompts), from process start (s)", first, "<= 3 s", lambda v: v <= 3.0),
+        ("whole demo command, wall (s)", wall, "<= 6 s", lambda v: v <= 6.0),
+        (f"codec round trip / memcpy, {codec['bytes'] / 1e6:.1f} MB record", codec["ratio"], ">= 0.5",
+         lambda v: v >= 0.5),
+        ("resident memory of the demo run, peak sum of PSS (MiB)", pss, "measured, then halved", lambda v: None),
+    ]
+    out_rows = []
+    for label, value, goal, ok in rows:
+        met = ok(value) if value == value else None
+        out_rows.append([label, value, goal, {True: "yes", False: "no", None: "-"}[met]])
+    print(table(["measure (issue 15)", "now", "goal", "met"], out_rows,
+                title=f"Goals, measured in this run ({args.model_size} models; load avg {machine()['loadavg']})"))
+    if demos:
+        d = demos[0]
+        print(f"  demo start-up timeline (s since the process started): {d['timeline_s']}")
+        print(f"  slowest replica to its first record: {d['critical_path']}")
+        print(f"  PSS at the peak, by process name (MiB): {d['pss_peak_by_mib']}")
+    print(f"  codec: {codec['bytes']} bytes, round trip {codec['roundtrip_ms']:.2f} ms, memcpy {codec['memcpy_ms']:.2f} ms")
+    return {"best_in_process_threads": best_threads, "rows": {r[0]: rounded(r[1]) for r in out_rows},
+            "demos": demos, "codec": codec}
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     from multiprocessing import forkserver
 
     _context(extra)
+    # libgomp reads this once, when the server's torch import loads it, so it is set before the start.
+    # Why PASSIVE: a waiting OpenMP thread that spins takes a core the other stage processes need;
+    # with run.torch_threads > 1 on a busy machine spinning made 2 threads 2-10x slower than 1
+    # (bench/README.md, "Noise"). An explicit OMP_WAIT_POLICY in the environment wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ[PARENT_ENV] = str(os.getpid())
     try:
         forkserver.ensure_running()
