@@ -74,7 +74,8 @@ def _context(extra: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext
     global _CONTEXT
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD + list(extra))
+        # expstream.forkfreeze last: gc.freeze() once every import is done (shared pages stay shared)
+        ctx.set_forkserver_preload(PRELOAD + list(extra) + ["expstream.forkfreeze"])
         _CONTEXT = ctx
     return _CONTEXT
 
