@@ -251,6 +251,7 @@ class StageRunner:
         self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
         ctx.metrics = self.metrics
         self._join_thread: threading.Thread | None = None
+        self._join_error: BaseException | None = None
         self._setup_done = threading.Event()
 
     def _mark(self, event: str) -> None:
@@ -304,12 +305,15 @@ class StageRunner:
         the membership is kept however long ``setup`` takes, then resumes them and ends.
         """
         def join() -> None:
-            if not self._connect():
-                return
-            self._subscribe()
-            while not self._setup_done.is_set() and not self.stop_requested:
-                self.pausing.poll_paused()
-            self.pausing.resume_all()
+            try:
+                if not self._connect():
+                    return
+                self._subscribe()
+                while not self._setup_done.is_set() and not self.stop_requested:
+                    self.pausing.poll_paused()
+                self.pausing.resume_all()
+            except BaseException as exc:  # noqa: BLE001 - handed to run(), which raises it as before
+                self._join_error = exc
 
         self._join_thread = threading.Thread(target=join, name=f"join-{self.stage.name}", daemon=True)
         self._join_thread.start()
@@ -324,6 +328,8 @@ class StageRunner:
         if self._join_thread is not None:  # joined (or joining) while setup ran: take the consumer over
             self._setup_done.set()
             self._join_thread.join()
+            if self._join_error is not None:  # e.g. a broker that refuses the client: as if run() connected
+                raise self._join_error
             if self.consumer is None or self.pausing is None:  # stopped while connecting
                 return 0
         else:

@@ -583,3 +583,42 @@ def test_stop_request_mid_record_leaves_it_uncommitted_and_never_dead_letters_it
 
 # Why 2 s: the output send must time out (broker paused) well before the broker is resumed at 1.5x this.
 STOP_SEND_TIMEOUT_S = 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# joining the group while setup loads the models
+# ---------------------------------------------------------------------------------------------
+def test_the_group_is_joined_during_setup_without_consuming_and_every_record_comes_out_once(broker):
+    """StageRunner.start_joining: the replica joins its group while a slow setup runs (the broker's
+    join delay and the model load overlap), consumes nothing until run() takes the consumer over,
+    then handles every record once and commits it."""
+    topo = stage_topology(broker, "shard-preprocess")
+    src = topo.stages["shard-preprocess"].input
+    seen: list[str] = []
+
+    def process(batch, ctx):
+        seen.append(batch.batch_id)
+        return []
+
+    names = [f"early-{i}" for i in range(4)]
+    produce(broker, src, [encode(PromptBatch(batch_id=n, prompt_id=[n], prompt=["x"], label=[""], reference=[""]))
+                          for n in names])
+    runner = StageRunner(make_context(topo, "shard-preprocess", run_id=f"j{uuid.uuid4().hex[:6]}"), process, broker)
+    started = time.monotonic()
+    runner.start_joining()
+    deadline = started + 60
+    while not getattr(getattr(runner, "tracker", None), "assigned", None):  # "setup" is still running
+        assert time.monotonic() < deadline, "no partition assigned while setup ran"
+        time.sleep(0.05)
+    joined_after = time.monotonic() - started
+    time.sleep(1.0)  # more setup: polls go on with the partitions paused
+    assert seen == [] and runner.handled == 0, "a record was consumed before setup finished"
+    running = Running(runner)
+    try:
+        running.wait(lambda: runner.handled == len(names), 30, "every record after setup")
+        time.sleep(0.5)  # a second delivery would show up here
+    finally:
+        running.stop()
+    assert Counter(seen) == Counter(names), seen
+    assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}, "every offset committed"
+    assert joined_after < 30, joined_after
