@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,21 +84,21 @@ def stage_context(topo: Any) -> Any:
     return ctx
 
 
-def run_stage(ctx: Any, batches: list) -> tuple[int, float]:
-    """(generated tokens, seconds) of the stage function over every record."""
+def run_stage(ctx: Any, batches: list) -> tuple[int, float, float]:
+    """(generated tokens, seconds, CPU seconds of the process) of the stage function over every record."""
     from stages import generate
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = 0
     for b in batches:
         for out in generate.process(b, ctx):
             assert isinstance(out, SampleBatch)
             tokens += int(out.response_ids.lengths.sum())
-    return tokens, time.perf_counter() - t0
+    return tokens, time.perf_counter() - t0, time.process_time() - c0
 
 
-def run_bare(ctx: Any, token_batches: list[list[list[int]]], seeds: list[int]) -> tuple[int, float]:
-    """(generated tokens, seconds) of bare ``LLM.generate`` on the engine the stage built, with the
+def run_bare(ctx: Any, token_batches: list[list[list[int]]], seeds: list[int]) -> tuple[int, float, float]:
+    """(generated tokens, seconds, CPU seconds) of bare ``LLM.generate`` on the engine the stage built, with the
     SamplingParams the stage submits for each record (``seeds``: the records' batch seeds)."""
     gen = ctx.models["generator"]
     g = ctx.topology.generate
@@ -106,15 +107,41 @@ def run_bare(ctx: Any, token_batches: list[list[list[int]]], seeds: list[int]) -
                            seed=(seed + i) % 2**31, ignore_eos=False, logprobs=True) for i in range(len(prompts))]
               for prompts, seed in zip(token_batches, seeds, strict=True)]
 
-    def call() -> tuple[int, float]:
-        t0 = time.perf_counter()
+    def call() -> tuple[int, float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         tokens = 0
         for prompts, ps in zip(token_batches, params, strict=True):
             outs = gen.llm.generate([{"prompt_token_ids": p} for p in prompts], ps, use_tqdm=False)
             tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return tokens, time.perf_counter() - t0
+        return tokens, time.perf_counter() - t0, time.process_time() - c0
 
     return gen._on_engine_thread(call)  # the engine's own thread (expstream/vllm_backend.py)
+
+
+def stage_overhead_ms(ctx: Any, batch: Any, repeats: int = 20) -> float:
+    """CPU ms of ``stages.generate.process`` on ``batch`` with the engine call replaced by its recorded
+    result: the stage's own work per record (tokenize, admission, decode, SampleBatch), which the
+    machine's load does not blur as it blurs the rates."""
+    from stages import generate
+
+    real = ctx.models["generator"]
+    calls: list[Any] = []
+
+    class Recorded:
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            if not calls:
+                calls.append(real.generate(*args, **kwargs))
+            return calls[0]
+
+    ctx.models["generator"] = Recorded()
+    try:
+        generate.process(batch, ctx)
+        t0 = time.process_time()
+        for _ in range(repeats):
+            generate.process(batch, ctx)
+        return round((time.process_time() - t0) / repeats * 1000, 2)
+    finally:
+        ctx.models["generator"] = real
 
 
 def first_sample(size: str, backend: str, max_new_tokens: int, n: int) -> dict[str, float]:
@@ -180,7 +207,7 @@ def best_rate(fn: Any, repeats: int) -> tuple[float, list[float]]:
     fn()  # warm-up
     rates = []
     for _ in range(repeats):
-        tokens, seconds = fn()
+        tokens, seconds, _cpu = fn()
         rates.append(tokens / seconds)
     return max(rates), rates
 
@@ -243,6 +270,8 @@ def main() -> int:
     seeds = [batch_seed(topo.run.seed, b.batch_id) for b in batches]
     seeds_whole = [batch_seed(topo.run.seed, whole[0].batch_id)]
     tokens: dict[str, set[int]] = {}
+    passes: dict[str, list[int]] = {}  # every timed pass's tokens/s: the spread of the noise
+    cpu_passes: dict[str, list[int]] = {}  # tokens per CPU second (all threads): blind to other processes
     for _ in range(args.repeats):  # interleaved: the machine's noise hits every variant alike
         for name, fn in (("stage_per_record", lambda: run_stage(ctx, batches)),
                          ("bare_per_record", lambda: run_bare(ctx, toks, seeds)),
@@ -250,12 +279,18 @@ def main() -> int:
                          ("bare_one_call", lambda: run_bare(ctx, toks_whole, seeds_whole))):
             progress(name)
             fn()  # warm-up
-            count, seconds = fn()
+            count, seconds, cpu = fn()
             tokens.setdefault(name, set()).add(count)
+            passes.setdefault(name, []).append(round(count / seconds))
+            cpu_passes.setdefault(name, []).append(round(count / cpu))
             rate[name] = max(rate.get(name, 0.0), count / seconds)
     # the same seeds on both sides: the stage and bare vLLM sample the same tokens, so the same counts
     same_tokens = tokens["stage_per_record"] == tokens["bare_per_record"] and \
         tokens["stage_one_record"] == tokens["bare_one_call"] and all(len(v) == 1 for v in tokens.values())
+
+    progress("the stage's own work per record")
+    overhead = {"per_record": stage_overhead_ms(ctx, batches[0]), "one_record": stage_overhead_ms(ctx, whole[0])}
+    results["stage_overhead_ms"] = overhead
 
     progress("weight reload")
     from expstream.models import load_causal_lm
@@ -266,6 +301,17 @@ def main() -> int:
     reloads = [gen.reload(state_dict=sd) for _ in range(5)]
     gen.close()
 
+    # each round times stage and bare back to back: the median of their ratios is steadier on a busy
+    # machine than the ratio of two best passes (one lucky pass moves that)
+    def paired_median(by: dict[str, list[int]], kind: str, bare: str) -> float:
+        return statistics.median(s / b for s, b in zip(by[f"stage_{kind}"], by[f"bare_{bare}"], strict=True))
+
+    kinds = (("per_record", "per_record"), ("one_record", "one_call"))
+    paired = {kind: paired_median(passes, kind, bare) for kind, bare in kinds}
+    # CPU time: a pass preempted by another process costs it wall time, not CPU time
+    paired_cpu = {kind: paired_median(cpu_passes, kind, bare) for kind, bare in kinds}
+    results.update(paired_median_stage_vs_bare=paired, paired_median_stage_vs_bare_cpu=paired_cpu,
+                   cpu_passes=cpu_passes)
     best_tf = max(rate["transformers_1t"], rate["transformers_2t"])
     best_bare = max(rate["bare_per_record"], rate["bare_one_call"])
     best_stage = max(rate["stage_per_record"], rate["stage_one_record"])
@@ -280,9 +326,15 @@ def main() -> int:
         ["bare LLM.generate, one call", fmt(rate["bare_one_call"], ".0f"), "", ""],
         ["best vLLM stage / best bare vLLM", fmt(ratio(best_stage, best_bare)) + "x", "",
          f">= {GOAL_STAGE_VS_BARE}x"],
+        ["median of paired passes, stage / bare: per record, one record",
+         f"{fmt(paired['per_record'])}x, {fmt(paired['one_record'])}x", "", f">= {GOAL_STAGE_VS_BARE}x"],
+        ["the same by tokens per CPU second", f"{fmt(paired_cpu['per_record'])}x, {fmt(paired_cpu['one_record'])}x",
+         "", f">= {GOAL_STAGE_VS_BARE}x"],
         ["best vLLM stage / best transformers", fmt(ratio(best_stage, best_tf)) + "x",
          "transformers best at " + ("1 thread" if rate["transformers_1t"] >= rate["transformers_2t"] else "2 threads"),
          ""],
+        ["the stage's own CPU per record, 2 / 64 prompts", f"{fmt(overhead['per_record'])} / "
+         f"{fmt(overhead['one_record'])} ms", "outside the engine call", ""],
         ["weight reload in the stage (median of 5)", fmt(sorted(reloads)[2] * 1000, ".1f") + " ms", "", ""],
         ["vLLM engine start (stage setup)", fmt(results["engine_start_s"]) + " s", "", ""],
     ]
@@ -300,10 +352,11 @@ def main() -> int:
                 title=f"generate, {args.model_size} model, {len(rows)} prompts x {args.n} samples x "
                       f"<= {args.max_new_tokens} tokens (best of {args.repeats})"))
     print(f"stage and bare vLLM sampled the same token counts: {same_tokens} {tokens}")
+    print("tokens/s of every timed pass:", passes)
     print("load average at end:", Path("/proc/loadavg").read_text().strip())
     results["machine_end"] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
     results.update(rates=rate, reload_s=reloads, stage_vs_bare=ratio(best_stage, best_bare),
-                   stage_vs_transformers=ratio(best_stage, best_tf), same_tokens=same_tokens,
+                   stage_vs_transformers=ratio(best_stage, best_tf), same_tokens=same_tokens, passes=passes,
                    token_counts={k: sorted(v) for k, v in tokens.items()})
     print("saved", save(f"generate-{args.model_size}", results))
     return 0

@@ -12,11 +12,12 @@ for every micro-batch:
    and a stop aborts every request and raises :class:`~expstream.errors.ShutdownRequested` (the
    micro-batch is redelivered, never emitted cut short);
 3. behaviour log-probs are vLLM's log-probs of the sampled tokens under the distribution it
-   sampled from (``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p).
+   sampled from (``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p),
+   kept flat by the engine (``flat_logprobs``: one float per token, no dict per step).
 
 Engine mode. The engine runs in the stage process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it
-starts in ~2.5 s instead of ~14 s, and it has no process of its own that could outlive a killed
-stage. This works because stage processes are forked from a fork server that only *imported*
+starts in 4-6 s on the 2-core dev machine (stage setup, bench/generate.py; docs/vllm.md) instead of
+~14 s, and it has no process of its own that could outlive a killed stage. This works because stage processes are forked from a fork server that only *imported*
 torch (vLLM's in-process mode deadlocks in a child of a process that ran multithreaded torch;
 expstream/forkserver.py never runs a torch op). A user who sets the variable keeps their choice.
 
