@@ -118,13 +118,16 @@ class KafkaConfig:
     fetch_max_bytes: int = 64 * MiB
     # Why 64 MiB: same, per partition.
     max_partition_fetch_bytes: int = 64 * MiB
-    # Why 50 ms: the longest a fetch waits on the broker when the partition has nothing new. Apache
-    # Kafka answers a waiting fetch as soon as a record arrives, but Tansu (the embedded broker) answers
-    # only when the wait is over: with kafka-python's default (500 ms) a record waited 123 ms (median)
-    # per hop before its consumer saw it, 6 ms with 50 ms, 4.5 ms with 10 ms (measured here, a record
-    # produced 130 ms into the wait). Below ~50 ms an idle consumer spends more CPU on empty fetches
-    # (20 per second at 50 ms) than it saves in latency.
-    fetch_max_wait_ms: int = 50
+    # Why 200 ms: the longest a fetch waits on the broker when the partition has nothing new. Apache
+    # Kafka answers a waiting fetch as soon as a record arrives; Tansu (the embedded broker) answers
+    # late. Measured here, a record produced 130 ms into a consumer's wait, against the CPU an idle
+    # consumer (a stage replica between micro-batches) spends on empty fetches:
+    #   500 ms (kafka-python's default): seen after 123 ms (median), idle CPU  8 ms per second
+    #   200 ms:                          seen after  24 ms,           idle CPU 12 ms per second
+    #   100 ms:                          seen after  26 ms,           idle CPU 24 ms per second
+    #    50 ms:                          seen after   6 ms,           idle CPU 35 ms per second
+    # A run has ~10 consumers on 2 cores, mostly idle: 200 ms keeps both costs small.
+    fetch_max_wait_ms: int = 200
 
     # --- producer ------------------------------------------------------------------------------
     # Why 2 ms: micro-batches are already batches; a short linger only coalesces the few records a
