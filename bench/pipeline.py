@@ -934,17 +934,21 @@ def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, 
     configuration measured in this run (the fastest thread count), never a handicapped one."""
     best_threads = max((t for t in base if isinstance(t, int)), key=lambda t: base[t]["samples_per_s"])
     best = base[best_threads]
-    steady = stream["steady_two_point_samples_per_s"]
+    # the advantage stage's own timestamps (samples after its first micro-batch / time to its last, per
+    # run, median): start-up is outside it by construction. The two-point rate divides by a difference
+    # of two walls that each carry ~10 s of start-up; one slow start-up made it 1770 samples/s in a run.
+    steady = stream["log_steady_samples_per_s"]
     if not steady == steady:
-        steady = stream["log_steady_samples_per_s"]
+        steady = stream["steady_two_point_samples_per_s"]
     hop_median = median([1000 * h["total"] for h in hops["hops"].values()])
     first = median([d["first_experience_s"] for d in demos if d["first_experience_s"] is not None]) if demos \
         else float("nan")
     wall = median([d["cmd_wall_s"] for d in demos]) if demos else float("nan")
     pss = median([d["pss_peak_mib"] for d in demos]) if demos else float("nan")
     rows = [
-        (f"steady state / best in-process chain ({best_threads} thread{'s' if best_threads > 1 else ''}), "
-         f"{args.model_size} models", ratio(steady, best["samples_per_s"]), ">= 1.8x", lambda v: v >= 1.8),
+        (f"steady state (advantage log) / best in-process chain ({best_threads} thread"
+         f"{'s' if best_threads > 1 else ''}), {args.model_size} models", ratio(steady, best["samples_per_s"]),
+         ">= 1.8x", lambda v: v >= 1.8),
         ("streaming CPU per sample / in-process CPU per sample (marginal)",
          ratio(stream["cpu_ms_per_sample_marginal"], best["cpu_ms_per_sample"]), "<= 1.1x", lambda v: v <= 1.1),
         ("broker + codec cost per record per hop, median of hops (ms)", hop_median, "<= 1 ms", lambda v: v <= 1.0),
