@@ -19,7 +19,7 @@ imports count too), in order:
 ``first_experience``     the first experience arrived at the collector
 ``last_experience``      the last one
 ``stopping``             the stages are being stopped
-``summary_written``      experiences.msgpack and summary.json written
+``summary_written``      the summary is being written (its last mark; experiences.msgpack is already out)
 =======================  =====================================================================
 
 Per stage replica (``stages``): ``process_start`` (forked), ``setup_done`` (models loaded),
