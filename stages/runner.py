@@ -620,25 +620,22 @@ class StageRunner:
         self._deliver(record, where, outputs, letters, batch)
         self._maybe_fault("after_produce")
         seconds = time.monotonic() - started
-        # statistics: every record the stage did its work on, including those parked in a group
-        # buffer (no output yet); samples are the record's own, or for a prompt record the samples
-        # generated from it, counted in the outputs
         samples = 0
         if batch is not None:
             samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
-        if batch is not None and (outputs or not letters):
-            try:
-                self.ctx.state.record_stage_time(self.stage.name, seconds, samples, batch.batch_id)
-            except ExpstreamError as exc:  # statistics only
-                self.log.warning("stage %s %s: stage time not recorded: %s", self.stage.name, where, exc)
-        if batch is not None:  # the accounting (status, summary.json): in = out + dead + dropped + in flight
+            # statistics (one round trip): the time of every record the stage did its work on, including
+            # those parked in a group buffer (no output yet), samples the record's own or, for a prompt
+            # record, the samples generated from it; and the accounting (status, summary.json):
+            # in = out + dead + dropped + in flight
             per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(batch, PromptBatch) else 1
             flow = {"in": len(batch) * per, "out": sum(o.samples for o in outputs),
                     "dead": sum(len(lt.batch) * per if lt.batch is not None else len(batch) * per for lt in letters)}
             try:
-                self.ctx.state.record_flow(self.stage.name, batch.batch_id, flow)
+                self.ctx.state.record_batch(self.stage.name, batch.batch_id, flow,
+                                            seconds if (outputs or not letters) else None, samples)
             except ExpstreamError as exc:  # statistics only
-                self.log.warning("stage %s %s: sample accounting not recorded: %s", self.stage.name, where, exc)
+                self.log.warning("stage %s %s: stage time and sample accounting not recorded: %s", self.stage.name,
+                                 where, exc)
         return _Done(batch.batch_id if batch is not None else None, samples, len(outputs), len(letters), seconds)
 
     # -- process, with retries and splitting (worker thread) ---------------------------------------

@@ -225,6 +225,21 @@ def test_kl_adaptive_needs_initialised_coefficient(state):
 # --- stats, versions, counters -------------------------------------------------------------------
 
 
+def test_record_batch_counts_time_and_flow_once_per_batch_in_one_call(state):
+    """The runner's per-record call: the stage time (when given) and the sample accounting, each once
+    per (stage, batch id), like record_stage_time and record_flow called one after the other."""
+    state.record_batch("reward", "b0", {"in": 8, "out": 8, "dead": 0}, 0.5, 8)
+    state.record_batch("reward", "b0", {"in": 8, "out": 8, "dead": 0}, 0.5, 8)  # a redelivery: nothing twice
+    state.record_batch("reward", "b1", {"in": 8, "out": 0, "dead": 8})  # all dead-lettered: no stage time
+    state.record_batch("generate", "p0", {"in": 8, "out": 8, "dead": 0}, 2.0, 8)
+    assert state.stage_stats() == {"generate": {"batches": 1, "samples": 8, "seconds": 2.0},
+                                   "reward": {"batches": 1, "samples": 8, "seconds": 0.5}}
+    assert state.flows() == {"generate": {"in": 8, "out": 8, "dead": 0},
+                             "reward": {"in": 16, "out": 8, "dead": 8}}
+    (newest,) = state.stage_recent("reward")
+    assert newest[1:] == (0.5, 8)
+
+
 def test_stage_stats_heartbeats_versions_counters(state):
     assert state.record_stage_time("reward", 0.5, 16, "b0") is True
     assert state.record_stage_time("reward", 0.5, 16, "b0") is False

@@ -241,6 +241,13 @@ class MemoryState:
                 row[k] = row.get(k, 0) + int(v)
             return True
 
+    def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
+                     samples: int = 0) -> None:
+        """:meth:`record_flow`, and :meth:`record_stage_time` when ``seconds`` is given (the runner's per-record call)."""
+        if seconds is not None:
+            self.record_stage_time(stage, seconds, samples, batch_id)
+        self.record_flow(stage, batch_id, counts)
+
     def flows(self) -> dict[str, dict[str, int]]:
         with self._lock:
             return {s: dict(self._flows[s]) for s in sorted(self._flows)}

@@ -588,6 +588,27 @@ class RedisState:
         res = self._script("flow", [self.key("flow", stage), self.key("flow", stage, "applied")], args)
         return bool(int(res))
 
+    def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
+                     samples: int = 0) -> None:
+        """:meth:`record_flow`, and :meth:`record_stage_time` when ``seconds`` is given, in one round trip
+        (a pipeline of the two scripts: the runner calls this once per record, so it is on the hot path)."""
+        flow_args: list[str] = [batch_id]
+        for k, v in counts.items():
+            flow_args += [k, str(int(v))]
+
+        def fill(pipe: redis.client.Pipeline) -> None:
+            if seconds is not None:
+                self._scripts["stage_time"](
+                    keys=[self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages"),
+                          self.key("stage", stage, "recent")],
+                    args=[batch_id, repr(float(seconds)), str(int(samples)), stage,
+                          f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES)],
+                    client=pipe)
+            self._scripts["flow"](keys=[self.key("flow", stage), self.key("flow", stage, "applied")], args=flow_args,
+                                  client=pipe)
+
+        self._pipeline("record_batch", fill, transaction=False)
+
     def flows(self) -> dict[str, dict[str, int]]:
         """``{stage: {"in", "out", "dead", "dropped"}}`` for every stage that recorded any."""
         stages = sorted(s.decode() for s in self._call("stage_stats", self._r.smembers, self.key("stages")))
