@@ -1,0 +1,136 @@
+"""CPU per record of one stage replica's runner against the plainest at-least-once loop, same broker.
+
+A pass-through stage (``process`` returns its input) works through a backlog of N records through
+``stages.runner.StageRunner`` — decode, process on its worker thread, encode, confirmed produce,
+synchronous commit, dead-letter routing, metrics, Redis statistics and heartbeats — and, interleaved,
+the plainest loop a user could write with the same kafka-python settings: ``poll(max_records=1)``,
+``send`` + ``flush`` + ``get``, ``commit``, no decode, no statistics. The ratio says what the runner
+adds per record over the client library's own cost; the library's cost is what every hop pays
+(bench/README.md, "Issue 15's goals").
+
+CPU is ``time.process_time()`` of this process (all threads: kafka-python's IO and sender threads,
+the runner's worker, heartbeat and metrics threads), from the first to the last record of the
+backlog. The broker and redis-server are separate processes, not counted.
+
+Usage: ``.venv/bin/python bench/runner_cpu.py [--records 400] [--repeats 3]``. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from common import fmt, machine, median, progress, save, table
+
+from expstream.bus import make_consumer, make_producer, send_all_and_confirm
+from expstream.localservers import LocalBroker, LocalRedis
+from expstream.state import RedisState
+from expstream.topics import create_topics
+from expstream.topology import load_topology
+from schemas import PromptBatch, encode
+from stages.context import make_context
+from stages.runner import StageRunner
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--records", type=int, default=400, help="records in each backlog")
+    p.add_argument("--repeats", type=int, default=3, help="(runner, bare) pairs, alternating order")
+    return p.parse_args()
+
+
+def backlog(boot: str, n: int) -> tuple[str, str]:
+    src, dst = f"in-{uuid.uuid4().hex[:6]}", f"out-{uuid.uuid4().hex[:6]}"
+    create_topics(boot, {src: 1, dst: 1}, with_dlq=True)
+    producer = make_producer(boot)
+    try:
+        send_all_and_confirm(producer, [(src, encode(PromptBatch(batch_id=f"b{i}", prompt_id=[f"b{i}"], prompt=["x"],
+                                                                 label=[""], reference=[""])), f"b{i}".encode(), None)
+                                        for i in range(n)], 60)
+    finally:
+        producer.close()
+    return src, dst
+
+
+def runner_cpu(boot: str, redis_url: str, n: int) -> float:
+    """ms of CPU per record of a pass-through StageRunner working through a backlog of ``n``."""
+    src, dst = backlog(boot, n)
+    topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}"])
+    run_id = uuid.uuid4().hex[:6]
+    runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
+                         lambda batch, ctx: [batch], boot)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    while runner.handled < 1:  # joined, first record done: the steady part starts here
+        time.sleep(0.005)
+    c0, first = time.process_time(), runner.handled
+    while runner.handled < n:
+        time.sleep(0.005)
+    cpu = time.process_time() - c0
+    runner.stop_requested = True
+    thread.join(30)
+    return 1000 * cpu / (n - first)
+
+
+def bare_cpu(boot: str, n: int) -> float:
+    """ms of CPU per record of the plainest at-least-once loop (same client settings, no decode)."""
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    src, dst = backlog(boot, n)
+    cfg = load_topology(None, []).kafka
+    consumer = make_consumer(boot, f"bare-{uuid.uuid4().hex[:6]}", cfg, topics=[src])
+    producer = make_producer(boot, cfg)
+    done, c0 = 0, None
+    try:
+        while done < n:
+            for tp, records in consumer.poll(timeout_ms=500, max_records=1).items():
+                for rec in records:
+                    producer.send(dst, value=rec.value, key=rec.key).get(timeout=30)  # send, flush, confirm
+                    consumer.commit({TopicPartition(tp.topic, tp.partition): OffsetAndMetadata(rec.offset + 1, "", -1)})
+                    done += 1
+                    if done == 1:
+                        c0 = time.process_time()
+        return 1000 * (time.process_time() - c0) / (n - 1)
+    finally:
+        consumer.close(autocommit=False)
+        producer.close()
+
+
+def main() -> int:
+    args = parse_args()
+    start = machine()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-runner-"))
+    broker, redis = LocalBroker(tmp / "broker"), LocalRedis(tmp / "redis")
+    boot, redis_url = broker.start(), redis.start()
+    got: dict[str, list[float]] = {"runner": [], "bare": []}
+    try:
+        for rep in range(args.repeats):
+            for side in ("runner", "bare") if rep % 2 == 0 else ("bare", "runner"):
+                ms = runner_cpu(boot, redis_url, args.records) if side == "runner" else bare_cpu(boot, args.records)
+                got[side].append(ms)
+                progress(f"{side} repeat {rep + 1}: {ms:.2f} ms CPU per record")
+    finally:
+        broker.stop()
+        redis.stop()
+    r, b = median(got["runner"]), median(got["bare"])
+    end = machine()
+    print(table(["loop", "CPU ms per record (median)", "runs"],
+                [["StageRunner, pass-through stage", r, " ".join(fmt(x) for x in got["runner"])],
+                 ["plain poll/send/flush/commit loop (baseline)", b, " ".join(fmt(x) for x in got["bare"])],
+                 ["ratio runner / baseline", r / b if b else float("nan"), ""]],
+                title=f"{args.records} records per backlog, {args.repeats} pairs; load avg {start['loadavg']} -> "
+                      f"{end['loadavg']}"))
+    summary: dict[str, Any] = {"records": args.records, "runner_ms": got["runner"], "bare_ms": got["bare"],
+                               "ratio": r / b if b else None, "loadavg": [start["loadavg"], end["loadavg"]]}
+    save("runner_cpu", summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
