@@ -22,15 +22,10 @@ from expstream.prompts import prompt_batches, read_prompts, store_media
 from expstream.vision import BadImageError, item_bytes, load_image
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from schemas.errors import ValidationError, VersionError
+from tests.vlstages import png, vl_stage_contexts
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-
-
-def png(size=(64, 64), colour=(200, 30, 30)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 # -- the blob store --------------------------------------------------------------------------------
@@ -149,27 +144,9 @@ def test_sample_batch_v3_fields_validate_select_and_concat():
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     """Stage contexts over the tiny VL model, sharing one MemoryState and one blob store."""
-    from expstream.topology import load_topology
-    from stages import STAGES
-    from stages.context import make_context
-
-    tmp = tmp_path_factory.mktemp("vl")
-    store = DirectoryBlobStore(tmp / "blobs")
-    topo = load_topology(None, ["models.actor=builtin:tiny-vl", f"models.cache_dir={tmp / 'models'}",
-                                f"run.blob_store={tmp / 'blobs'}", "generate.max_new_tokens=6",
-                                "generate.n_samples_per_prompt=2", "models.reward=null",
-                                "models.reward_fn=tests.rewardfns:image_count_and_width"])
-    from expstream.resolve import build_builtin_models
-
-    build_builtin_models(topo)
-    ctxs = {}
-    state = None
-    for name in ("generate", "shard-preprocess", "actor-logprob", "reference", "reward"):
-        ctx = make_context(topo, name, state=state)
-        state = ctx.state
-        STAGES[name].setup(ctx)
-        ctxs[name] = ctx
-    return topo, store, ctxs
+    return vl_stage_contexts(tmp_path_factory.mktemp("vl"),
+                             ["models.reward=null", "models.reward_fn=tests.rewardfns:image_count_and_width"],
+                             ("generate", "shard-preprocess", "actor-logprob", "reference", "reward"))
 
 
 def _through(vl, batch: PromptBatch) -> SampleBatch:

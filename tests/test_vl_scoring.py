@@ -13,39 +13,17 @@ import pytest
 import torch
 from PIL import Image
 
-from expstream.blobs import DirectoryBlobStore
 from schemas import PromptBatch, SampleBatch
+from tests.vlstages import png, vl_stage_contexts
 
 TOL = 1e-5
-
-
-def png(size=(64, 64), colour=(200, 30, 30)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     """Stage contexts over the tiny-vl family (VL actor, VL critic, VL reward model), one MemoryState."""
-    from expstream.resolve import build_builtin_models
-    from expstream.topology import load_topology
-    from stages import STAGES
-    from stages.context import make_context
-
-    tmp = tmp_path_factory.mktemp("vlscore")
-    store = DirectoryBlobStore(tmp / "blobs")
-    topo = load_topology(None, ["models.actor=builtin:tiny-vl", f"models.cache_dir={tmp / 'models'}",
-                                f"run.blob_store={tmp / 'blobs'}", "generate.max_new_tokens=6",
-                                "generate.n_samples_per_prompt=2", "algo.advantage_estimator=gae"])
-    build_builtin_models(topo)
-    ctxs, state = {}, None
-    for name in ("generate", "shard-preprocess", "critic", "reward"):
-        ctx = make_context(topo, name, state=state)
-        state = ctx.state
-        STAGES[name].setup(ctx)
-        ctxs[name] = ctx
-    return topo, store, ctxs
+    return vl_stage_contexts(tmp_path_factory.mktemp("vlscore"), ["algo.advantage_estimator=gae"],
+                             ("generate", "shard-preprocess", "critic", "reward"))
 
 
 def _cut(vl, batch: PromptBatch) -> SampleBatch:
