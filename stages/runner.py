@@ -252,6 +252,7 @@ class StageRunner:
         ctx.metrics = self.metrics
         self._join_thread: threading.Thread | None = None
         self._join_error: BaseException | None = None
+        self._assigned_marked = False
         self._setup_done = threading.Event()
 
     def _mark(self, event: str) -> None:
@@ -498,7 +499,7 @@ class StageRunner:
     def _note_assignment(self) -> None:
         now = time.monotonic()
         if self.tracker.assigned:
-            if not self.handled and not getattr(self, "_assigned_marked", False):
+            if not self.handled and not self._assigned_marked:
                 self._assigned_marked = True
                 self._mark("assigned")
             if self._unassigned_since is not None and now - self._unassigned_since > UNASSIGNED_LOG_INTERVAL_S:

@@ -566,14 +566,14 @@ class RedisState:
 
         Returns True when counted now, False for a repeat.
         """
-        res = self._script(
-            "stage_time",
-            [self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages"),
-             self.key("stage", stage, "recent")],
-            [batch_id, repr(float(seconds)), str(int(samples)), stage,
-             f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES)],
-        )
-        return bool(int(res))
+        return bool(int(self._script("stage_time", *self._stage_time_call(stage, seconds, samples, batch_id))))
+
+    def _stage_time_call(self, stage: str, seconds: float, samples: int, batch_id: str) -> tuple[list[str], list[str]]:
+        """(keys, args) of the ``stage_time`` script for one batch."""
+        return ([self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages"),
+                 self.key("stage", stage, "recent")],
+                [batch_id, repr(float(seconds)), str(int(samples)), stage,
+                 f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES)])
 
     def stage_recent(self, stage: str) -> list[tuple[float, float, int]]:
         """The last RECENT_BATCHES micro-batches of ``stage``, newest first: (unix time, seconds, samples)."""
@@ -582,30 +582,25 @@ class RedisState:
 
     def record_flow(self, stage: str, batch_id: str, counts: dict[str, int]) -> bool:
         """Add a record's sample accounting (``in``, ``out``, ``dead``, ``dropped``) once per (stage, batch_id)."""
+        return bool(int(self._script("flow", *self._flow_call(stage, batch_id, counts))))
+
+    def _flow_call(self, stage: str, batch_id: str, counts: dict[str, int]) -> tuple[list[str], list[str]]:
+        """(keys, args) of the ``flow`` script for one batch."""
         args: list[str] = [batch_id]
         for k, v in counts.items():
             args += [k, str(int(v))]
-        res = self._script("flow", [self.key("flow", stage), self.key("flow", stage, "applied")], args)
-        return bool(int(res))
+        return [self.key("flow", stage), self.key("flow", stage, "applied")], args
 
     def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
                      samples: int = 0) -> None:
         """:meth:`record_flow`, and :meth:`record_stage_time` when ``seconds`` is given, in one round trip
         (a pipeline of the two scripts: the runner calls this once per record, so it is on the hot path)."""
-        flow_args: list[str] = [batch_id]
-        for k, v in counts.items():
-            flow_args += [k, str(int(v))]
-
         def fill(pipe: redis.client.Pipeline) -> None:
             if seconds is not None:
-                self._scripts["stage_time"](
-                    keys=[self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages"),
-                          self.key("stage", stage, "recent")],
-                    args=[batch_id, repr(float(seconds)), str(int(samples)), stage,
-                          f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES)],
-                    client=pipe)
-            self._scripts["flow"](keys=[self.key("flow", stage), self.key("flow", stage, "applied")], args=flow_args,
-                                  client=pipe)
+                keys, args = self._stage_time_call(stage, seconds, samples, batch_id)
+                self._scripts["stage_time"](keys=keys, args=args, client=pipe)
+            keys, args = self._flow_call(stage, batch_id, counts)
+            self._scripts["flow"](keys=keys, args=args, client=pipe)
 
         self._pipeline("record_batch", fill, transaction=False)
 
