@@ -71,8 +71,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_MARKER = MARKER
-_FORMAT_VERSION = TINY_FORMAT
 _VOCAB_SIZE = 512
 
 
@@ -226,9 +224,6 @@ def _quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-_is_complete = is_complete
-
-
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     try:
@@ -250,7 +245,7 @@ def build_tiny_models(
     """Build (once) tiny random-weight models and return their directories.
 
     Returns ``{"tokenizer", "actor", "critic", "reward"} -> Path``, all under
-    ``cache_dir / f"tiny-llama-h{hidden}-l{layers}-s{seed}-f{_FORMAT_VERSION}"``. The actor (a ``LlamaForCausalLM``)
+    ``cache_dir / f"tiny-llama-h{hidden}-l{layers}-s{seed}-f{TINY_FORMAT}"``. The actor (a ``LlamaForCausalLM``)
     doubles as the reference model; the critic is a ``LlamaForTokenClassification`` and the reward
     model a ``LlamaForSequenceClassification``, both with ``num_labels=1``. Every model directory
     also holds the tokenizer (a byte-level BPE with vocab 512; bos ``<|bos|>``, eos ``<|im_end|>``,
@@ -265,11 +260,11 @@ def build_tiny_models(
     cache_dir = Path(cache_dir)
     root = tiny_root(cache_dir, seed, hidden, layers)
     paths = {key: root / key for key in MODEL_KEYS}
-    if _is_complete(root):
+    if is_complete(root):
         return paths
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f".{root.name}.lock"):
-        if _is_complete(root):
+        if is_complete(root):
             return paths
         if root.exists():  # a leftover without the marker (not ours to keep: we hold the lock)
             shutil.rmtree(root, ignore_errors=True)
@@ -278,18 +273,18 @@ def build_tiny_models(
             t0 = time.perf_counter()
             info = _build_into(tmp, seed, hidden, layers)
             marker = {
-                "format": _FORMAT_VERSION,
+                "format": TINY_FORMAT,
                 "seed": seed,
                 "hidden": hidden,
                 "layers": layers,
                 "build_seconds": round(time.perf_counter() - t0, 3),
                 **info,
             }
-            (tmp / _MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
             try:
                 os.rename(tmp, root)
             except OSError:
-                if not _is_complete(root):  # lost a race without a lock and the winner is incomplete
+                if not is_complete(root):  # lost a race without a lock and the winner is incomplete
                     raise
         finally:
             if tmp.exists():

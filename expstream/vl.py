@@ -47,7 +47,7 @@ import torch
 
 from expstream.blobs import BlobStore, open_blob_store
 from expstream.errors import PoisonRecordError
-from expstream.modelcache import MARKER, TINY_VL_FORMAT, tiny_vl_root
+from expstream.modelcache import MARKER, TINY_VL_FORMAT, is_complete, tiny_vl_root
 from expstream.vision import (
     VL_SCORING_TYPES,
     BadImageError,
@@ -61,8 +61,6 @@ log = logging.getLogger("expstream.vl")
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 BUILTIN_TINY_VL = "builtin:tiny-vl"
-_MARKER = MARKER
-_FORMAT = TINY_VL_FORMAT
 #: The file of a vision-language critic's / reward model's linear head, next to the backbone.
 VALUE_HEAD_FILE = "value_head.safetensors"
 _HEAD_FORMAT = "1"
@@ -85,11 +83,11 @@ def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str,
 
     root = tiny_vl_root(cache_dir, seed)
     paths = {k: root / k for k in ("tokenizer", "actor", "critic", "reward")}
-    if (root / _MARKER).is_file():
+    if is_complete(root):
         return paths
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     with M._file_lock(Path(cache_dir) / f".{root.name}.lock"):
-        if (root / _MARKER).is_file():
+        if is_complete(root):
             return paths
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=cache_dir))
         try:
@@ -123,7 +121,7 @@ def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str,
                 save_value_model(model, tmp / key)
                 tok.save_pretrained(tmp / key)
                 image_processor().save_pretrained(tmp / key)
-            (tmp / _MARKER).write_text(json.dumps({"format": _FORMAT, "seed": seed}) + "\n")
+            (tmp / MARKER).write_text(json.dumps({"format": TINY_VL_FORMAT, "seed": seed}) + "\n")
             if root.exists():
                 shutil.rmtree(root, ignore_errors=True)
             os.rename(tmp, root)
