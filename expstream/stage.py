@@ -86,6 +86,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
         module.setup(ctx)
         log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
         if runner.stop_requested:
+            runner.stop_before_run()
             return EXIT_OK
         try:
             return runner.run()

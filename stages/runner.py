@@ -332,9 +332,12 @@ class StageRunner:
             if self._join_error is not None:  # e.g. a broker that refuses the client: as if run() connected
                 raise self._join_error
             if self.consumer is None or self.pausing is None:  # stopped while connecting
+                self._close()
+                self._log_stopped()
                 return 0
         else:
             if not self._connect():
+                self._log_stopped()
                 return 0
             self._subscribe()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
@@ -354,11 +357,27 @@ class StageRunner:
         finally:
             self._closing.set()
             self._close()
+        self._log_stopped()
+        return 0
+
+    def stop_before_run(self) -> None:
+        """A stop that came during ``setup``: end the joining thread, close the clients (the consumer
+        leaves its group now, not a session timeout later) and log the replica's last line."""
+        self._stop.set()
+        self._setup_done.set()
+        if self._join_thread is not None:
+            self._join_thread.join()
+        self._closing.set()
+        self._close()
+        self._log_stopped()
+
+    def _log_stopped(self) -> None:
+        """The replica's last line, on every way out of :meth:`run` that is not an error (also a stop
+        that came while it was still connecting: operators and tests look for this line)."""
         self.log.info("stage %s replica %s: stopped after %d records (%d dead letters, %d batches split, "
                       "%d records rewound, %d commits skipped, %d rewind requests)", self.stage.name,
                       self.ctx.replica_id, self.handled, self.dead_lettered, self.split_batches, self.rewound,
                       self.commits_skipped, self.rewinds)
-        return 0
 
     def _connect(self) -> bool:
         """Create the producer and consumer, retrying while the broker is unreachable."""

@@ -622,3 +622,23 @@ def test_the_group_is_joined_during_setup_without_consuming_and_every_record_com
     assert Counter(seen) == Counter(names), seen
     assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}, "every offset committed"
     assert joined_after < 30, joined_after
+
+
+def test_a_stop_during_setup_closes_the_joined_consumer_and_logs_the_last_line(broker, caplog):
+    """A SIGTERM while ``setup`` still loads models (stage.py then never calls run()): the joining
+    thread ends, the clients close and the replica still logs its "stopped after" line (CI once
+    found a vLLM replica, stopped during its engine build, that ended without it)."""
+    topo = stage_topology(broker, "shard-preprocess")
+    runner = StageRunner(make_context(topo, "shard-preprocess", run_id=f"s{uuid.uuid4().hex[:6]}"),
+                         lambda batch, ctx: [], broker)
+    runner.start_joining()
+    deadline = time.monotonic() + 60
+    while runner.consumer is None:
+        assert time.monotonic() < deadline, "the joining thread made no consumer"
+        time.sleep(0.05)
+    runner.stop_requested = True  # the signal handler's effect
+    with caplog.at_level(logging.INFO, logger=runner.log.name):
+        runner.stop_before_run()
+    assert not runner._join_thread.is_alive()
+    assert runner.consumer._closed, "the consumer left its group on the stop"
+    assert any("stage shard-preprocess replica 0: stopped after 0 records" in r.getMessage() for r in caplog.records)
