@@ -240,6 +240,25 @@ def test_record_batch_counts_time_and_flow_once_per_batch_in_one_call(state):
     assert newest[1:] == (0.5, 8)
 
 
+def test_record_batch_is_one_script_call_and_survives_a_script_flush(redis_state):
+    """record_batch is one EVALSHA on the hot path (no SCRIPT EXISTS before it) and still works after
+    the server forgot its scripts (a restart, SCRIPT FLUSH): redis-py loads the script again."""
+    client = redis_state._r
+    before = client.info("commandstats")
+    redis_state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)
+    after = client.info("commandstats")
+
+    def calls(stats: dict, name: str) -> int:
+        return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+    assert calls(after, "evalsha") - calls(before, "evalsha") == 1
+    assert calls(after, "script|exists") == calls(before, "script|exists")
+    client.script_flush()
+    redis_state.record_batch("reward", "b1", {"in": 8, "out": 0, "dead": 8})
+    assert redis_state.flows() == {"reward": {"in": 16, "out": 8, "dead": 8}}
+    assert redis_state.stage_stats()["reward"]["batches"] == 1
+
+
 def test_stage_stats_heartbeats_versions_counters(state):
     assert state.record_stage_time("reward", 0.5, 16, "b0") is True
     assert state.record_stage_time("reward", 0.5, 16, "b0") is False

@@ -214,6 +214,26 @@ for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
+_RECORD_BATCH = """
+-- One record's stage time (when ARGV[2] == '1') and sample accounting: _STAGE_TIME and _FLOW in one
+-- script, so the runner's per-record statistics are one EVALSHA (a pipeline of two scripts made
+-- redis-py send SCRIPT EXISTS first: two round trips).
+-- KEYS[1] flow hash, KEYS[2] flow applied set, then with a time: KEYS[3] stage hash, KEYS[4] stage
+-- applied set, KEYS[5] stages set, KEYS[6] recent list
+-- ARGV batch_id, has_time, seconds, samples, stage, recent entry, recent max, then (field, count) pairs
+if ARGV[2] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
+  redis.call('SADD', KEYS[5], ARGV[5])
+  redis.call('HINCRBY', KEYS[3], 'batches', 1)
+  redis.call('HINCRBY', KEYS[3], 'samples', ARGV[4])
+  redis.call('HINCRBYFLOAT', KEYS[3], 'seconds', ARGV[3])
+  redis.call('LPUSH', KEYS[6], ARGV[6])
+  redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[7]) - 1)
+end
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
 _POLICY_VERSION = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
 local v = tonumber(ARGV[1])
@@ -355,6 +375,7 @@ class RedisState:
                 ("kl_adaptive", _KL_ADAPTIVE),
                 ("stage_time", _STAGE_TIME),
                 ("flow", _FLOW),
+                ("record_batch", _RECORD_BATCH),
                 ("policy", _POLICY_VERSION),
                 ("incr", _INCR_COUNTER),
                 ("park_window", _PARK_WINDOW),
@@ -594,15 +615,14 @@ class RedisState:
     def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
                      samples: int = 0) -> None:
         """:meth:`record_flow`, and :meth:`record_stage_time` when ``seconds`` is given, in one round trip
-        (a pipeline of the two scripts: the runner calls this once per record, so it is on the hot path)."""
-        def fill(pipe: redis.client.Pipeline) -> None:
-            if seconds is not None:
-                keys, args = self._stage_time_call(stage, seconds, samples, batch_id)
-                self._scripts["stage_time"](keys=keys, args=args, client=pipe)
-            keys, args = self._flow_call(stage, batch_id, counts)
-            self._scripts["flow"](keys=keys, args=args, client=pipe)
-
-        self._pipeline("record_batch", fill, transaction=False)
+        (one script, ``_RECORD_BATCH``: the runner calls this once per record, so it is on the hot path)."""
+        flow_keys, flow_args = self._flow_call(stage, batch_id, counts)
+        if seconds is not None:
+            time_keys, time_args = self._stage_time_call(stage, seconds, samples, batch_id)
+            keys, head = flow_keys + time_keys, ["1", *time_args[1:]]
+        else:
+            keys, head = flow_keys, ["0", "", "", "", "", ""]
+        self._script("record_batch", keys, [batch_id, *head, *flow_args[1:]])
 
     def flows(self) -> dict[str, dict[str, int]]:
         """``{stage: {"in", "out", "dead", "dropped"}}`` for every stage that recorded any."""
