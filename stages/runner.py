@@ -73,7 +73,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, TopicPartition
@@ -106,6 +106,7 @@ from schemas.codec import peek_header
 from schemas.errors import SchemaError
 from stages.context import StageContext
 from stages.pausing import PausedPolling
+from stages.slowwatch import SlowWatch
 
 # Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
 POLL_TIMEOUT_MS = 500
@@ -254,6 +255,7 @@ class StageRunner:
         self._join_error: BaseException | None = None
         self._assigned_marked = False
         self._setup_done = threading.Event()
+        self._slow = SlowWatch(SLOW_SEND_WARN_S, name=f"slow-watch-{self.stage.name}")
 
     def _mark(self, event: str) -> None:
         """A start-up mark of this replica (expstream/timeline.py; summary.json ``startup``)."""
@@ -780,7 +782,7 @@ class StageRunner:
         started = time.monotonic()
 
         def send() -> None:
-            with _warn_if_slow(self.log, "stage %s %s: still waiting for the broker to acknowledge %d records "
+            with self._slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge %d records "
                                "after %.0fs (broker unreachable or paused?); retrying after "
                                "kafka.produce_timeout_s=%.0fs", self.stage.name, what, len(items),
                                SLOW_SEND_WARN_S, self.ctx.topology.kafka.produce_timeout_s):
@@ -906,7 +908,7 @@ class StageRunner:
                                  "re-processes it, idempotently)", self.stage.name, where, batch_id)
                 return False
             try:
-                with _warn_if_slow(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
+                with self._slow.watch(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
                                    "%.0fs (broker unreachable or paused?)", self.stage.name, where, batch_id,
                                    SLOW_SEND_WARN_S):
                     t0 = time.monotonic()
@@ -941,18 +943,6 @@ class StageRunner:
         return retry(commit, policy=_COMMIT_RETRY, retriable=lambda exc: isinstance(exc, kafka_errors.KafkaError),
                      on_retry=on_retry, on_give_up=give_up, stop=lambda: self.stop_requested,
                      sleep=lambda seconds: self.pausing.sleep(seconds, lambda: self.stop_requested))
-
-
-@contextlib.contextmanager
-def _warn_if_slow(log: logging.Logger, message: str, *args: Any) -> Iterator[None]:
-    """Log ``message`` once if the block is still running after SLOW_SEND_WARN_S."""
-    timer = threading.Timer(SLOW_SEND_WARN_S, log.warning, args=(message, *args))
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 class _Poison(Exception):
