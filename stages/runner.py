@@ -1,15 +1,24 @@
 """The one Kafka loop every stage runs in: consume -> decode -> process -> produce -> commit.
 
-Commit protocol, per input record (one record = one micro-batch):
+Commit protocol, per input record (one record = one micro-batch), with steps 3-4 done for a *commit
+group*: the records of one poll in hand, at most ``MAX_COMMIT_GROUP`` of them and closed once its
+first record has waited ``COMMIT_GROUP_MAX_S`` (so a slow stage's records are each their own group,
+and a backlog pays one flush and one commit per group instead of per record):
 
 1. A record larger than ``max_record_bytes`` is dead-lettered without being decoded. Otherwise its
    bytes are decoded inside the stage (never in the fetcher), under try/except.
 2. ``process(batch, ctx)`` returns zero or more output batches (Redis updates inside it are
    idempotent by batch id, so a redelivered record changes nothing twice). Outputs are encoded
    (and so validated) right away: an output that breaks the contract is a failure of ``process``.
-3. Every output and dead letter is sent, the producer flushed, and every send future ``.get()``-ed
-   (``flush()`` does not raise per-record errors).
-4. ``offset + 1`` is committed for the record's partition, only if this consumer still owns it.
+3. Every output and dead letter is handed to the producer as soon as its record is done; at the
+   end of the group the producer is flushed once and every send future ``.get()``-ed (``flush()``
+   does not raise per-record errors). A record with a failed future is sent again the per-record
+   way (retries, then the dead-letter fallbacks of ``_deliver``) before anything is committed.
+   Then each record's statistics go to the run state.
+4. ``offset + 1`` of the group's last record of each partition is committed, only if this consumer
+   still owns the partition. Nothing is committed before every output of every record up to it is
+   acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
+   group at most (downstream is idempotent by batch id).
    Rebalance listeners run on kafka-python's IO thread, so they only record revocations; the
    loop acts on them.
 
@@ -81,7 +90,7 @@ from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
 from expstream.admission import admission_id
-from expstream.bus import make_consumer, make_producer, send_all_and_confirm
+from expstream.bus import confirm_all, flush, make_consumer, make_producer, send_all, send_all_and_confirm
 from expstream.errors import BrokerUnavailableError, ExpstreamError, PoisonRecordError, ShutdownRequested
 from expstream.letters import (
     H_BATCH_ID,
@@ -125,6 +134,12 @@ _COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_U
 # Why 5 s: an acknowledgement normally takes milliseconds; after 5 s the operator should hear that the
 # broker is slow or away, long before kafka.produce_timeout_s (30 s) turns it into a retry.
 SLOW_SEND_WARN_S = 5.0
+# Why 16 and 50 ms: the records of one poll are sent, flushed, confirmed and committed together (one
+# flush, one commit per partition: the per-record broker round trips are what a hop costs), but a
+# group closes after 16 records or once its first record has waited 50 ms, so a slow stage's outputs
+# are not held back behind its next records, and a crash redoes at most that much work.
+MAX_COMMIT_GROUP = 16
+COMMIT_GROUP_MAX_S = 0.05
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
 # Why 0.5 s: how often a replica reads its stage's rewind request between records; one Redis GET per
@@ -217,6 +232,24 @@ class _Done:
     seconds: float
 
 
+@dataclasses.dataclass
+class _Pending:
+    """One record worked on, its outputs and letters handed to the producer, not yet confirmed."""
+
+    tp: TopicPartition | None
+    record: Any
+    where: str  # topic[partition]@offset, for log lines
+    batch: Any  # the decoded batch; None when the record could not be decoded
+    outputs: list[_Out]
+    letters: list[_Out]
+    sent: list | None  # (record, future) pairs of outputs + letters; None: the producer refused them at once
+    started: float  # time.monotonic() when the work began
+
+    @property
+    def batch_id(self) -> str | None:
+        return self.batch.batch_id if self.batch is not None else None
+
+
 class StageRunner:
     """Runs ``process`` for one stage replica against Kafka until stopped."""
 
@@ -254,6 +287,8 @@ class StageRunner:
         self._join_thread: threading.Thread | None = None
         self._join_error: BaseException | None = None
         self._assigned_marked = False
+        self._first_marked = False
+        self._worked = 0
         self._setup_done = threading.Event()
         self._slow = SlowWatch(SLOW_SEND_WARN_S, name=f"slow-watch-{self.stage.name}")
 
@@ -536,52 +571,93 @@ class StageRunner:
                              self.stage.input, now - self._unassigned_since, self.group_id, self.bootstrap)
 
     def _handle_polled(self, polled: dict) -> None:
+        """Handle the records of one poll as commit groups (see the module docstring, step 3-4)."""
         todo = [(tp, rec) for tp, records in polled.items() for rec in records]
+        group: list[_Pending] = []
+        moved: dict[TopicPartition, int] | None = None
         for i, (tp, record) in enumerate(todo):
             if self.stop_requested:
-                return
-            if self._maybe_rewind(_first_offsets(todo[i:])):
-                return
+                break
+            if self._rewind_due():
+                self._finish_group(group)  # a rewind starts with nothing in hand
+                if self._maybe_rewind(_first_offsets(todo[i:])):
+                    return
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
             changes = self.tracker.changes
-            self._handle(tp, record)
+            pending = self._start(tp, record)
+            if pending is None:  # a stop abandoned it: not committed, redelivered
+                break
+            group.append(pending)
             if self.tracker.changes != changes:
                 # The assignment moved while the record was in hand: a partition we (re)gained fetches
                 # from its committed offset, not from what this loop still holds. Set every owned
                 # position to the first record not handled yet, and poll afresh.
-                nxt = {tp: record.offset + 1}
+                moved = {tp: record.offset + 1}
                 for other, rec in todo[i + 1:]:
-                    nxt.setdefault(other, rec.offset)
-                for other, offset in nxt.items():
-                    self.pausing.reposition(other, offset)
-                return
-            if self.max_records is not None and self.handled >= self.max_records:
-                return
+                    moved.setdefault(other, rec.offset)
+                break
+            limit = self.max_records is not None and self.handled + len(group) >= self.max_records
+            if limit:
+                break
+            if len(group) >= MAX_COMMIT_GROUP or time.monotonic() - group[0].started >= COMMIT_GROUP_MAX_S:
+                self._finish_group(group)
+        self._finish_group(group)
+        for other, offset in (moved or {}).items():
+            self.pausing.reposition(other, offset)
+
+    def _rewind_due(self) -> bool:
+        return time.monotonic() >= self._next_rewind_check
 
     # -- one record -----------------------------------------------------------------------------
-    def _handle(self, tp: TopicPartition, record: Any) -> None:
+    def _start(self, tp: TopicPartition, record: Any) -> _Pending | None:
+        """Steps 1-3 of one record on the worker (its outputs handed to the producer, not confirmed)."""
         where = f"{record.topic}[{record.partition}]@{record.offset}"
-        if not self.handled:
+        if not self._first_marked:
+            self._first_marked = True
             self._mark("first_record")
         fut = self._executor.submit(self._work, record, where)
         busy = self.pausing.wait(fut, where)
         if busy is not None:
             self.longest_busy_s = max(self.longest_busy_s, busy)
         try:
-            done = fut.result()
+            pending = fut.result()
         except ShutdownRequested as exc:
             self.log.warning("stage %s %s: %s; not committing it (it is redelivered)", self.stage.name, where, exc)
+            return None
+        pending.tp = tp
+        return pending
+
+    def _finish_group(self, group: list[_Pending]) -> None:
+        """Steps 3-4 for the records in hand: one flush, every future checked (a record whose sends
+        failed goes the per-record way: retries, then the dead-letter fallbacks), the statistics,
+        then one commit of the highest offset per partition. Empties ``group``."""
+        if not group:
             return
-        self._commit(tp, record.offset, where, done.batch_id)
+        items = group[:]
+        group.clear()
+        fut = self._executor.submit(self._confirm_group, items)
+        self.pausing.wait(fut, items[-1].where)
+        try:
+            dones = fut.result()
+        except ShutdownRequested as exc:
+            self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage.name,
+                             items[0].where, exc, len(items))
+            return
+        last: dict[TopicPartition, _Pending] = {}
+        for p in items:  # offsets rise within a partition: the last one of each is the highest
+            last[p.tp] = p
+        for tp, p in last.items():
+            self._commit(tp, p.record.offset, p.where, p.batch_id)
         self._maybe_fault("after_commit")
-        self.handled += 1
-        if self.metrics is not None:
-            self._observe(done, tp)
-        if done.batch_id is not None:
-            self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
-                          self.stage.name, where, done.batch_id, done.samples, done.outputs, done.letters,
-                          done.seconds)
+        for p, done in zip(items, dones, strict=True):
+            self.handled += 1
+            if self.metrics is not None:
+                self._observe(done, p.tp)
+            if done.batch_id is not None:
+                self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
+                              self.stage.name, p.where, done.batch_id, done.samples, done.outputs, done.letters,
+                              done.seconds)
 
     def _observe(self, done: _Done, tp: TopicPartition) -> None:
         """Per-record metrics after the commit; the lag reads the consumer's own fetch metadata (no round trip)."""
@@ -612,9 +688,11 @@ class StageRunner:
             m.policy_version.set(version)
             m.staleness.observe(max(0, m.announced(self.ctx.state) - int(version)))
 
-    def _work(self, record: Any, where: str) -> _Done:
-        """Worker thread: decode, process (split on failure), send and confirm. Never touches the consumer."""
+    def _work(self, record: Any, where: str) -> _Pending:
+        """Worker thread: decode, process (split on failure), hand the outputs to the producer.
+        Never touches the consumer."""
         started = time.monotonic()
+        self._worked += 1  # the fault injection's record count: the k-th record this process works on
         value = record.value
         size = len(value) if value is not None else 0
         batch = None
@@ -639,16 +717,51 @@ class StageRunner:
                     self._observe_input(record, batch)
                 outputs, letters = self._compute(batch, record, where)
         self._maybe_fault("before_produce")
-        self._deliver(record, where, outputs, letters, batch)
+        sent = None
+        try:  # a refusal here (e.g. a record over max_request_size) is handled at the confirmation
+            sent = send_all(self.producer, [(o.topic, o.value, o.key, o.headers) for o in outputs + letters])
+        except (ExpstreamError, TypeError):
+            pass
+        return _Pending(None, record, where, batch, outputs, letters, sent, started)
+
+    def _confirm_group(self, items: list[_Pending]) -> list[_Done]:
+        """Worker thread: flush once, check each record's futures (the per-record way for one that
+        failed), then each record's statistics."""
+        started = time.monotonic()
+        timeout_s = self.ctx.topology.kafka.produce_timeout_s
+        if any(p.sent for p in items):
+            with self._slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge the "
+                                  "outputs of %d records after %.0fs (broker unreachable or paused?)",
+                                  self.stage.name, items[0].where, len(items), SLOW_SEND_WARN_S):
+                flush(self.producer, timeout_s)
+        for p in items:
+            what = f"{p.where} batch={p.batch_id}"
+            try:
+                if p.sent is None:
+                    raise ExpstreamError("not handed to the producer")
+                confirm_all(p.sent, max(timeout_s - (time.monotonic() - started), 0.0))
+            except ExpstreamError as exc:  # again the per-record way: retries, then dead-letter fallbacks
+                if self.stop_requested:  # as a retry would: the group stays uncommitted (redelivered)
+                    raise ShutdownRequested(f"stop requested while the outputs of {what} were unconfirmed "
+                                            f"({_first_line(exc)})") from exc
+                self._deliver(p.record, p.where, p.outputs, p.letters, p.batch)
+            else:
+                self._after_delivery(p.letters, p.where, what)
+        if self.metrics is not None:
+            self.metrics.send_seconds.observe(time.monotonic() - started)
         self._maybe_fault("after_produce")
-        seconds = time.monotonic() - started
+        return [self._account(p) for p in items]
+
+    def _account(self, p: _Pending) -> _Done:
+        """Statistics of one record (one Redis round trip): the time of every record the stage did its
+        work on, including those parked in a group buffer (no output yet), samples the record's own
+        or, for a prompt record, the samples generated from it; and the accounting (status,
+        summary.json): in = out + dead + dropped + in flight."""
+        batch, outputs, letters = p.batch, p.outputs, p.letters
+        seconds = time.monotonic() - p.started
         samples = 0
         if batch is not None:
             samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
-            # statistics (one round trip): the time of every record the stage did its work on, including
-            # those parked in a group buffer (no output yet), samples the record's own or, for a prompt
-            # record, the samples generated from it; and the accounting (status, summary.json):
-            # in = out + dead + dropped + in flight
             per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(batch, PromptBatch) else 1
             flow = {"in": len(batch) * per, "out": sum(o.samples for o in outputs),
                     "dead": sum(len(lt.batch) * per if lt.batch is not None else len(batch) * per for lt in letters)}
@@ -657,8 +770,8 @@ class StageRunner:
                                             seconds if (outputs or not letters) else None, samples)
             except ExpstreamError as exc:  # statistics only
                 self.log.warning("stage %s %s: stage time and sample accounting not recorded: %s", self.stage.name,
-                                 where, exc)
-        return _Done(batch.batch_id if batch is not None else None, samples, len(outputs), len(letters), seconds)
+                                 p.where, exc)
+        return _Done(p.batch_id, samples, len(outputs), len(letters), seconds)
 
     # -- process, with retries and splitting (worker thread) ---------------------------------------
     def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
@@ -823,6 +936,10 @@ class StageRunner:
             first = letters[0] if whole else self._letter(record, exc, batch=batch)
             outputs[:] = []
             letters[:] = [self._send_letter_somehow(first, where, what, exc, tried=whole)]
+        self._after_delivery(letters, where, what)
+
+    def _after_delivery(self, letters: list[_Out], where: str, what: str) -> None:
+        """Once a record's outputs and letters are acknowledged: lost-sample accounting, one log line per letter."""
         if letters and self.ctx.topology.train.enabled:
             self._retry_work(lambda: self._record_lost(letters, where), what, "recording lost samples")
         for letter in letters:
@@ -892,7 +1009,7 @@ class StageRunner:
         raise last  # even the smallest letter is refused (a broken dead-letter topic): the stage fails
 
     def _maybe_fault(self, point: str) -> None:
-        if self.fault is not None and self.fault[0] == point and self.handled + 1 >= self.fault[1]:
+        if self.fault is not None and self.fault[0] == point and self._worked >= self.fault[1]:
             self.log.warning("stage %s: fault injection %s: SIGKILL at %s", self.stage.name, FAULT_ENV, point)
             os.kill(os.getpid(), signal.SIGKILL)
 

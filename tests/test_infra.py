@@ -73,7 +73,7 @@ def test_client_kwargs_map_to_kafka_python():
     cfg = KafkaConfig(extra={"consumer": {"client_id": "x"}})
     c = cfg.client_kwargs("consumer")
     assert c["enable_auto_commit"] is False and c["allow_auto_create_topics"] is False
-    assert c["max_poll_records"] == 1 and c["session_timeout_ms"] == 6000 and c["client_id"] == "x"
+    assert c["max_poll_records"] == cfg.max_poll_records and c["session_timeout_ms"] == 6000 and c["client_id"] == "x"
     assert "value_deserializer" not in c
     p = cfg.client_kwargs("producer")
     assert p["acks"] == "all" and p["max_request_size"] == 64 * 1024 * 1024 and "session_timeout_ms" not in p
