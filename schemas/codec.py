@@ -60,13 +60,14 @@ def encode(msg: Message) -> bytes:
         value = getattr(msg, name)
         if value is None or (kind in ("opt_ints", "opt_refs") and not value):
             continue
-        if kind == "ragged":
-            value = value.to_dict()
+        if kind == "ragged":  # tensors as memoryviews: packed right below, one copy (schemas/tensors.py)
+            value = value.to_dict(copy=False)
         elif kind == "array":
-            value = encode_tensor(value, "float32", field=f"{cls}.{name}")
+            value = encode_tensor(value, "float32", field=f"{cls}.{name}", copy=False)
         elif kind == "arrays":
             value = {
-                k: encode_tensor(value[k], "float32", field=f"{cls}.{name}[{k!r}]") for k in sorted(value)
+                k: encode_tensor(value[k], "float32", field=f"{cls}.{name}[{k!r}]", copy=False)
+                for k in sorted(value)
             }
         out[name] = value
     return msgpack.packb(out, use_bin_type=True)

@@ -108,11 +108,14 @@ class _Message:
         if not isinstance(v, (list, tuple)):
             raise _err(self, name, f"expected list[{kind.__name__}], got {type(v).__name__}")
         v = list(v)
-        ok = (int, np.integer) if kind is int else (kind,)
-        for i, x in enumerate(v):
-            if isinstance(x, (bool, np.bool_)) or not isinstance(x, ok):
-                raise _err(self, name, f"entry {i} is {type(x).__name__} {x!r}, expected {kind.__name__}")
-        setattr(self, name, [int(x) for x in v] if kind is int else v)
+        if not set(map(type, v)) <= {kind}:  # the common case (every entry exactly str / int) at C speed
+            ok = (int, np.integer) if kind is int else (kind,)
+            for i, x in enumerate(v):
+                if isinstance(x, (bool, np.bool_)) or not isinstance(x, ok):
+                    raise _err(self, name, f"entry {i} is {type(x).__name__} {x!r}, expected {kind.__name__}")
+            if kind is int:
+                v = [int(x) for x in v]
+        setattr(self, name, v)
         if B is not None and len(v) != B:
             raise _err(
                 self, name, f"has {len(v)} entries but B={B} (len(prompt_id)); give one entry per sample"

@@ -117,12 +117,17 @@ def as_dtype(x: Any, name: str, *, field: str = "value") -> np.ndarray:
     )
 
 
-def encode_tensor(arr: Any, dtype_name: str | None = None, *, field: str = "tensor") -> dict[str, Any]:
+def encode_tensor(arr: Any, dtype_name: str | None = None, *, field: str = "tensor",
+                  copy: bool = True) -> dict[str, Any]:
     """``{"dtype", "shape", "data"}`` map of ``arr`` (little-endian C-order bytes).
 
     ``dtype_name`` is the wire dtype; by default it is inferred from ``arr``. An ndarray is never
     silently cast (only its byte order is normalised); ``"bfloat16"`` needs uint16 bits.
     Non-arrays (lists, scalars) are converted with :func:`as_dtype`.
+
+    ``copy=False``: ``data`` is a read-only memoryview of the (contiguous) array instead of a bytes
+    copy, for a caller that packs the map right away (schemas.encode): msgpack packs it as the same
+    bin bytes, and a fresh multi-MB bytes object per tensor costs more in page faults than the copy.
     """
     if not isinstance(arr, np.ndarray):
         a = as_dtype(arr, dtype_name, field=field) if dtype_name else np.asarray(arr)
@@ -137,7 +142,8 @@ def encode_tensor(arr: Any, dtype_name: str | None = None, *, field: str = "tens
             field=field,
         )
     a = np.ascontiguousarray(a, dtype=target)
-    return {"dtype": name, "shape": [int(s) for s in a.shape], "data": a.tobytes()}
+    data = a.tobytes() if copy else memoryview(a.reshape(-1).view(np.uint8)).toreadonly()
+    return {"dtype": name, "shape": [int(s) for s in a.shape], "data": data}
 
 
 def decode_tensor(d: Any, *, field: str = "tensor") -> np.ndarray:
@@ -322,11 +328,11 @@ class Ragged:
         values = np.concatenate([np.asarray(p.values, dtype=target) for p in parts])
         return cls(values, np.concatenate([p.lengths for p in parts]).astype(np.int32), name)
 
-    def to_dict(self) -> dict[str, Any]:
-        """``{"lengths": tensor int32 (B,), "values": tensor (sum(lengths),)}``."""
+    def to_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """``{"lengths": tensor int32 (B,), "values": tensor (sum(lengths),)}`` (``copy``: see encode_tensor)."""
         return {
-            "lengths": encode_tensor(self.lengths, "int32"),
-            "values": encode_tensor(self.values, self.dtype),
+            "lengths": encode_tensor(self.lengths, "int32", copy=copy),
+            "values": encode_tensor(self.values, self.dtype, copy=copy),
         }
 
     @classmethod

@@ -642,3 +642,51 @@ def test_a_stop_during_setup_closes_the_joined_consumer_and_logs_the_last_line(b
     assert not runner._join_thread.is_alive()
     assert runner.consumer._closed, "the consumer left its group on the stop"
     assert any("stage shard-preprocess replica 0: stopped after 0 records" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# commit groups: one flush and one commit for the records of a poll in hand
+# ---------------------------------------------------------------------------------------------
+class CountingRunner(StageRunner):
+    """A StageRunner that counts its commits (the broker is real; the commit is the runner's own)."""
+
+    commits = 0
+
+    def _commit(self, tp, offset, where, batch_id):  # noqa: ANN001, ANN202 - same signature
+        self.commits += 1
+        return super()._commit(tp, offset, where, batch_id)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_backlog_is_committed_in_groups_and_a_slow_stage_commits_every_record(broker, slow):
+    """A backlog of quick records: fewer commits than records (one per commit group), every record
+    out once and every offset committed. Records slower than COMMIT_GROUP_MAX_S: one commit each,
+    so a slow stage's outputs are confirmed and committed as they are made, not held for its next."""
+    from stages.runner import COMMIT_GROUP_MAX_S
+
+    topo = stage_topology(broker, "shard-preprocess", "kafka.max_poll_records=16")
+    src, dst = topo.stages["shard-preprocess"].input, topo.stages["shard-preprocess"].output
+    n = 6 if slow else 48
+
+    def process(batch, ctx):
+        if slow:
+            time.sleep(1.5 * COMMIT_GROUP_MAX_S)
+        return [batch]
+
+    names = [f"b{i}" for i in range(n)]
+    produce(broker, src, [encode(PromptBatch(batch_id=b, prompt_id=[b], prompt=["x"], label=[""], reference=[""]))
+                          for b in names])
+    runner = CountingRunner(make_context(topo, "shard-preprocess", run_id=f"g{uuid.uuid4().hex[:6]}"), process,
+                            broker)
+    running = Running(runner)
+    try:
+        running.wait(lambda: runner.handled == n, 60, "every record")
+    finally:
+        running.stop()
+    out = [peek_header(r.value)[2] for r in read_topic(broker, topo.kafka, dst, timeout_s=5)]
+    assert sorted(out) == sorted(names), "every record out once"
+    assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}, "every offset committed"
+    if slow:
+        assert runner.commits == n, runner.commits
+    else:
+        assert runner.commits <= n // 2, f"{runner.commits} commits for {n} records: not grouped"
