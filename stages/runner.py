@@ -750,28 +750,34 @@ class StageRunner:
         if self.metrics is not None:
             self.metrics.send_seconds.observe(time.monotonic() - started)
         self._maybe_fault("after_produce")
-        return [self._account(p) for p in items]
+        dones, rows = [], []
+        for p in items:
+            done, row = self._account(p)
+            dones.append(done)
+            if row is not None:
+                rows.append(row)
+        try:  # the group's statistics in one Redis round trip, before the commit
+            self.ctx.state.record_batches(self.stage.name, rows)
+        except ExpstreamError as exc:  # statistics only
+            self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
+                             self.stage.name, items[0].where, len(rows), exc)
+        return dones
 
-    def _account(self, p: _Pending) -> _Done:
-        """Statistics of one record (one Redis round trip): the time of every record the stage did its
-        work on, including those parked in a group buffer (no output yet), samples the record's own
-        or, for a prompt record, the samples generated from it; and the accounting (status,
-        summary.json): in = out + dead + dropped + in flight."""
+    def _account(self, p: _Pending) -> tuple[_Done, tuple | None]:
+        """Statistics of one record: the time of every record the stage did its work on, including
+        those parked in a group buffer (no output yet), samples the record's own or, for a prompt
+        record, the samples generated from it; and the accounting (status, summary.json): in = out
+        + dead + dropped + in flight. Returns the record's row for ``state.record_batches``."""
         batch, outputs, letters = p.batch, p.outputs, p.letters
         seconds = time.monotonic() - p.started
-        samples = 0
+        samples, row = 0, None
         if batch is not None:
             samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
             per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(batch, PromptBatch) else 1
             flow = {"in": len(batch) * per, "out": sum(o.samples for o in outputs),
                     "dead": sum(len(lt.batch) * per if lt.batch is not None else len(batch) * per for lt in letters)}
-            try:
-                self.ctx.state.record_batch(self.stage.name, batch.batch_id, flow,
-                                            seconds if (outputs or not letters) else None, samples)
-            except ExpstreamError as exc:  # statistics only
-                self.log.warning("stage %s %s: stage time and sample accounting not recorded: %s", self.stage.name,
-                                 p.where, exc)
-        return _Done(p.batch_id, samples, len(outputs), len(letters), seconds)
+            row = (batch.batch_id, flow, seconds if (outputs or not letters) else None, samples)
+        return _Done(p.batch_id, samples, len(outputs), len(letters), seconds), row
 
     # -- process, with retries and splitting (worker thread) ---------------------------------------
     def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:

@@ -259,6 +259,20 @@ def test_record_batch_is_one_script_call_and_survives_a_script_flush(redis_state
     assert redis_state.stage_stats()["reward"]["batches"] == 1
 
 
+def test_record_batches_is_record_batch_for_each_row_in_one_round_trip(state):
+    """A commit group's statistics: the same totals as record_batch per row, a repeated batch id
+    counted once (a redelivered group); on Redis one pipeline, which survives a forgotten script."""
+    rows = [("b0", {"in": 8, "out": 8, "dead": 0}, 0.5, 8), ("b1", {"in": 8, "out": 0, "dead": 8}, None, 0),
+            ("b0", {"in": 8, "out": 8, "dead": 0}, 0.5, 8)]
+    if hasattr(state, "_r"):
+        state._r.script_flush()
+    state.record_batches("reward", rows)
+    state.record_batches("reward", rows[:1])  # the group redelivered in part: nothing twice
+    state.record_batches("reward", [])
+    assert state.flows() == {"reward": {"in": 16, "out": 8, "dead": 8}}
+    assert state.stage_stats() == {"reward": {"batches": 1, "samples": 8, "seconds": 0.5}}
+
+
 def test_stage_stats_heartbeats_versions_counters(state):
     assert state.record_stage_time("reward", 0.5, 16, "b0") is True
     assert state.record_stage_time("reward", 0.5, 16, "b0") is False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -247,6 +247,11 @@ class MemoryState:
         if seconds is not None:
             self.record_stage_time(stage, seconds, samples, batch_id)
         self.record_flow(stage, batch_id, counts)
+
+    def record_batches(self, stage: str, rows: Sequence[tuple[str, dict[str, int], float | None, int]]) -> None:
+        """:meth:`record_batch` for each ``(batch_id, counts, seconds, samples)`` row (a runner's commit group)."""
+        for batch_id, counts, seconds, samples in rows:
+            self.record_batch(stage, batch_id, counts, seconds, samples)
 
     def flows(self) -> dict[str, dict[str, int]]:
         with self._lock:

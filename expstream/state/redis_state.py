@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -616,13 +616,42 @@ class RedisState:
                      samples: int = 0) -> None:
         """:meth:`record_flow`, and :meth:`record_stage_time` when ``seconds`` is given, in one round trip
         (one script, ``_RECORD_BATCH``: the runner calls this once per record, so it is on the hot path)."""
+        self._script("record_batch", *self._record_batch_call(stage, batch_id, counts, seconds, samples))
+
+    def _record_batch_call(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None,
+                           samples: int) -> tuple[list[str], list[str]]:
+        """(keys, args) of the ``record_batch`` script for one record."""
         flow_keys, flow_args = self._flow_call(stage, batch_id, counts)
         if seconds is not None:
             time_keys, time_args = self._stage_time_call(stage, seconds, samples, batch_id)
             keys, head = flow_keys + time_keys, ["1", *time_args[1:]]
         else:
             keys, head = flow_keys, ["0", "", "", "", "", ""]
-        self._script("record_batch", keys, [batch_id, *head, *flow_args[1:]])
+        return keys, [batch_id, *head, *flow_args[1:]]
+
+    def record_batches(self, stage: str, rows: Sequence[tuple[str, dict[str, int], float | None, int]]) -> None:
+        """:meth:`record_batch` for each ``(batch_id, counts, seconds, samples)`` row, in one round trip (a
+        pipeline of EVALSHAs: the runner's commit group). The script is loaded again if the server
+        forgot it (NOSCRIPT: a restart, SCRIPT FLUSH); every call is idempotent per batch id."""
+        if not rows:
+            return
+        script = self._scripts["record_batch"]
+        calls = [self._record_batch_call(stage, *row) for row in rows]
+
+        def attempt() -> list:
+            for tries in (1, 2):
+                pipe = self._r.pipeline(transaction=False)
+                for keys, args in calls:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                try:
+                    return pipe.execute()
+                except redis.exceptions.NoScriptError:
+                    if tries == 2:
+                        raise
+                    self._r.script_load(script.script)
+            return []
+
+        self._call("record_batches", attempt)
 
     def flows(self) -> dict[str, dict[str, int]]:
         """``{stage: {"in", "out", "dead", "dropped"}}`` for every stage that recorded any."""
