@@ -50,6 +50,9 @@ PRELOAD = ["expstream.forkserver", "torch", "transformers", "transformers.modeli
            "transformers.tokenization_utils_fast", "transformers.models.llama.modeling_llama",
            "expstream.models", "expstream.numerics", "expstream.state", "expstream.bus", "stages",
            "stages.runner"]
+#: glibc malloc settings of the fork server and so of every stage process (why: in start()).
+#: 32 MiB is the largest mmap threshold glibc accepts on 64-bit; larger values are ignored.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024)}
 _CONTEXT: multiprocessing.context.BaseContext | None = None
 #: Set (to the starting process's pid) only in the environment the fork server starts with.
 PARENT_ENV = "EXPSTREAM_FORKSERVER_PARENT"
@@ -95,10 +98,20 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     # (bench/README.md, "Noise"). An explicit OMP_WAIT_POLICY in the environment wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ[PARENT_ENV] = str(os.getpid())
+    # glibc reads these when a process starts (the fork server; its children inherit the settings).
+    # Why: a stage holds its last input and output while the next record's buffers are allocated, so
+    # glibc's default (blocks over ~128 KiB-32 MiB mmapped, a free heap top over ~2x that returned to
+    # the kernel) gives every multi-MB record fresh pages and a page fault per 4 KiB: a 2.5 MB record's
+    # encode + decode took 3.0 ms, 1.0 ms with these (bench/pipeline.py's codec row). Freed memory up
+    # to 64 MiB stays in the process for the next record. Explicit values in the environment win.
+    added = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
+    os.environ.update(added)
     try:
         forkserver.ensure_running()
     finally:
         os.environ.pop(PARENT_ENV, None)
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _child_main(entry: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:

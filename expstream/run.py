@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -116,8 +117,12 @@ def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, run_id:
 
 
 def stage_env(redis_url: str) -> dict[str, str]:
-    """What a stage's environment adds: the real Redis URL (``/proc/<pid>/environ`` is owner-only)."""
-    return {REDIS_URL_ENV: redis_url}
+    """What a stage's environment adds: the real Redis URL (``/proc/<pid>/environ`` is owner-only), and
+    for a stage started as a fresh interpreter the fork server's malloc settings (expstream/forkserver.py
+    MALLOC_ENV; a forked stage inherits them from the server), unless the environment sets its own."""
+    from expstream.forkserver import MALLOC_ENV
+
+    return {**{k: v for k, v in MALLOC_ENV.items() if k not in os.environ}, REDIS_URL_ENV: redis_url}
 
 
 class Progress:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from expstream.forkserver import MALLOC_ENV
 from expstream.localservers import free_port
 from expstream.procs import stage_title
 from expstream.run import FORK_ENTRY, stage_argv, stage_env, write_resolved_topology
@@ -72,5 +73,14 @@ def test_a_stage_process_shows_its_name(tmp_path, spawn):
         seen = wait_for_title(pid, want)
         log = (tmp_path / "logs" / "reward-1.log").read_text(errors="replace")[-2000:]
         assert seen == want, f"pid {pid} shows {seen!r}; log:\n{log}"
+        # glibc read its malloc settings from this environment when the process (or the fork server
+        # it was forked from) started: multi-MB records reuse warm pages (expstream/forkserver.py)
+        if spawn == "fork":  # the server's start-up environment (an exec'd stage's is overwritten by its title)
+            environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                           if "=" in kv)
+        else:
+            environ = sup.env
+        for key, value in MALLOC_ENV.items():
+            assert environ.get(key) == os.environ.get(key, value), (key, environ.get(key))
     finally:
         sup.stop(grace_s=5)
