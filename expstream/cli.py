@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides.append("train.enabled=true")  # last, so it wins over a --set train.enabled=false
         topo = load_topology(find_topology(args.topology), args.overrides)
         if args.command == "run":
+            if topo.run.spawn == "fork":  # the fork server's seconds of torch imports start now, beside
+                from expstream.forkserver import warm_up  # ours and the checks (it dies with this process)
+
+                warm_up(("vllm",) if topo.generate.backend == "vllm" else ())
             check_models(topo)
             from expstream.run import run_pipeline
 
