@@ -274,7 +274,8 @@ class StageRunner:
         self.longest_busy_s = 0.0
         self.producer: Any = None
         self.consumer: Any = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # decode, process, hand over
+        self._confirmer: concurrent.futures.ThreadPoolExecutor | None = None  # flush, confirm, statistics
         self._closing = threading.Event()
         self._unassigned_since: float | None = None
         self._poll_backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
@@ -378,6 +379,7 @@ class StageRunner:
                 return 0
             self._subscribe()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
+        self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
                       self.group_id, self.stage.output, self.ctx.topology.kafka.max_poll_interval_ms,
@@ -445,8 +447,9 @@ class StageRunner:
             return False
 
     def _close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._executor, self._confirmer):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         try:
             if self.producer is not None:
                 self.producer.flush(timeout=10)
@@ -585,7 +588,7 @@ class StageRunner:
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
             changes = self.tracker.changes
-            pending = self._start(tp, record)
+            pending = self._start(tp, record, group)
             if pending is None:  # a stop abandoned it: not committed, redelivered
                 break
             group.append(pending)
@@ -610,13 +613,22 @@ class StageRunner:
         return time.monotonic() >= self._next_rewind_check
 
     # -- one record -----------------------------------------------------------------------------
-    def _start(self, tp: TopicPartition, record: Any) -> _Pending | None:
-        """Steps 1-3 of one record on the worker (its outputs handed to the producer, not confirmed)."""
+    def _start(self, tp: TopicPartition, record: Any, group: list[_Pending]) -> _Pending | None:
+        """Steps 1-3 of one record on the worker (its outputs handed to the producer, not confirmed).
+
+        If this record's work outlasts what is left of the open ``group``'s COMMIT_GROUP_MAX_S, the
+        group is confirmed and committed meanwhile (on the confirm thread): a record must not wait
+        for its successor's work, which can take minutes (a generate blocked at the staleness bound).
+        """
         where = f"{record.topic}[{record.partition}]@{record.offset}"
         if not self._first_marked:
             self._first_marked = True
             self._mark("first_record")
         fut = self._executor.submit(self._work, record, where)
+        if group:
+            budget = COMMIT_GROUP_MAX_S - (time.monotonic() - group[0].started)
+            if not concurrent.futures.wait([fut], timeout=max(budget, 0.0)).done:
+                self._finish_group(group)
         busy = self.pausing.wait(fut, where)
         if busy is not None:
             self.longest_busy_s = max(self.longest_busy_s, busy)
@@ -636,7 +648,7 @@ class StageRunner:
             return
         items = group[:]
         group.clear()
-        fut = self._executor.submit(self._confirm_group, items)
+        fut = self._confirmer.submit(self._confirm_group, items)
         self.pausing.wait(fut, items[-1].where)
         try:
             dones = fut.result()

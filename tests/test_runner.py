@@ -690,3 +690,31 @@ def test_a_backlog_is_committed_in_groups_and_a_slow_stage_commits_every_record(
         assert runner.commits == n, runner.commits
     else:
         assert runner.commits <= n // 2, f"{runner.commits} commits for {n} records: not grouped"
+
+
+def test_a_record_is_committed_while_its_successor_is_still_in_work(broker):
+    """A quick record and a long one in the same poll: the quick one's group is confirmed and
+    committed once it has waited COMMIT_GROUP_MAX_S, while the long one is still in hand (a
+    generate blocked at the staleness bound must not hold back what it already made)."""
+    topo = stage_topology(broker, "shard-preprocess", "kafka.max_poll_records=16")
+    src = topo.stages["shard-preprocess"].input
+    release = threading.Event()
+
+    def process(batch, ctx):
+        if batch.batch_id == "slow":
+            release.wait(30)
+        return [batch]
+
+    produce(broker, src, [encode(PromptBatch(batch_id=b, prompt_id=[b], prompt=["x"], label=[""], reference=[""]))
+                          for b in ("quick", "slow")])
+    runner = StageRunner(make_context(topo, "shard-preprocess", run_id=f"w{uuid.uuid4().hex[:6]}"), process, broker)
+    running = Running(runner)
+    try:
+        running.wait(lambda: runner.handled == 1, 30, "the quick record committed while the slow one works")
+        assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 1}, "quick committed, slow not yet"
+        release.set()
+        running.wait(lambda: runner.handled == 2, 30, "the slow record")
+    finally:
+        release.set()
+        running.stop()
+    assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}
