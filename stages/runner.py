@@ -22,8 +22,9 @@ and a backlog pays one flush and one commit per group instead of per record):
    Rebalance listeners run on kafka-python's IO thread, so they only record revocations; the
    loop acts on them.
 
-Long model work. Steps 1-3 run on a worker thread; the main thread owns the consumer (which is not
-thread-safe). When the worker takes longer than a short grace, the main thread pauses every
+Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
+that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while
+the next record is still in work); the main thread owns the consumer (which is not thread-safe). When the worker takes longer than a short grace, the main thread pauses every
 assigned partition and keeps polling so that kafka-python does not drop the group membership
 after ``max_poll_interval_ms``; a partition assigned meanwhile is paused too and anything it
 returned is rewound with ``seek`` (stages/pausing.py). When the work is done, everything paused is
