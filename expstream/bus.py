@@ -100,11 +100,10 @@ class KafkaConfig:
     # the rebalance timeout, so it is not raised to hours. Long model work pauses the assigned
     # partitions and keeps calling poll() instead (see stages/runner.py).
     max_poll_interval_ms: int = 60000
-    # Why 16: one record is one micro-batch; a stage works through the records of one poll and
-    # confirms and commits them in groups (stages/runner.py: one flush and one commit per group, not
-    # per record, when a backlog has built up), closing a group after 16 records or 50 ms. 1 gives
-    # the old one-record-per-poll behaviour (a commit after every record).
-    max_poll_records: int = 16
+    # Why 1: one record is one micro-batch; a consumer that takes one at a time never holds a fetch
+    # position far past the record in hand (stage replicas always poll one at a time, whatever this
+    # says: stages/runner.py; they confirm and commit records in groups across polls instead).
+    max_poll_records: int = 1
     # Why "earliest": a new group (a fresh run, a replay) must see the whole topic, not only
     # records produced after it joined.
     auto_offset_reset: str = "earliest"

@@ -1,9 +1,10 @@
 """The one Kafka loop every stage runs in: consume -> decode -> process -> produce -> commit.
 
-Commit protocol, per input record (one record = one micro-batch), with steps 3-4 done for a *commit
-group*: the records of one poll in hand, at most ``MAX_COMMIT_GROUP`` of them and closed once its
-first record has waited ``COMMIT_GROUP_MAX_S`` (so a slow stage's records are each their own group,
-and a backlog pays one flush and one commit per group instead of per record):
+Commit protocol, per input record (one record = one micro-batch, polled one at a time), with steps
+3-4 done for a *commit group*: consecutive records, at most ``MAX_COMMIT_GROUP`` of them, closed once
+its first record has waited ``COMMIT_GROUP_MAX_S`` or a poll finds nothing more (so a slow stage's
+records are each their own group, and a backlog pays one flush and one commit per group instead of
+per record):
 
 1. A record larger than ``max_record_bytes`` is dead-lettered without being decoded. Otherwise its
    bytes are decoded inside the stage (never in the fetcher), under try/except.
@@ -135,10 +136,10 @@ _COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_U
 # Why 5 s: an acknowledgement normally takes milliseconds; after 5 s the operator should hear that the
 # broker is slow or away, long before kafka.produce_timeout_s (30 s) turns it into a retry.
 SLOW_SEND_WARN_S = 5.0
-# Why 16 and 50 ms: the records of one poll are sent, flushed, confirmed and committed together (one
-# flush, one commit per partition: the per-record broker round trips are what a hop costs), but a
-# group closes after 16 records or once its first record has waited 50 ms, so a slow stage's outputs
-# are not held back behind its next records, and a crash redoes at most that much work.
+# Why 16 and 50 ms: consecutive records are flushed, confirmed and committed together (one flush, one
+# commit per partition: the per-record broker round trips are what a hop costs), but a group closes
+# after 16 records or once its first record has waited 50 ms, so a slow stage's outputs are not held
+# back behind its next records, and a crash redoes at most that much work.
 MAX_COMMIT_GROUP = 16
 COMMIT_GROUP_MAX_S = 0.05
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
@@ -290,6 +291,7 @@ class StageRunner:
         self._join_error: BaseException | None = None
         self._assigned_marked = False
         self._first_marked = False
+        self._group: list[_Pending] = []  # the open commit group: worked on, not yet confirmed
         self._worked = 0
         self._setup_done = threading.Event()
         self._slow = SlowWatch(SLOW_SEND_WARN_S, name=f"slow-watch-{self.stage.name}")
@@ -388,12 +390,18 @@ class StageRunner:
         threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
+                if self._group and self._rewind_due():
+                    self._finish_group(self._group)  # a rewind starts with nothing in hand
                 if self._maybe_rewind():
                     continue
-                polled = self._poll(POLL_TIMEOUT_MS)
-                self._handle_polled(polled)
+                polled = self._poll(self._poll_timeout_ms())
+                if any(polled.values()):
+                    self._handle_polled(polled)
+                else:  # nothing more came within the group's time: confirm and commit what is in hand
+                    self._finish_group(self._group)
                 if self.max_records is not None and self.handled >= self.max_records:
                     break
+            self._finish_group(self._group)  # a stop: the records in hand are done; confirm and commit them
         finally:
             self._closing.set()
             self._close()
@@ -542,7 +550,12 @@ class StageRunner:
     # -- polling (main thread only) -------------------------------------------------------------
     def _poll(self, timeout_ms: int) -> dict:
         try:
-            polled = self.consumer.poll(timeout_ms=timeout_ms)
+            # One record per poll, whatever kafka.max_poll_records says: the fetch position is then
+            # never more than one past the record in hand. With several records returned at once, a
+            # partition revoked and given back while one of them was in work kept its advanced position
+            # and the rest were never handled (found with max_poll_records=16 by test_scale's
+            # autoscaler test). Commit groups span polls instead (see _handle_polled).
+            polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=1)
         except kafka_errors.KafkaError as exc:
             delay = self._poll_backoff.next()
             self.log.warning("stage %s: poll of %s failed (%s: %s); retrying in %.1fs", self.stage.name,
@@ -574,10 +587,19 @@ class StageRunner:
                              "replicas than partitions, or the broker %s unreachable)", self.stage.name,
                              self.stage.input, now - self._unassigned_since, self.group_id, self.bootstrap)
 
+    def _poll_timeout_ms(self) -> int:
+        """How long a poll may wait: POLL_TIMEOUT_MS, or what is left of the open group's time."""
+        if not self._group:
+            return POLL_TIMEOUT_MS
+        left = COMMIT_GROUP_MAX_S - (time.monotonic() - self._group[0].started)
+        return max(0, int(1000 * left))
+
     def _handle_polled(self, polled: dict) -> None:
-        """Handle the records of one poll as commit groups (see the module docstring, step 3-4)."""
+        """Add the polled record to the open commit group (see the module docstring, steps 3-4); the
+        group is confirmed and committed when it is full or old, on a stop, a rewind or a rebalance,
+        and when a poll finds nothing more (the run loop)."""
         todo = [(tp, rec) for tp, records in polled.items() for rec in records]
-        group: list[_Pending] = []
+        group = self._group
         moved: dict[TopicPartition, int] | None = None
         for i, (tp, record) in enumerate(todo):
             if self.stop_requested:
@@ -601,12 +623,13 @@ class StageRunner:
                 for other, rec in todo[i + 1:]:
                     moved.setdefault(other, rec.offset)
                 break
-            limit = self.max_records is not None and self.handled + len(group) >= self.max_records
-            if limit:
-                break
+            if self.max_records is not None and self.handled + len(group) >= self.max_records:
+                self._finish_group(group)
+                return
             if len(group) >= MAX_COMMIT_GROUP or time.monotonic() - group[0].started >= COMMIT_GROUP_MAX_S:
                 self._finish_group(group)
-        self._finish_group(group)
+        if moved is not None or self.stop_requested:
+            self._finish_group(group)
         for other, offset in (moved or {}).items():
             self.pausing.reposition(other, offset)
 
@@ -757,7 +780,14 @@ class StageRunner:
                 if self.stop_requested:  # as a retry would: the group stays uncommitted (redelivered)
                     raise ShutdownRequested(f"stop requested while the outputs of {what} were unconfirmed "
                                             f"({_first_line(exc)})") from exc
+                self.log.warning("stage %s %s: sending %d records failed with %s %s: %s; sending them again "
+                                 "record by record", self.stage.name, what, len(p.outputs) + len(p.letters),
+                                 "retriable" if exc.retriable else "non-retriable", type(exc).__name__,
+                                 _first_line(exc))
                 self._deliver(p.record, p.where, p.outputs, p.letters, p.batch)
+                if exc.retriable:
+                    self.log.info("stage %s %s: sent after retrying record by record (%.1fs); broker reachable "
+                                  "again", self.stage.name, what, time.monotonic() - started)
             else:
                 self._after_delivery(p.letters, p.where, what)
         if self.metrics is not None:
