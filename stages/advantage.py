@@ -134,16 +134,10 @@ def _advantages(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     n = batch.n_samples_per_prompt
     for group_id, rows in _groups(batch).items():
         rows = sorted(rows, key=lambda i: int(batch.sample_index[i]))
-        whole = [int(batch.sample_index[i]) for i in rows] == list(range(n))
-        # A group wholly inside this micro-batch (the usual case: generate writes whole groups) is
-        # claimed, not parked: no per-member encode, payload round trip and decode. In one process
-        # (MemoryState) there is no other replica to meet and nothing to claim. Either way the group
-        # is the one the buffer would hand out (members in sample_index order, same id, same bytes).
-        claimed = (True if not ctx.state.shared else ctx.state.claim_group(group_id, n, batch.batch_id)) \
-            if whole else None
-        if claimed is False:
-            continue  # another record completed this group (a duplicate upstream): emitted there
-        if claimed:
+        if not ctx.state.shared and [int(batch.sample_index[i]) for i in rows] == list(range(n)):
+            # In one process (MemoryState) a group wholly inside this micro-batch has nothing to wait
+            # for and no other replica to meet: skip the buffer's encode/decode round trip. The same
+            # group as the buffer hands out (members in sample_index order, same id, same bytes).
             group = batch.select(rows, batch_id=f"g/{group_id}")
         else:
             members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))

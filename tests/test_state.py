@@ -112,24 +112,6 @@ def test_park_group_completes_exactly_once(state):
     assert state.park_group(g, 4, "m2", {3: b"s3"}) == done  # first payloads kept (HSETNX)
 
 
-def test_claim_group_decides_like_parking_every_member(state):
-    """A record with a whole group claims it: the same completer as park_group with all n members
-    would give, for a fresh group, a redelivery, a rival record and members parked before."""
-    assert state.claim_group("a", 4, "m0") is True
-    assert state.claim_group("a", 4, "m0") is True  # the completer's redelivery
-    assert state.claim_group("a", 4, "m1") is False  # another record with the same group
-    assert state.park_group("a", 4, "m2", {i: b"x" for i in range(4)}) is None  # parked copies too
-    assert state.group_status("a")[1:] == (4, "m0")
-    state.park_group("b", 4, "m0", {0: b"s0"})  # a member parked by a partial record first
-    assert state.claim_group("b", 4, "m1") is None  # so the whole record parks: park_group decides
-    assert state.park_group("b", 4, "m1", {i: f"s{i}".encode() for i in range(4)}) == [b"s0", b"s1", b"s2", b"s3"]
-    assert state.claim_group("b", 4, "m1") is True and state.claim_group("b", 4, "m0") is False
-    with pytest.raises(PoisonRecordError, match="n=4"):
-        state.claim_group("a", 3, "m0")
-    with pytest.raises(PoisonRecordError, match="group size"):
-        state.claim_group("c", 0, "m0")
-
-
 @pytest.mark.integration
 def test_redis_group_buffers_expire_after_the_ttl(redis_state):
     redis_state.park_group("g", 2, "m0", {0: b"s0"})

@@ -139,22 +139,6 @@ class MemoryState:
                 return None
             return [group.members[i] for i in range(n)]
 
-    def claim_group(self, group_id: str, n: int, batch_id: str) -> bool | None:
-        """A whole group in one record: True (this batch completes it), False (another did), None (park)."""
-        check_group_members(group_id, n, {})
-        with self._lock:
-            group = self._groups.get(group_id)
-            if group is None:
-                group = self._groups[group_id] = _Group(n)
-            elif group.n != n:
-                raise group_size_error(group_id, group.n, n)
-            if group.completer is not None:
-                return group.completer == batch_id
-            if group.members:
-                return None
-            group.completer = batch_id
-            return True
-
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         with self._lock:
             group = self._groups.get(group_id)

@@ -193,28 +193,6 @@ redis.call('HSET', KEYS[2], ARGV[1], s)
 return s
 """
 
-_CLAIM_GROUP = """
--- A record that holds a whole group claims it without parking its members (park_group's answer
--- without the payload round trip). KEYS[1] members hash, KEYS[2] meta hash; ARGV n, batch_id, ttl.
--- 1: this batch completes the group (now or before: a redelivery); 0: another batch did; -1: other
--- records parked members already, so the caller parks (the completer is decided there).
-local n = tonumber(ARGV[1])
-local stored_n = redis.call('HGET', KEYS[2], 'n')
-if stored_n and tonumber(stored_n) ~= n then
-  return redis.error_reply('GROUPSIZE group already parked with n=' .. stored_n .. ', got n=' .. ARGV[1])
-end
-local completer = redis.call('HGET', KEYS[2], 'completer')
-if completer then
-  if completer == ARGV[2] then return 1 end
-  return 0
-end
-if redis.call('HLEN', KEYS[1]) > 0 then return -1 end
-redis.call('HSET', KEYS[2], 'n', ARGV[1], 'completer', ARGV[2])
-local ttl = tonumber(ARGV[3])
-if ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
-return 1
-"""
-
 _STAGE_TIME = """
 -- KEYS[1] stage hash, KEYS[2] applied set, KEYS[3] stages set; ARGV batch_id, seconds, samples, stage
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
@@ -393,7 +371,6 @@ class RedisState:
             for name, src in (
                 ("merge", _MERGE_MOMENTS),
                 ("park", _PARK_GROUP),
-                ("claim", _CLAIM_GROUP),
                 ("kl_init", _KL_INIT),
                 ("kl_adaptive", _KL_ADAPTIVE),
                 ("stage_time", _STAGE_TIME),
@@ -519,21 +496,6 @@ class RedisState:
         if int(res[0]) == 0:
             return None
         return list(res[1:])
-
-    def claim_group(self, group_id: str, n: int, batch_id: str) -> bool | None:
-        """For a record holding all ``n`` members of ``group_id``: True when ``batch_id`` completes the
-        group (now, or before: a redelivery), False when another batch did, None when other records
-        parked members already (then call :meth:`park_group`, which decides). Same outcome as
-        :meth:`park_group` with every member, without sending and storing the members."""
-        check_group_members(group_id, n, {})
-        try:
-            res = int(self._script("claim", [self.key("group", group_id), self.key("group", group_id, "meta")],
-                                   [str(n), batch_id, str(self.group_ttl_s)]))
-        except redis.ResponseError as exc:
-            if "GROUPSIZE" in str(exc):
-                raise PoisonRecordError(f"group {group_id!r}: {exc}") from exc
-            raise
-        return None if res < 0 else bool(res)
 
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         """(members parked, group size n or None if unknown, completer batch_id or None)."""
