@@ -615,8 +615,8 @@ class RedisState:
     def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
                      samples: int = 0) -> None:
         """:meth:`record_flow`, and :meth:`record_stage_time` when ``seconds`` is given, in one round trip
-        (one script, ``_RECORD_BATCH``: the runner calls this once per record, so it is on the hot path)."""
-        self._script("record_batch", *self._record_batch_call(stage, batch_id, counts, seconds, samples))
+        (one ``_RECORD_BATCH`` script call: :meth:`record_batches` with one row)."""
+        self.record_batches(stage, [(batch_id, counts, seconds, samples)])
 
     def _record_batch_call(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None,
                            samples: int) -> tuple[list[str], list[str]]:
