@@ -238,7 +238,7 @@ class _Done:
 class _Pending:
     """One record worked on, its outputs and letters handed to the producer, not yet confirmed."""
 
-    tp: TopicPartition | None
+    tp: TopicPartition
     record: Any
     where: str  # topic[partition]@offset, for log lines
     batch: Any  # the decoded batch; None when the record could not be decoded
@@ -648,7 +648,7 @@ class StageRunner:
         if not self._first_marked:
             self._first_marked = True
             self._mark("first_record")
-        fut = self._executor.submit(self._work, record, where)
+        fut = self._executor.submit(self._work, tp, record, where)
         if group:
             budget = COMMIT_GROUP_MAX_S - (time.monotonic() - group[0].started)
             if not concurrent.futures.wait([fut], timeout=max(budget, 0.0)).done:
@@ -657,12 +657,10 @@ class StageRunner:
         if busy is not None:
             self.longest_busy_s = max(self.longest_busy_s, busy)
         try:
-            pending = fut.result()
+            return fut.result()
         except ShutdownRequested as exc:
             self.log.warning("stage %s %s: %s; not committing it (it is redelivered)", self.stage.name, where, exc)
             return None
-        pending.tp = tp
-        return pending
 
     def _finish_group(self, group: list[_Pending]) -> None:
         """Steps 3-4 for the records in hand: one flush, every future checked (a record whose sends
@@ -724,7 +722,7 @@ class StageRunner:
             m.policy_version.set(version)
             m.staleness.observe(max(0, m.announced(self.ctx.state) - int(version)))
 
-    def _work(self, record: Any, where: str) -> _Pending:
+    def _work(self, tp: TopicPartition, record: Any, where: str) -> _Pending:
         """Worker thread: decode, process (split on failure), hand the outputs to the producer.
         Never touches the consumer."""
         started = time.monotonic()
@@ -758,10 +756,10 @@ class StageRunner:
             sent = send_all(self.producer, [(o.topic, o.value, o.key, o.headers) for o in outputs + letters])
         except (ExpstreamError, TypeError):
             pass
-        return _Pending(None, record, where, batch, outputs, letters, sent, started)
+        return _Pending(tp, record, where, batch, outputs, letters, sent, started)
 
     def _confirm_group(self, items: list[_Pending]) -> list[_Done]:
-        """Worker thread: flush once, check each record's futures (the per-record way for one that
+        """Confirm thread: flush once, check each record's futures (the per-record way for one that
         failed), then each record's statistics."""
         started = time.monotonic()
         timeout_s = self.ctx.topology.kafka.produce_timeout_s
