@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         topo = load_topology(find_topology(args.topology), args.overrides)
         if args.command == "run":
             if topo.run.spawn == "fork":  # the fork server's seconds of torch imports start now, beside
-                from expstream.forkserver import warm_up  # ours and the checks (it dies with this process)
+                from expstream.forkserver import warm_up_for  # ours and the checks (dies with this process)
 
-                warm_up(("vllm",) if topo.generate.backend == "vllm" else ())
+                warm_up_for(topo)
             check_models(topo)
             from expstream.run import run_pipeline
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import signal
 import sys
 import time
@@ -120,9 +119,9 @@ def stage_env(redis_url: str) -> dict[str, str]:
     """What a stage's environment adds: the real Redis URL (``/proc/<pid>/environ`` is owner-only), and
     for a stage started as a fresh interpreter the fork server's malloc settings (expstream/forkserver.py
     MALLOC_ENV; a forked stage inherits them from the server), unless the environment sets its own."""
-    from expstream.forkserver import MALLOC_ENV
+    from expstream.forkserver import malloc_env
 
-    return {**{k: v for k, v in MALLOC_ENV.items() if k not in os.environ}, REDIS_URL_ENV: redis_url}
+    return {**malloc_env(), REDIS_URL_ENV: redis_url}
 
 
 class Progress:
@@ -170,12 +169,12 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     timeline = Timeline()
     timeline.mark("config_checked")
     if topo.run.spawn == "fork":
-        from expstream.forkserver import warm_up
+        from expstream.forkserver import warm_up_for
 
         # imports torch/transformers once, while the models are checked and the broker and redis start
-        # (the longest step before a stage can start); vllm too when it generates (an import only, 3-6 s
-        # per generate replica saved; its engine is built in the stage)
-        warm_up(("vllm",) if topo.generate.backend == "vllm" else ())
+        # (the longest step before a stage can start); started already by `expstream run` (cli.py): a
+        # no-op then
+        warm_up_for(topo)
         timeline.mark("fork_server_started")
     build_builtin_models(topo)  # torch-free when the cache has them (expstream/modelcache.py)
     timeline.mark("models_ready")
