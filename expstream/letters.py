@@ -16,6 +16,11 @@ the record came from:
 ``size``            bytes of the original record value
 ``split_from``      only on a 1-row letter cut out of a failed micro-batch: that batch's id
 ``sample_ids``      the sample ids (prompt ids for a PromptBatch) in the letter, comma separated
+``sample_errors``   only on a record dead-lettered whole after every sample of it failed on its own
+                    too: a JSON object, sample (or prompt) id -> ``"ErrorClass: first line"`` of
+                    that sample's own failure (``error_class``/``error_message`` are the whole
+                    record's, i.e. its first failing sample's); ids that did not fit in
+                    ``MAX_HEADER_CHARS`` are left out (read :func:`sample_errors`)
 ``value_omitted``   only when the original value cannot travel (too large even for the dead-letter
                     topic, or a tombstone: no value at all): the letter's value is empty and the
                     original stays at original_topic[partition]@offset
@@ -35,7 +40,8 @@ two cannot drift apart.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from schemas.codec import peek_header
@@ -44,16 +50,19 @@ H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE = "stage", "replica", "error_
 H_TOPIC, H_PARTITION, H_OFFSET = "original_topic", "original_partition", "original_offset"
 H_SCHEMA, H_VERSION, H_BATCH_ID, H_SIZE = "schema", "schema_version", "batch_id", "size"
 H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED = "split_from", "sample_ids", "value_omitted"
-H_HEADERS_OMITTED = "headers_omitted"
+H_HEADERS_OMITTED, H_SAMPLE_ERRORS = "headers_omitted", "sample_errors"
 H_ATTEMPT = "redrive_attempt"
 #: Headers that describe one dead-lettering: replaced (never duplicated) when a redriven record
 #: fails again, and stripped when redrive re-publishes a letter to its original topic.
 RUNNER_HEADERS: tuple[str, ...] = (
     H_STAGE, H_REPLICA, H_ERROR_CLASS, H_ERROR_MESSAGE, H_TOPIC, H_PARTITION, H_OFFSET, H_SCHEMA,
     H_VERSION, H_BATCH_ID, H_SIZE, H_SPLIT_FROM, H_SAMPLE_IDS, H_VALUE_OMITTED, H_HEADERS_OMITTED,
+    H_SAMPLE_ERRORS,
 )  # fmt: skip
 # Header values are truncated so one enormous error message cannot make the DLQ record oversized.
 MAX_HEADER_CHARS = 2000
+#: Why 300: one sample's reason is one line of a summary (expstream.monitor keeps as much), not a traceback.
+SAMPLE_ERROR_CHARS = 300
 
 Headers = list[tuple[str, bytes]]
 
@@ -78,12 +87,13 @@ def header_value(headers: Headers | None, name: str) -> str:
 
 def letter_headers(record: Any, *, stage: str, replica: str, error_class: str, error_message: str,
                    value: bytes | None, sample_ids: list[str] | None = None,
-                   split_from: str | None = None) -> Headers:
+                   split_from: str | None = None, errors: Mapping[str, str] | None = None) -> Headers:
     """The headers of the letter for input ``record`` carrying ``value`` (the original or a 1-row cut).
 
     The record's own headers come first, except earlier dead-lettering ones (a redriven record that
     fails again gets fresh ones, not two sets). The envelope fields are read from ``value``, else
-    from the original bytes when ``value`` is the original and unreadable.
+    from the original bytes when ``value`` is the original and unreadable. ``errors``: each sample's
+    own reason (``sample_errors``), for a record dead-lettered whole after every sample failed alone.
     """
     original = record.value
     schema, version, batch_id = peek_header(value) if value else (None, None, None)
@@ -104,7 +114,35 @@ def letter_headers(record: Any, *, stage: str, replica: str, error_class: str, e
         H_SIZE: len(original) if original is not None else 0,
         H_SPLIT_FROM: split_from,
         H_SAMPLE_IDS: ",".join(sample_ids) if sample_ids is not None else None,
+        H_SAMPLE_ERRORS: encode_sample_errors(errors) if errors else None,
     })
+
+
+def encode_sample_errors(errors: Mapping[str, str]) -> str:
+    """The ``sample_errors`` header: a JSON object of the first ``SAMPLE_ERROR_CHARS`` of each reason,
+    as many ids (in order) as fit in ``MAX_HEADER_CHARS``, so the value is never cut mid-JSON."""
+    kept: dict[str, str] = {}
+    for sid, reason in errors.items():
+        trial = {**kept, str(sid): str(reason)[:SAMPLE_ERROR_CHARS]}
+        if len(json.dumps(trial, ensure_ascii=False)) > MAX_HEADER_CHARS:
+            break
+        kept = trial
+    return json.dumps(kept, ensure_ascii=False)
+
+
+def sample_errors(headers: Mapping[str, str]) -> dict[str, str]:
+    """Sample (or prompt) id -> that sample's own reason, from decoded letter headers ({} when absent
+    or unreadable: then every sample's reason is the letter's ``error_class``/``error_message``)."""
+    raw = headers.get(H_SAMPLE_ERRORS)
+    if not raw:
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(parsed, dict):
+        return {}
+    return {str(k): str(v) for k, v in parsed.items()}
 
 
 def value_omitted_headers(headers: Headers | None, reason: str) -> Headers:

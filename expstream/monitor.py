@@ -34,6 +34,7 @@ import msgpack
 from kafka import TopicPartition
 
 from expstream.bus import KafkaConfig, make_consumer
+from expstream.letters import sample_errors
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.errors import SchemaError
 
@@ -218,10 +219,14 @@ class ExperienceCollector:
             groups = {sid.rpartition("#")[0] for sid in ids}
             self.dead_groups.update(groups)
             entry["groups"] = sorted(groups)
-            reason = f"dead letter from {headers.get('stage') or '?'}: {headers.get('error_class') or '?'}: " \
-                     f"{first_line}".rstrip(": ")
-            for g in groups:
-                self.dead_reasons.setdefault(g, reason[:REASON_MAX_CHARS])
+            source = f"dead letter from {headers.get('stage') or '?'}"
+            reason = f"{source}: {headers.get('error_class') or '?'}: {first_line}".rstrip(": ")
+            # a record dead-lettered whole names each sample's own failure (prompt ids for a PromptBatch)
+            own = sample_errors(headers)
+            for sid in ids:
+                g = sid.rpartition("#")[0]
+                why = own.get(sid) or own.get(g)
+                self.dead_reasons.setdefault(g, (f"{source}: {why}" if why else reason)[:REASON_MAX_CHARS])
         self.dead_letters.append(entry)
 
     def lost_groups(self) -> set[str]:

@@ -225,6 +225,13 @@ def key_partition(key: bytes, partitions: int) -> int:
     return (murmur2(key) & 0x7FFFFFFF) % max(1, partitions)
 
 
+def _letter_ids(batch: Any) -> list[str] | None:
+    """The ``sample_ids`` of a letter: sample ids of a SampleBatch, prompt ids of a PromptBatch."""
+    if isinstance(batch, SampleBatch):
+        return [sample_id(g, int(k)) for g, k in zip(batch.group_id, batch.sample_index, strict=True)]
+    return list(getattr(batch, "prompt_id", []) or []) or None
+
+
 def _subset(batch: Any, lo: int, hi: int) -> Any:
     """Samples [lo, hi) as ``f"{batch_id}~{lo}-{hi}"``: the runner's bisection ids (stages/runner.py)."""
     from stages.runner import subset_batch
@@ -282,8 +289,10 @@ class InProcessReplay:
             outs = [outs]
         return [(o, encode(o)) for o in outs]  # encode validates: a bad output is a failure of process
 
-    def _process_or_split(self, name: str, item: _Item) -> tuple[list[Any], list[tuple[Any, Exception, str | None]]]:
-        """(outputs, failures); failures are (batch, error, split_from) as the runner bisects them."""
+    def _process_or_split(self, name: str, item: _Item) -> tuple[list[Any], list[tuple[Any, Exception, str | None,
+                                                                                      dict[str, str] | None]]]:
+        """(outputs, failures); failures are (batch, error, split_from, each sample's own error when the record
+        goes whole after every sample failed alone) as the runner bisects them."""
         batch = item.batch
         try:
             return self._process(name, batch), []
@@ -291,7 +300,7 @@ class InProcessReplay:
             first = exc
         n = len(batch) if isinstance(batch, (SampleBatch, PromptBatch)) else 0
         if n <= 1:
-            return [], [(batch, first, None)]
+            return [], [(batch, first, None, None)]
         good: list[Any] = []
         bad: list[tuple[Any, Exception]] = []
 
@@ -309,15 +318,17 @@ class InProcessReplay:
 
         bisect(0, n)
         if len(bad) == n:
-            return [], [(batch, first, None)]
-        return good, [(sub, exc, batch.batch_id) for sub, exc in bad]
+            errors = {sid: f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+                      for sub, exc in bad for sid in _letter_ids(sub) or []}
+            return [], [(batch, first, None, errors)]
+        return good, [(sub, exc, batch.batch_id, None) for sub, exc in bad]
 
-    def _letter(self, name: str, item: _Item, batch: Any, exc: Exception, split_from: str | None) -> None:
+    def _letter(self, name: str, item: _Item, batch: Any, exc: Exception, split_from: str | None,
+                errors: dict[str, str] | None = None) -> None:
         value = item.frame.value if split_from is None else encode(batch)
-        ids = ([sample_id(g, int(k)) for g, k in zip(batch.group_id, batch.sample_index, strict=True)]
-               if isinstance(batch, SampleBatch) else list(getattr(batch, "prompt_id", []) or []) or None)
         headers = letter_headers(item.frame, stage=name, replica="replay", error_class=type(exc).__name__,
-                                 error_message=str(exc), value=value, sample_ids=ids, split_from=split_from)
+                                 error_message=str(exc), value=value, sample_ids=_letter_ids(batch),
+                                 split_from=split_from, errors=errors)
         letter = self.write(dlq_topic(item.frame.topic), 0, value or b"", item.frame.key, headers)
         self.tally[name].dead_letters += 1
         bid = getattr(batch, "batch_id", None)
@@ -339,8 +350,8 @@ class InProcessReplay:
             for batch, value in outputs:
                 frame = self.write(st.output, item.frame.partition, value, output_key(batch))
                 out.append(_Item(frame, decode(value)))
-            for batch, exc, split_from in failures:
-                self._letter(name, item, batch, exc, split_from)
+            for batch, exc, split_from, errors in failures:
+                self._letter(name, item, batch, exc, split_from, errors)
         for batch in end_of_input(self.contexts[name]):
             value, key = encode(batch), output_key(batch)
             frame = self.write(st.output, key_partition(key, self.topo.all_topics().get(st.output, self.topo.topics.partitions)),

@@ -257,7 +257,7 @@ class SampleBatch(_Message):
     reward_metrics: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 (B,)
     kl: Ragged | None = None  # Ragged float32 (B; a_b) token KL (masked positions 0)
     kl_coef: float | None = None  # beta used for this batch
-    processed_rewards: np.ndarray | None = None  # float32 (B,) R_b after overlong penalty, norm, clip
+    processed_rewards: np.ndarray | None = None  # float32 (B,) postprocess: r + overlong; advantage: final R_b
     token_rewards: Ragged | None = None  # Ragged float32 (B; a_b) -beta*kl + R_b at the last valid action
     advantages: Ragged | None = None  # Ragged float32 (B; a_b)
     returns: Ragged | None = None  # Ragged float32 (B; a_b)

@@ -1,4 +1,9 @@
-"""advantage: advantages and returns; group estimators complete their prompt groups in the run state.
+"""advantage: reward shaping in the seed's order, advantages and returns; group estimators
+complete their prompt groups in the run state.
+
+Per unit (a complete group for group estimators, else the micro-batch), in the seed's order
+(docs/numerics.md §2): group shaping → running normalisation (moments shared in ctx.state) →
+reward clip → token rewards −β·kl + R at t* → the estimator.
 
 * Per-sample estimators (``gae``, ``reinforce``, ``cpgd``) compute on the micro-batch and emit it
   under its own batch id.
@@ -34,25 +39,60 @@ def setup(ctx: StageContext) -> None:
 
 
 def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None = None) -> SampleBatch:
-    """Advantages/returns for ``batch``; ``shaped`` replaces the processed rewards R at t* (groups)."""
+    """Advantages/returns for ``batch``: one unit of the seed's per-experience loop (docs/numerics.md §2 step 5).
+
+    ``shaped`` are the group-shaped rewards of a complete group (None: no shaping, the reward
+    postprocess delivered). Then, in the seed's order: running normalisation and reward clip
+    (:func:`finish_rewards`), the KL-penalised token rewards, the estimator. The output's
+    ``processed_rewards`` is the final R_b placed at t*.
+    """
     algo = ctx.topology.algo
     lay = padded(batch)
     mask, width = lay.action_mask, lay.num_actions
-    token_rewards = action_field(batch, "token_rewards", width)
-    if shaped is not None:
-        r = torch.from_numpy(np.array(batch.processed_rewards, dtype=np.float32))
-        token_rewards = token_rewards + numerics.kl_penalized_rewards(shaped - r, torch.zeros_like(token_rewards),
-                                                                       mask, 0.0)
+    delivered = torch.from_numpy(np.array(batch.processed_rewards, dtype=np.float32))
+    r, reward_info = finish_rewards(delivered if shaped is None else shaped.to(torch.float32), batch.batch_id, ctx)
+    if batch.kl is not None and batch.kl_coef is not None:
+        token_rewards = numerics.kl_penalized_rewards(r, action_field(batch, "kl", width), mask, batch.kl_coef)
+    else:  # no KL on the record: move R within postprocess's token rewards
+        token_rewards = action_field(batch, "token_rewards", width) + numerics.kl_penalized_rewards(
+            r - delivered, None, mask, 0.0)
     values = action_field(batch, "values", width) if algo.advantage_estimator == "gae" else None
     raw = torch.from_numpy(np.array(batch.info["reward"], dtype=np.float32))
     adv, ret, extra = numerics.compute_advantages(
         algo.advantage_estimator, token_rewards, mask, values=values, raw_rewards=raw, gamma=algo.gamma,
         lambd=algo.lambd, advantages_norm=algo.advantages_norm, advantage_clip=algo.advantage_clip)
     info = dict(batch.info or {})
+    info.update(reward_info)
     info["return"] = scalar((token_rewards * mask).sum(-1))
     info.update({k: scalar(v) for k, v in extra.items()})
     return batch.replace(advantages=to_ragged(adv, batch), returns=to_ragged(ret, batch), info=info,
-                         kl=None, token_rewards=None)
+                         processed_rewards=scalar(r), kl=None, token_rewards=None)
+
+
+def finish_rewards(r: torch.Tensor, unit_id: str, ctx: StageContext) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    """Running normalisation then reward clip of one unit's (shaped) rewards (docs/numerics.md §5.1–5.2).
+
+    The unit is what this stage emits at once: a complete group (``g/<group_id>``) for group
+    estimators, the micro-batch otherwise. Its rewards are merged into the run-wide moments
+    (``reward`` in ctx.state, shared by every replica) once per unit id, and the snapshot right
+    after that merge normalises them (the seed: update, then normalise), so a redelivery gives the
+    same bytes. Then ``reward_clip_frac`` is measured over the unit and the rewards are clamped.
+    """
+    algo = ctx.topology.algo
+    info: dict[str, np.ndarray] = {}
+    if algo.reward_running_norm:
+        m = ctx.state.merge_reward_moments(unit_id, r.numpy().astype(np.float64))
+        r = numerics.normalize_rewards(r, m.mean, m.std, algo.reward_running_norm_minus_mean)
+        if not bool(torch.isfinite(r).all()):
+            # std is inf after one reward in total and 0 while every reward so far was equal: the
+            # seed gives 0 (or ±huge) there; we give 0 and say so rather than emit inf downstream.
+            ctx.log.warning("advantage batch=%s: running std %.3g cannot normalise; rewards set to 0", unit_id, m.std)
+            r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
+    if algo.reward_clip > 0:
+        c = algo.reward_clip
+        info["reward_clip_frac"] = scalar(numerics.clip_fraction(r, -c, c))
+        r = r.clamp(-c, c)
+    return r.to(torch.float32), info
 
 
 def _normalized(batch: SampleBatch, mean: float, var: float) -> SampleBatch:

@@ -1,14 +1,16 @@
-"""postprocess: token KL, reward shaping (overlong penalty, running norm, clip), KL-penalised rewards.
+"""postprocess: token KL, overlong penalty, KL-penalised rewards.
 
-Order per micro-batch (see docs/numerics.md for where this differs from the seed and why):
+Per micro-batch (docs/numerics.md §2):
 
 1. ``kl`` = k1/k2/k3 of actor vs reference log-probs over the action mask (zeros when
    ``use_kl_loss`` or without a reference); ``info.kl`` its masked mean per sample.
-2. R = raw reward (+ overlong penalty when ``overlong_buffer``).
-3. Running normalisation from moments in Redis, merged atomically once per batch id: the
-   snapshot after merging this batch normalises it (also on redelivery).
-4. Reward clip: ``info.reward_clip_frac`` measured before the clamp.
-5. ``token_rewards`` = −β·kl + R at the last valid action, with β from Redis (shared by replicas).
+2. ``processed_rewards`` = raw reward + overlong penalty when ``overlong_buffer``
+   (docs/numerics.md §4.1): the reward group shaping starts from.
+3. ``token_rewards`` = −β·kl + that reward at the last valid action, with β from the run state
+   (shared by replicas).
+
+Group shaping, the running normalisation and the reward clip come after, in the advantage stage,
+in the seed's order (shaping first): only there is a prompt group whole.
 """
 
 from __future__ import annotations
@@ -53,19 +55,6 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     if algo.overlong_buffer:
         r = r + numerics.overlong_penalty(response_length, gen.max_new_tokens, algo.overlong_buffer_len,
                                           algo.overlong_buffer_penalty_factor)
-    if algo.reward_running_norm:
-        m = ctx.state.merge_reward_moments(batch.batch_id, r.numpy().astype(np.float64))
-        r = numerics.normalize_rewards(r, m.mean, m.std, algo.reward_running_norm_minus_mean).to(torch.float32)
-        if not bool(torch.isfinite(r).all()):
-            # std is inf after one reward in total and 0 while every reward so far was equal: the
-            # seed gives 0 (or ±huge) there; we give 0 and say so rather than emit inf downstream.
-            ctx.log.warning("postprocess batch=%s: running std %.3g cannot normalise; rewards set to 0",
-                            batch.batch_id, m.std)
-            r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
-    if algo.reward_clip > 0:
-        c = algo.reward_clip
-        info["reward_clip_frac"] = scalar(numerics.clip_fraction(r, -c, c))
-        r = r.clamp(-c, c)
     beta = kl_coefficient(ctx)
     token_rewards = numerics.kl_penalized_rewards(r, kl, mask, beta)
     return [batch.replace(

@@ -891,10 +891,13 @@ class StageRunner:
         bad: list[tuple[Any, Exception]] = []
         self._bisect(batch, 0, n, good, bad)
         if len(bad) == n:
-            # Nothing salvaged: a batch-level problem, not a bad sample. Keep the record whole.
+            # Nothing salvaged: a batch-level problem, or every sample bad. Keep the record whole (a
+            # redrive reproduces it), with each sample's own reason beside the record's.
+            errors = {sid: f"{_error_class(exc)}: {_first_line(exc)}" for sub, exc in bad for sid in _sample_ids(sub)}
             self.log.warning("stage %s %s batch=%s: every sample fails on its own too; dead-lettering the record "
-                             "whole", self.stage.name, where, batch.batch_id)
-            return [], [self._letter(record, first, batch=batch)]
+                             "whole (%s)", self.stage.name, where, batch.batch_id,
+                             "; ".join(f"{sid}: {why}" for sid, why in errors.items())[:1000])
+            return [], [self._letter(record, first, batch=batch, errors=errors)]
         letters = []
         for sub, exc in bad:
             try:
@@ -926,12 +929,12 @@ class StageRunner:
 
     # -- dead letters and sends (worker thread) ---------------------------------------------------
     def _letter(self, record: Any, exc: Exception, *, value: Any = ..., batch: Any = None,
-                split_from: str | None = None) -> _Out:
+                split_from: str | None = None, errors: dict[str, str] | None = None) -> _Out:
         value = record.value if value is ... else value
         headers = letter_headers(
             record, stage=self.stage.name, replica=self.ctx.replica_id, error_class=_error_class(exc),
             error_message=str(exc), value=value, sample_ids=_sample_ids(batch) if batch is not None else None,
-            split_from=split_from)
+            split_from=split_from, errors=errors)
         if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted
             return _Out(self.dlq_topic, b"", record.key, value_omitted_headers(
                 headers, "the record had no value (a tombstone); there is nothing to carry or redrive"))

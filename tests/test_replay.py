@@ -24,6 +24,7 @@ import yaml
 
 from expstream.bus import read_topic
 from expstream.errors import ConfigError
+from expstream.letters import sample_errors
 from expstream.recording import RecordFrame, RecordingWriter, iter_topic, partition_path, recorded_topics
 from expstream.replay import Filters, parse_offsets, replay_run, republish, resolve_span
 from expstream.topology import KafkaConfig, load_topology
@@ -203,6 +204,10 @@ def test_dead_letters_undecodable_records_and_torn_tails(recorded, tmp_path):
         h = {k: v.decode() for k, v in letter.headers}
         assert h["stage"] == "reward" and h["original_topic"] == topic and h["error_class"] == "TypeError"
         assert letter.value == originals[(int(h["original_partition"]), int(h["original_offset"]))]
+        # the record went whole; each sample's own failure travels beside the record's (issue 21 item 12)
+        own = sample_errors(h)
+        assert sorted(own) == sorted(h["sample_ids"].split(",")) and own
+        assert all(why.startswith("TypeError: ") for why in own.values()), own
 
 
 def test_bad_flags_name_the_flag(recorded, tmp_path):

@@ -83,15 +83,21 @@ def test_postprocess_kl_and_penalised_token_rewards():
     assert out.kl_coef == 0.5 and out.base_action_log_probs is None  # dropped unless use_kl_loss
 
 
-def test_postprocess_overlong_penalty_and_clip_fraction_before_clamp():
-    topo, batch = _scored_pair(["algo.overlong_buffer=true", "algo.overlong_buffer_len=1",
-                                "generate.max_new_tokens=2", "algo.reward_clip=1.5"])
+def test_postprocess_overlong_penalty_then_advantage_clips_with_fraction_before_clamp():
+    over = ["algo.overlong_buffer=true", "algo.overlong_buffer_len=1", "generate.max_new_tokens=2",
+            "algo.reward_clip=1.5", "algo.init_kl_coef=0"]
+    topo, batch = _scored_pair(over)
     [out] = postprocess.process(batch, make_context(topo, "postprocess"))
     # L_exp = 2 - 1 = 1; lengths [2, 1] -> penalties [-(2-1)/1*1, 0] = [-1, 0]; R = [0, 2]
-    # clip at 1.5: one of two values beyond -> frac 0.5 each row; R -> [0, 1.5]
-    np.testing.assert_allclose(out.processed_rewards, [0.0, 1.5])
-    np.testing.assert_allclose(out.info["reward_clip_frac"], [0.5, 0.5])
+    np.testing.assert_allclose(out.processed_rewards, [0.0, 2.0])
+    assert "reward_clip_frac" not in out.info  # the clip comes after group shaping, in advantage
     np.testing.assert_allclose(out.info["reward"], [1.0, 2.0])  # raw reward logged untouched
+    rtopo = load_topology(overrides=["algo.advantage_estimator=reinforce", *over])
+    [exp] = advantage.process(out, make_context(rtopo, "advantage"))
+    # clip at 1.5: one of two values beyond -> frac 0.5 each row; R -> [0, 1.5] at the last action
+    np.testing.assert_allclose(exp.processed_rewards, [0.0, 1.5])
+    np.testing.assert_allclose(exp.info["reward_clip_frac"], [0.5, 0.5])
+    np.testing.assert_allclose(exp.advantages.values, [0.0, 0.0, 1.5])
 
 
 def test_advantage_reinforce_and_gae_by_hand():

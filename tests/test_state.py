@@ -240,6 +240,15 @@ def test_record_batch_counts_time_and_flow_once_per_batch_in_one_call(state):
     assert newest[1:] == (0.5, 8)
 
 
+def test_a_stage_whose_every_record_was_dead_lettered_is_in_the_flows(state):
+    """A stage that has only dead-lettered so far (no stage time recorded) still has its accounting:
+    issue 21 item 12, where generate showed 0 in, 0 dead, balanced after dead-lettering a record."""
+    state.record_batches("generate", [("p0", {"in": 4, "out": 0, "dead": 4}, None, 0)])
+    state.record_flow("reward", "b0", {"in": 2, "out": 0, "dead": 2})
+    assert state.flows() == {"generate": {"in": 4, "out": 0, "dead": 4}, "reward": {"in": 2, "out": 0, "dead": 2}}
+    assert state.stage_stats() == {}  # no record was worked on to the end: no time to show
+
+
 def test_record_batch_is_one_script_call_and_survives_a_script_flush(redis_state):
     """record_batch is one EVALSHA on the hot path (no SCRIPT EXISTS before it) and still works after
     the server forgot its scripts (a restart, SCRIPT FLUSH): redis-py loads the script again."""

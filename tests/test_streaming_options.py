@@ -127,15 +127,24 @@ def test_use_kl_loss_keeps_base_log_probs_and_no_kl_in_reward():
     np.testing.assert_allclose(out.token_rewards.values, [0.0, 1.0, 2.0])
 
 
-def test_running_reward_norm_is_applied_once_per_batch_id(state):
-    topo, batch = _pair(["algo.reward_running_norm=true", "algo.init_kl_coef=0", "algo.reward_running_norm_minus_mean=true"])
-    ctx = make_context(topo, "postprocess", state=state)
-    [first] = postprocess.process(batch, ctx)
+def test_running_reward_norm_is_applied_once_per_unit_id(state):
+    over = ["algo.reward_running_norm=true", "algo.reward_running_norm_minus_mean=true"]
+    ctx = make_context(load_topology(overrides=["algo.advantage_estimator=reinforce", *over]), "advantage", state=state)
+    [first] = advantage.process(scored("m", [1.0, 2.0], [1, 1]), ctx)
     # rewards [1, 2]: mean 1.5, unbiased std sqrt(0.5) -> (r - 1.5) / 0.707107 = [-0.707107, 0.707107]
     np.testing.assert_allclose(first.processed_rewards, [-0.707107, 0.707107], rtol=1e-5)
-    [second] = postprocess.process(batch, ctx)
+    [second] = advantage.process(scored("m", [1.0, 2.0], [1, 1]), ctx)
     assert encode(second) == encode(first)
     assert state.get_moments("reward").count == 2
+    # a group estimator merges the shaped rewards of the complete group, once per group id:
+    # rloo of [0, 4] is [-4, 4]; pooled with [1, 2]: mean 0.75, unbiased std sqrt(34.75 / 3) = 3.403430
+    gctx = make_context(load_topology(overrides=["algo.advantage_estimator=rloo", *over]), "advantage", state=state)
+    assert advantage.process(scored("h0", [0.0], [1], group="h", n=2), gctx) == []
+    [g] = advantage.process(scored("h1", [4.0], [1], group="h", start=1, n=2), gctx)
+    np.testing.assert_allclose(g.processed_rewards, [(-4 - 0.75) / 3.403430, (4 - 0.75) / 3.403430], rtol=1e-5)
+    [again] = advantage.process(scored("h1", [4.0], [1], group="h", start=1, n=2), gctx)
+    assert encode(again) == encode(g)
+    assert state.get_moments("reward").count == 4
 
 
 def test_a_whole_group_in_one_batch_gives_the_bytes_of_a_split_group(state):

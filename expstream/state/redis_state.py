@@ -208,9 +208,12 @@ return 1
 """
 
 _FLOW = """
--- KEYS[1] flow hash, KEYS[2] applied set; ARGV batch_id, then (field, count) pairs
+-- KEYS[1] flow hash, KEYS[2] applied set, KEYS[3] flow-stages set; ARGV batch_id, stage, then (field, count)
+-- pairs. The flow-stages set lists every stage with an accounting, timed batches or not (one whose
+-- every record was dead-lettered has no stage time, and is still counted).
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SADD', KEYS[3], ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -218,18 +221,19 @@ _RECORD_BATCH = """
 -- One record's stage time (when ARGV[2] == '1') and sample accounting: _STAGE_TIME and _FLOW in one
 -- script, so the runner's per-record statistics are one EVALSHA (a pipeline of two scripts made
 -- redis-py send SCRIPT EXISTS first: two round trips).
--- KEYS[1] flow hash, KEYS[2] flow applied set, then with a time: KEYS[3] stage hash, KEYS[4] stage
--- applied set, KEYS[5] stages set, KEYS[6] recent list
+-- KEYS[1] flow hash, KEYS[2] flow applied set, KEYS[3] flow-stages set, then with a time: KEYS[4]
+-- stage hash, KEYS[5] stage applied set, KEYS[6] stages set, KEYS[7] recent list
 -- ARGV batch_id, has_time, seconds, samples, stage, recent entry, recent max, then (field, count) pairs
-if ARGV[2] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
-  redis.call('SADD', KEYS[5], ARGV[5])
-  redis.call('HINCRBY', KEYS[3], 'batches', 1)
-  redis.call('HINCRBY', KEYS[3], 'samples', ARGV[4])
-  redis.call('HINCRBYFLOAT', KEYS[3], 'seconds', ARGV[3])
-  redis.call('LPUSH', KEYS[6], ARGV[6])
-  redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[7]) - 1)
+if ARGV[2] == '1' and redis.call('SADD', KEYS[5], ARGV[1]) == 1 then
+  redis.call('SADD', KEYS[6], ARGV[5])
+  redis.call('HINCRBY', KEYS[4], 'batches', 1)
+  redis.call('HINCRBY', KEYS[4], 'samples', ARGV[4])
+  redis.call('HINCRBYFLOAT', KEYS[4], 'seconds', ARGV[3])
+  redis.call('LPUSH', KEYS[7], ARGV[6])
+  redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[7]) - 1)
 end
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('SADD', KEYS[3], ARGV[5])
 for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
@@ -607,10 +611,10 @@ class RedisState:
 
     def _flow_call(self, stage: str, batch_id: str, counts: dict[str, int]) -> tuple[list[str], list[str]]:
         """(keys, args) of the ``flow`` script for one batch."""
-        args: list[str] = [batch_id]
+        args: list[str] = [batch_id, stage]
         for k, v in counts.items():
             args += [k, str(int(v))]
-        return [self.key("flow", stage), self.key("flow", stage, "applied")], args
+        return [self.key("flow", stage), self.key("flow", stage, "applied"), self.key("flow_stages")], args
 
     def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
                      samples: int = 0) -> None:
@@ -626,8 +630,8 @@ class RedisState:
             time_keys, time_args = self._stage_time_call(stage, seconds, samples, batch_id)
             keys, head = flow_keys + time_keys, ["1", *time_args[1:]]
         else:
-            keys, head = flow_keys, ["0", "", "", "", "", ""]
-        return keys, [batch_id, *head, *flow_args[1:]]
+            keys, head = flow_keys, ["0", "", "", stage, "", ""]
+        return keys, [batch_id, *head, *flow_args[2:]]
 
     def record_batches(self, stage: str, rows: Sequence[tuple[str, dict[str, int], float | None, int]]) -> None:
         """:meth:`record_batch` for each ``(batch_id, counts, seconds, samples)`` row, in one round trip (a
@@ -654,8 +658,8 @@ class RedisState:
         self._call("record_batches", attempt)
 
     def flows(self) -> dict[str, dict[str, int]]:
-        """``{stage: {"in", "out", "dead", "dropped"}}`` for every stage that recorded any."""
-        stages = sorted(s.decode() for s in self._call("stage_stats", self._r.smembers, self.key("stages")))
+        """``{stage: {"in", "out", "dead", "dropped"}}`` for every stage that recorded any (timed or not)."""
+        stages = sorted(s.decode() for s in self._call("flows", self._r.smembers, self.key("flow_stages")))
 
         def read(pipe: redis.client.Pipeline) -> None:
             for s in stages:
