@@ -36,11 +36,9 @@ import logging
 import os
 import re
 import signal
-import struct
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -83,8 +81,6 @@ MISSING_TOPIC_RETRY_S = 2.0
 # How long export mode waits for the broker's metadata and end offsets.
 METADATA_TIMEOUT_S = 30.0
 
-# The frame header of expstream/recording.py (length, crc32; big-endian uint32 each).
-_FRAME_HEAD = struct.Struct(">II")
 _PER_PARTITION = re.compile(r"^\d+:\d+(,\d+:\d+)*$")
 
 
@@ -164,25 +160,18 @@ def parse_position(text: str, flag: str = "--from") -> Position:
 def cut_torn_tail(path: Path, topic: str, partition: int) -> int:
     """Cut an incomplete last frame (a recorder killed mid-write) off ``path`` before appending to
     it again, so that new frames never follow a torn one (which readers would call corruption).
-    Returns the bytes cut; a corrupt file (bad frame with data after it) raises RecordingError."""
+    Returns the bytes cut; a corrupt file raises RecordingError (naming the file and byte position)."""
     reader = PartitionReader(path, topic, partition)
-    for _ in reader:  # validates: raises on corruption, sets torn_tail
+    for _ in reader:  # validates: raises on corruption, says where a torn tail starts
         pass
-    if not reader.torn_tail:
+    if reader.damage is None:
         return 0
-    data = path.read_bytes()
-    pos = len(MAGIC) if data.startswith(MAGIC) else 0
-    while pos and pos + _FRAME_HEAD.size <= len(data):
-        length, crc = _FRAME_HEAD.unpack_from(data, pos)
-        end = pos + _FRAME_HEAD.size + length
-        if end > len(data) or zlib.crc32(data[pos + _FRAME_HEAD.size:end]) != crc:
-            break
-        pos = end
+    size = path.stat().st_size
     with open(path, "r+b") as fh:
-        fh.truncate(pos)
-    log.warning("recorder: %s[%d]: cut a torn last frame (%d bytes) off %s before appending", topic, partition,
-                len(data) - pos, path)
-    return len(data) - pos
+        fh.truncate(reader.damage.position)
+    log.warning("recorder: %s[%d]: cut a torn last frame (%d bytes at byte %d) off %s before appending", topic,
+                partition, size - reader.damage.position, reader.damage.position, path)
+    return size - reader.damage.position
 
 
 @dataclass
@@ -374,19 +363,23 @@ def recorder_argv(topo_path: Path, bootstrap: str, topics: list[str], out_dir: P
 
 
 def recording_summary(root: str | Path) -> dict[str, Any]:
-    """``{topics: {name: records}, bytes, torn_tails}`` of the recording under ``root`` (summary.json)."""
+    """``{topics: {name: records}, bytes, torn_tails, corrupt}`` of the recording under ``root``
+    (summary.json); ``corrupt`` names each damaged file and byte position (never raises for it)."""
     topics: dict[str, int] = {}
     size = torn = 0
+    corrupt: list[str] = []
     for topic in recorded_topics(root):
         n = 0
         for p in recorded_partitions(root, topic):
             path = partition_path(root, topic, p)
-            reader = PartitionReader(path, topic, p)
+            reader = PartitionReader(path, topic, p, strict=False)
             n += sum(1 for _ in reader)
             torn += reader.torn_tail
+            if reader.damage is not None and reader.corrupt:
+                corrupt.append(f"{topic}[{p}] at byte {reader.damage.position}: {reader.damage.detail}")
             size += path.stat().st_size
         topics[topic] = n
-    return {"topics": topics, "bytes": size, "torn_tails": torn}
+    return {"topics": topics, "bytes": size, "torn_tails": torn, "corrupt": corrupt}
 
 
 # ------------------------------------------------------------------------------------------------
