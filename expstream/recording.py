@@ -249,25 +249,29 @@ def _plausible_payload_start(partial: bytes) -> bool:
     return False  # a whole object shorter than the announced length: not a cut write
 
 
-def _frame(payload: bytes) -> dict[str, Any] | str:
-    """The decoded payload, or why it is not one (a string)."""
+def _header(h: Any) -> tuple[str, bytes]:
+    k, v = h
+    if not isinstance(k, str) or not isinstance(v, bytes):
+        raise TypeError(f"header {h!r:.80} is not [str, bin]")
+    return k, v
+
+
+def _frame(payload: bytes, topic: str, partition: int) -> RecordFrame | str:
+    """The frame a payload holds, or why it holds none (a string)."""
     try:
         obj = msgpack.unpackb(payload, raw=False)
     except Exception as exc:  # noqa: BLE001 - any bytes may be in a damaged file
         return f"the payload is not msgpack ({type(exc).__name__}: {exc})"
     if not isinstance(obj, dict) or any(k not in obj for k in _KEYS):
         return f"the payload lacks one of {', '.join(_KEYS)}"
+    key, value = obj["key"], obj["value"]
     try:
-        int(obj["offset"]), int(obj["timestamp"]), int(obj["timestamp_type"])
-        if obj["key"] is not None and not isinstance(obj["key"], bytes):
-            raise TypeError("key")
-        if obj["value"] is not None and not isinstance(obj["value"], bytes):
-            raise TypeError("value")
-        for k, v in obj["headers"]:
-            str(k), bytes(v)
+        if not (key is None or isinstance(key, bytes)) or not (value is None or isinstance(value, bytes)):
+            raise TypeError("key and value must be bin or nil")
+        return RecordFrame(topic, partition, int(obj["offset"]), int(obj["timestamp"]), key, value,
+                           tuple(_header(h) for h in obj["headers"]), int(obj["timestamp_type"]))
     except (TypeError, ValueError) as exc:
         return f"a payload field has the wrong type ({exc})"
-    return obj
 
 
 class PartitionReader:
@@ -334,14 +338,12 @@ class PartitionReader:
                 self._stop("corrupt", pos, f"CRC mismatch on a complete frame of {length} payload bytes{after}",
                            records)
                 return
-            obj = _frame(payload)
-            if isinstance(obj, str):
-                self._stop("corrupt", pos, obj, records)
+            frame = _frame(payload, self.topic, self.partition)
+            if isinstance(frame, str):
+                self._stop("corrupt", pos, frame, records)
                 return
             records += 1
-            yield RecordFrame(self.topic, self.partition, int(obj["offset"]), int(obj["timestamp"]), obj["key"],
-                              obj["value"], tuple((str(k), bytes(v)) for k, v in obj["headers"]),
-                              int(obj["timestamp_type"]))
+            yield frame
             pos = end
 
 
