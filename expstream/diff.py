@@ -1,11 +1,28 @@
-"""``expstream diff RUN_A RUN_B``: what differs between two runs' samples of one topic.
+"""``expstream diff RUN_A RUN_B``: what differs between two runs' records of one topic.
 
 Each side is read with :func:`expstream.inspect.read_samples`: the run's recording of ``--topic``
-(default ``experiences``), or its ``experiences.msgpack`` when that topic was not recorded. The
-first occurrence of a sample id wins (``read_experiences``' dedupe); later ones are counted as
+(default ``experiences``), or its ``experiences.msgpack`` when that topic was not recorded. What
+is compared depends on what the topic holds:
+
+* SampleBatch records: their samples, keyed by sample id ``group#index``;
+* PromptBatch records (``prompts``): their prompts, keyed by prompt id (fields ``batch_id``,
+  ``prompt``, ``label``, ``reference``, ``images``, ``videos``);
+* a dead-letter topic (``<topic>.dlq``): its letters, keyed by the ``batch_id`` header (else the
+  original position), ``#attempt<k>`` for a redriven one; fields ``headers.<name>`` (every header
+  but :data:`expstream.inspect.LETTER_POSITION_HEADERS`, which follow scheduling) and the value:
+  ``value.<row id>.<field>`` when it decodes (its rows, compared like samples or prompts), else
+  ``value``, its bytes.
+
+A topic whose records are none of these on both sides (the ``policy`` topic's weight
+announcements) is refused (exit 2) with the reason, never reported equal after comparing nothing.
+The first occurrence of an id wins (``read_experiences``' dedupe); later ones are counted as
 duplicates and reported, not compared.
 
-The comparison, per sample id present on both sides and per field (``info`` and
+A corrupt recording (expstream/recording.py) is an error naming the file and the byte position
+(exit 2): a verdict on damaged input would be a guess. A torn tail (a killed writer) is read up to
+its last whole record, with a warning on stderr naming the file and byte position.
+
+The comparison, per id present on both sides and per field (``info`` and
 ``reward_metrics`` compared key by key as ``info.<key>``):
 
 1. a field on one side only -> ``missing_field``;
@@ -16,10 +33,13 @@ The comparison, per sample id present on both sides and per field (``info`` and
    ``max |a - b|``, the max rel error ``max |a - b| / |b|`` (``inf`` where B is 0 and A not),
    the first differing position and how many positions differ;
 5. per-token rows of different lengths -> ``length`` (both lengths, and the first position where
-   they differ: within the common prefix, else the shorter length); different dtypes -> ``dtype``.
+   they differ: within the common prefix, else the shorter length); different dtypes -> ``dtype``;
+6. bytes (an undecodable letter's value) -> ``bytes`` (both sizes, the first differing byte);
+   lists (blob references) -> ``values`` when not identical.
 
-The exit code is 1 when anything differs beyond the tolerance (a field, a sample only on one side,
-a record that cannot be decoded), 0 when the runs are equal; 2 for bad arguments.
+The exit code is 1 when anything differs beyond the tolerance (a field, an entry only on one side,
+a record that cannot be decoded), 0 when the runs are equal; 2 for bad arguments, a corrupt
+recording, or a topic diff cannot compare.
 """
 
 from __future__ import annotations
@@ -28,6 +48,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,8 +56,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError
-from expstream.inspect import EXPERIENCES_TOPIC, Sample, SampleSet, read_samples, refuse_damaged
-from expstream.recording import RecordingError
+from expstream.inspect import EXPERIENCES_TOPIC, Sample, SampleSet, is_dlq, read_samples, refuse_damaged
+from expstream.recording import Damage, RecordingError
 
 __all__ = ["Difference", "DiffResult", "add_diff_parser", "compare_samples", "diff_command", "diff_runs"]
 
@@ -52,7 +73,7 @@ class Difference:
 
     sample: str  # sample id group#index
     field: str  # SampleBatch field, or "info.<key>" / "reward_metrics.<key>"
-    kind: str  # values | length | dtype | string | missing_field
+    kind: str  # values | length | dtype | string | bytes | missing_field
     a: Any = None  # the differing value of A (scalar fields), the length (length), the dtype (dtype)
     b: Any = None
     max_abs: float | None = None  # max |a - b| over the compared positions
@@ -68,6 +89,8 @@ class Difference:
             return f"{head} {_short(self.a)} vs {_short(self.b)}"
         if self.kind == "dtype":
             return f"{head} dtype {self.a} vs {self.b}"
+        if self.kind == "bytes":
+            return f"{head} {self.a} vs {self.b} bytes, first differing byte {self.first_position}"
         errs = "" if self.max_abs is None else f", max abs {self.max_abs:.6g}, max rel {self.max_rel:.6g}"
         if self.kind == "length":
             return f"{head} length {self.a} vs {self.b}, first differing position {self.first_position}{errs}"
@@ -124,6 +147,14 @@ def _compare_field(sid: str, name: str, a: Any, b: Any, atol: float, rtol: float
                           int(bad.sum()))
     if isinstance(a, str) or isinstance(b, str):
         return None if a == b else Difference(sid, name, "string", a, b)
+    if isinstance(a, bytes) or isinstance(b, bytes):
+        if a == b:
+            return None
+        a, b = bytes(a or b""), bytes(b or b"")
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        return Difference(sid, name, "bytes", len(a), len(b), first_position=first)
+    if not isinstance(a, (int, float, np.number)) or not isinstance(b, (int, float, np.number)):  # lists, None
+        return None if a == b else Difference(sid, name, "values", a, b)
     if isinstance(a, float) or isinstance(b, float):
         fa, fb = np.array([a], np.float64), np.array([b], np.float64)
         if not _differs(fa, fb, atol, rtol)[0]:
@@ -174,6 +205,13 @@ class DiffResult:
     differences: list[Difference] = field(default_factory=list)
 
     @property
+    def unit(self) -> str:
+        """What was compared: "samples", "prompts", "dead letters" (or several, comma separated)."""
+        names = {"sample": "samples", "prompt": "prompts", "letter": "dead letters"}
+        kinds = sorted({*self.a.kinds, *self.b.kinds}) or (["letter"] if is_dlq(self.topic) else ["sample"])
+        return ", ".join(names.get(k, k) for k in kinds)
+
+    @property
     def equal(self) -> bool:
         return not (self.only_in_a or self.only_in_b or self.differences or self.a.undecodable
                     or self.b.undecodable)
@@ -191,11 +229,11 @@ class DiffResult:
 
     def to_json(self) -> dict[str, Any]:
         def side(s: SampleSet) -> dict[str, Any]:
-            return {"source": s.source, "records": s.records, "samples": len(s.samples),
-                    "duplicates": s.duplicates, "undecodable": s.undecodable}
+            return {"source": s.source, "records": s.records, "samples": len(s.samples), "kinds": s.kinds,
+                    "duplicates": s.duplicates, "undecodable": s.undecodable, "torn": s.torn}
 
         return _jsonable({
-            "topic": self.topic, "atol": self.atol, "rtol": self.rtol, "equal": self.equal,
+            "topic": self.topic, "unit": self.unit, "atol": self.atol, "rtol": self.rtol, "equal": self.equal,
             "a": side(self.a), "b": side(self.b), "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
             "compared": self.compared, "differences": [asdict(d) for d in self.differences],
             "fields": {k: asdict(v) for k, v in self.summary().items()},
@@ -220,10 +258,18 @@ def _order_key(sid: str) -> tuple[Any, ...]:
 
 
 def diff_runs(run_a: str | Path, run_b: str | Path, *, topic: str = EXPERIENCES_TOPIC, atol: float = 1e-6,
-              rtol: float = 0.0, ignore: tuple[str, ...] = ()) -> DiffResult:
-    """Compare ``topic``'s samples of two run directories (module docstring)."""
-    a = read_samples(run_a, topic, flag="RUN_A")
-    b = read_samples(run_b, topic, flag="RUN_B")
+              rtol: float = 0.0, ignore: tuple[str, ...] = (),
+              on_damage: Callable[[Damage], None] | None = None) -> DiffResult:
+    """Compare ``topic``'s entries of two run directories (module docstring)."""
+    a = read_samples(run_a, topic, flag="RUN_A", on_damage=on_damage)
+    b = read_samples(run_b, topic, flag="RUN_B", on_damage=on_damage)
+    if not a.samples and not b.samples and (a.undecodable or b.undecodable):
+        first = (a.undecodable or b.undecodable)[0]
+        raise ConfigError(f"topic {topic!r} holds no record diff can compare: {len(a.undecodable)} record(s) in "
+                          f"RUN_A and {len(b.undecodable)} in RUN_B are not PromptBatch or SampleBatch messages "
+                          f"(e.g. {first[:300]})", field="--topic",
+                          fix="diff compares samples, prompts and dead letters (.dlq topics); name such a topic "
+                              "(`expstream show RUN --topic T --offset 0:0` shows what a record of T is)")
     res = DiffResult(topic, atol, rtol, a, b)
     res.only_in_a = sorted((s for s in a.samples if s not in b.samples), key=_order_key)
     res.only_in_b = sorted((s for s in b.samples if s not in a.samples), key=_order_key)
@@ -236,14 +282,16 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, topic: str = EXPERIENCES_
 def format_result(res: DiffResult, max_lines: int = DEFAULT_MAX_LINES) -> str:
     lines = []
     for name, s in (("A", res.a), ("B", res.b)):
-        lines.append(f"{name}: {s.source}  {len(s.samples)} samples from {s.records} records, "
+        lines.append(f"{name}: {s.source}  {len(s.samples)} {res.unit} from {s.records} records, "
                      f"{s.duplicates} duplicate(s) skipped (first occurrence kept)")
+        for t in s.torn:
+            lines.append(f"  {name} torn: {t}")
         for u in s.undecodable:
             lines.append(f"  {name} undecodable record {u}")
     for label, ids in (("only in A (missing from B)", res.only_in_a), ("only in B (extra)", res.only_in_b)):
         more = f" ... {len(ids) - LISTED_IDS} more" if len(ids) > LISTED_IDS else ""
         lines.append(f"{label}: {len(ids)}" + (f"  {', '.join(ids[:LISTED_IDS])}{more}" if ids else ""))
-    lines.append(f"compared {res.compared} samples of topic {res.topic}; a float differs where "
+    lines.append(f"compared {res.compared} {res.unit} of topic {res.topic}; a float differs where "
                  f"|a-b| > atol + rtol*|b| (atol={res.atol:g}, rtol={res.rtol:g})")
     if res.differences:
         lines.append(f"differences ({len(res.differences)}):")
@@ -270,9 +318,12 @@ def diff_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.max_lines < 0:
         raise ConfigError(f"--max-lines must be >= 0, got {args.max_lines}", field="--max-lines",
                           fix="e.g. --max-lines 50")
+    def warn(d: Damage) -> None:
+        print(f"expstream diff: warning: {d.message()}", file=sys.stderr)
+
     try:
         res = diff_runs(args.run_a, args.run_b, topic=args.topic, atol=args.atol, rtol=args.rtol,
-                        ignore=tuple(args.ignore))
+                        ignore=tuple(args.ignore), on_damage=warn)
     except RecordingError as exc:
         raise refuse_damaged(exc, "RUN_A/RUN_B") from exc
     if args.json:
@@ -284,14 +335,16 @@ def diff_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def add_diff_parser(sub: Any, add_topology_args: Any) -> None:
     """``expstream diff`` (``add_topology_args`` is unused: each run directory holds its configuration)."""
-    p = sub.add_parser("diff", help="compare two runs' samples of a topic, field by field (exit 1 when they differ)")
+    p = sub.add_parser("diff", help="compare two runs' samples, prompts or dead letters of a topic, field by field "
+                                    "(exit 1 when they differ)")
     p.add_argument("run_a", metavar="RUN_A", help="a run directory (the one under test)")
     p.add_argument("run_b", metavar="RUN_B", help="a run directory (the reference: rel errors divide by B)")
     p.add_argument("--topic", default=EXPERIENCES_TOPIC, help="the recorded topic to compare (default: experiences)")
     p.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance for floats (default 1e-6)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for floats, times |b| (default 0)")
     p.add_argument("--ignore", action="append", default=[], metavar="FIELD",
-                   help="a field not to compare (repeatable), e.g. batch_id, or info for every info.<key>")
+                   help="a field not to compare (repeatable), e.g. batch_id, info for every info.<key>, or "
+                        "headers.error_message on a .dlq topic")
     p.add_argument("--max-lines", type=int, default=DEFAULT_MAX_LINES,
                    help=f"difference lines printed (default {DEFAULT_MAX_LINES}; --json has them all)")
     p.add_argument("--json", action="store_true", help="one JSON object (docs/replay.md, 'diff')")

@@ -10,9 +10,25 @@ and reported. Headers are data anyone who can write to the dead-letter topic can
 target is checked, never trusted: a letter of ``T.dlq`` goes back only to ``T``, and only when ``T``
 is a topic of the topology (``Topology.all_topics()``, as loaded with ``--topology``/``--set``).
 ``--to TOPIC`` sends every letter to ``TOPIC`` instead (a topology topic, or any existing topic with
-``--allow-any-topic``). A letter naming another topic is refused: counted, reported with its
-position, never published (the command then exits 1 so that a script notices). It reads the DLQ as consumer group ``expstream.dlq-redrive.<dlq topic>`` and commits
-after every confirmed re-publish, so running it twice does not send the same letter twice.
+``--allow-any-topic``). A letter naming another topic, or none, is refused: counted, reported with
+its position, never published (the command then exits 1 so that a script notices).
+
+Progress is the consumer group ``expstream.dlq-redrive.<dlq topic>``'s committed position per
+partition, committed after every confirmed re-publish, so running it twice does not send the same
+letter twice. A Kafka commit is a position, not a set of letters: committing a letter after a
+refused one would commit the refused one too, and the fix the report advises (``--to TOPIC``, the
+run's ``--topology``) would never see it again. So a refused letter *stops its partition*: it is not
+committed, the letters after it in that partition are not read this time (reported as waiting),
+and the next redrive starts at it again; the other partitions go on. (Why not a list of refused
+offsets beside the position: the commit's metadata string would hold it on Apache Kafka, but the
+embedded Tansu broker drops commit metadata, and a list needs a bound anyway.) ``--skip-refused``
+commits past refused letters instead (they stay on the topic for ``inspect``; no redrive sees them
+again). Settled, and committed: letters at ``--max-attempts`` (the cap's purpose is to end the retry
+loop; raise it to retry them before they are committed, or re-publish one by hand) and letters
+without a value (``value_omitted``: no redrive can publish them; the original is at its position).
+
+``inspect`` prints header values with control characters escaped (expstream/terminal.py): a header
+is data anyone who can write to the topic chose, and an ESC in it is a terminal escape sequence.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ from expstream.letters import (
     redrive_attempt,
     redrive_headers,
 )
+from expstream.terminal import printable
 from expstream.topics import DLQ_SUFFIX, dlq_topic
 
 #: Consumer group used by redrive, per dead-letter topic.
@@ -118,15 +135,17 @@ class DeadLetter:
 
 
 def format_letter(s: dict[str, Any]) -> str:
+    """One letter for a terminal: every value from a header escaped (module doc)."""
+    t = {k: printable(str(v)) for k, v in s.items()}
     extra = ""
     if s["split_from"]:
-        extra += f" split_from={s['split_from']}"
+        extra += f" split_from={t['split_from']}"
     if s["sample_ids"]:
-        extra += f" samples={s['sample_ids']}"
+        extra += f" samples={t['sample_ids']}"
     if s["value_omitted"]:
         extra += " value_omitted"
-    return (f"{s['dlq']}  stage={s['stage']}  {s['error_class']}  from {s['original']}  batch={s['batch_id']}  "
-            f"size={s['size']}B  attempt={s['redrive_attempt']}{extra}\n    {s['error']}")
+    return (f"{t['dlq']}  stage={t['stage']}  {t['error_class']}  from {t['original']}  batch={t['batch_id']}  "
+            f"size={t['size']}B  attempt={t['redrive_attempt']}{extra}\n    {t['error']}")
 
 
 def _partitions(consumer: Any, topic: str, timeout_s: float) -> list[TopicPartition]:
@@ -182,7 +201,8 @@ class RedriveReport:
     redriven: list[str] = field(default_factory=list)  # "dlq[p]@o -> topic (attempt k)"
     skipped_max_attempts: list[str] = field(default_factory=list)
     skipped_other: list[str] = field(default_factory=list)  # no original topic, value omitted
-    refused: list[str] = field(default_factory=list)  # original_topic not this DLQ's topology topic
+    refused: list[str] = field(default_factory=list)  # no original_topic, or not this DLQ's topology topic
+    waiting: list[str] = field(default_factory=list)  # partitions stopped at a refused letter (module doc)
     dry_run: bool = False
 
     def lines(self) -> list[str]:
@@ -194,6 +214,7 @@ class RedriveReport:
         out += [f"  skipped (max attempts): {x}" for x in self.skipped_max_attempts]
         out += [f"  skipped: {x}" for x in self.skipped_other]
         out += [f"  refused: {x}" for x in self.refused]
+        out += [f"  waiting: {x}" for x in self.waiting]
         return out
 
 
@@ -210,7 +231,7 @@ class Targets:
             return self.to, ""
         target = letter.original_topic
         if not target:
-            return None, "no original_topic header"
+            return None, "no original_topic header; not published. Use --to TOPIC to name where it goes"
         twin = letter.topic[: -len(DLQ_SUFFIX)]
         if target != twin:
             return None, (f"original_topic header names {target!r}, but letters of {letter.topic} come from "
@@ -224,9 +245,10 @@ class Targets:
 
 def redrive(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, max_attempts: int = 3, dry_run: bool = False,
             timeout_s: float = READ_TIMEOUT_S, allowed_topics: Iterable[str] = (), to: str | None = None,
-            allow_any_topic: bool = False) -> RedriveReport:
+            allow_any_topic: bool = False, skip_refused: bool = False) -> RedriveReport:
     """Re-publish the letters of ``topic`` not yet redriven by an earlier call (see the module doc): each to
-    its ``original_topic`` when that is ``topic``'s twin and one of ``allowed_topics``, or all to ``to``."""
+    its ``original_topic`` when that is ``topic``'s twin and one of ``allowed_topics``, or all to ``to``.
+    A refused letter stops its partition uncommitted (``skip_refused``: committed past, as settled)."""
     if not topic.endswith(DLQ_SUFFIX):
         raise ConfigError(f"{topic!r} is not a dead-letter topic", field="--topic",
                           fix=f"name a topic ending in {DLQ_SUFFIX}, e.g. batches.dlq")
@@ -261,18 +283,28 @@ def redrive(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, max_attempts
                 consumer.seek(tp, committed)
         deadline = time.monotonic() + timeout_s
         remaining = {tp for tp in tps if consumer.position(tp) < ends[tp]}
+        stopped: dict[TopicPartition, int] = {}  # partition -> the refused letter it stopped at
         while remaining:
             if time.monotonic() > deadline:
                 raise ConfigError(f"did not reach the end of {topic} within {timeout_s:.0f}s",
                                   field="--bootstrap-servers", fix="check that the broker is reachable")
             for tp, recs in consumer.poll(timeout_ms=POLL_MS).items():
                 for rec in recs:
-                    if rec.offset >= ends[tp]:
+                    if rec.offset >= ends[tp] or tp in stopped:
                         continue
-                    _redrive_one(DeadLetter.from_record(rec), producer, cfg, max_attempts, targets, report)
+                    outcome = _redrive_one(DeadLetter.from_record(rec), producer, cfg, max_attempts, targets, report)
+                    if outcome == REFUSED and not skip_refused:  # not committed: the next redrive starts here
+                        stopped[tp] = rec.offset
+                        consumer.pause(tp)
+                        continue
                     if not dry_run:  # progress is stored only once the re-publish is confirmed
                         consumer.commit({tp: OffsetAndMetadata(rec.offset + 1, "", -1)})
-            remaining = {tp for tp in remaining if consumer.position(tp) < ends[tp]}
+            remaining = {tp for tp in remaining if tp not in stopped and consumer.position(tp) < ends[tp]}
+        for tp, at in sorted(stopped.items()):
+            report.waiting.append(f"{topic}[{tp.partition}]: stopped at the refused letter @{at}; "
+                                  f"{ends[tp] - at - 1} letter(s) after it wait, unread. Resolve it (--to TOPIC, "
+                                  "or the run's --topology) and redrive again, or pass --skip-refused to leave "
+                                  "refused letters behind")
         return report
     finally:
         if producer is not None:
@@ -280,25 +312,31 @@ def redrive(bootstrap: str, cfg: KafkaConfig | None, topic: str, *, max_attempts
         consumer.close(autocommit=False)
 
 
+#: What became of one letter: re-published (or would be, dry run), settled (never publishable by a
+#: redrive: at the attempt cap, no value), refused (its target is not allowed; ``--to`` can resolve it).
+PUBLISHED, SETTLED, REFUSED = "published", "settled", "refused"
+
+
 def _redrive_one(letter: DeadLetter, producer: Any, cfg: KafkaConfig, max_attempts: int, targets: Targets,
-                 report: RedriveReport) -> None:
-    where = f"{letter.topic}[{letter.partition}]@{letter.offset} (from {letter.origin}, " \
-            f"batch {letter.headers.get(H_BATCH_ID)}, {letter.headers.get(H_ERROR_CLASS)})"
+                 report: RedriveReport) -> str:
+    where = printable(f"{letter.topic}[{letter.partition}]@{letter.offset} (from {letter.origin}, "
+                      f"batch {letter.headers.get(H_BATCH_ID)}, {letter.headers.get(H_ERROR_CLASS)})")
     if letter.attempt >= max_attempts:
         report.skipped_max_attempts.append(f"{where}: already redriven {letter.attempt} time(s)")
-        return
+        return SETTLED
     target, why_not = targets.check(letter)
     if target is None:
-        (report.skipped_other if not letter.original_topic else report.refused).append(f"{where}: {why_not}")
-        return
+        report.refused.append(f"{where}: {printable(why_not)}")
+        return REFUSED
     if letter.headers.get(H_VALUE_OMITTED) or letter.value is None:
-        report.skipped_other.append(f"{where}: value omitted ({letter.headers.get(H_VALUE_OMITTED)}); "
+        report.skipped_other.append(f"{where}: value omitted ({printable(letter.headers.get(H_VALUE_OMITTED) or '')}); "
                                     "re-publish it from its original position by hand")
-        return
+        return SETTLED
     if producer is not None:
         send_and_confirm(producer, target, letter.value, letter.key, letter.redrive_headers(),
                          timeout_s=cfg.produce_timeout_s)
     report.redriven.append(f"{where} -> {target} (attempt {letter.attempt + 1})")
+    return PUBLISHED
 
 
 def _dlq_topics_of(bootstrap: str, cfg: KafkaConfig, topo: Any) -> list[str]:
@@ -333,7 +371,8 @@ def _dlq_action(args: argparse.Namespace, cfg: KafkaConfig, topo: Any) -> int:
         inspect(args.bootstrap_servers, cfg, topics, limit=args.limit, as_json=args.json)
         return 0
     report = redrive(args.bootstrap_servers, cfg, args.topic, max_attempts=args.max_attempts, dry_run=args.dry_run,
-                     allowed_topics=topo.all_topics(), to=args.to, allow_any_topic=args.allow_any_topic)
+                     allowed_topics=topo.all_topics(), to=args.to, allow_any_topic=args.allow_any_topic,
+                     skip_refused=args.skip_refused)
     for line in report.lines():
         print(line)
     return 1 if report.refused else 0
@@ -359,3 +398,6 @@ def add_dlq_parser(sub: Any, add_topology_args: Any) -> None:
                      help="send every letter to TOPIC (a topic of the topology) instead of its original_topic")
     red.add_argument("--allow-any-topic", action="store_true",
                      help="let --to name an existing topic outside the topology")
+    red.add_argument("--skip-refused", action="store_true",
+                     help="commit past refused letters (no later redrive, --to included, sees them again); "
+                          "default: a refused letter stops its partition until it is resolved")

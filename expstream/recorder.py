@@ -7,6 +7,16 @@ in the format of expstream/recording.py (schemas/README.md section 10).
 
 Protocol (:meth:`Recorder.run`):
 
+0. Never mix two sources in one recording. A directory whose ``topics/`` already holds a recording
+   is refused (ConfigError naming ``--output``: what it holds and whose it is) unless the caller
+   asks to continue it (``--continue``; ``expstream run``'s own recorder always does, so that a
+   restarted recorder carries on). Continuing is checked, not trusted: ``topics/source.json`` (the
+   source the recording was started from: run id, bootstrap servers, topics, time) must not name
+   another run id, and for every partition already recorded the broker must still hold the last
+   recorded record, byte for byte (key, value, timestamp) at its offset; a partition that ends
+   before it, or another record there, is another run's topic (a restarted local broker, a
+   recreated topic) and is refused with its ``topic[partition]@offset``. A record the broker no
+   longer holds (retention) cannot be checked: that is logged and accepted.
 1. Find every partition of every topic. A topic missing is a ConfigError in export mode; in follow
    mode it is logged and looked for again every ``MISSING_TOPIC_RETRY_S`` until it appears.
 2. Start offsets, per partition: the ``start`` position (an offset; a time reads from the
@@ -32,15 +42,14 @@ themselves are trusted. On Apache Kafka this reads the partitions from their beg
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 import signal
-import struct
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,15 +63,17 @@ from expstream.bus import KafkaConfig, end_offsets, make_consumer
 from expstream.errors import EXIT_OK, BrokerUnavailableError, ConfigError
 from expstream.recording import (
     MAGIC,
+    TOPICS_DIR,
     PartitionReader,
     RecordFrame,
+    RecordingError,
     RecordingWriter,
     partition_path,
     recorded_partitions,
     recorded_topics,
 )
 
-__all__ = ["Position", "parse_position", "Recorder", "RecordStats", "record_topics",
+__all__ = ["Position", "parse_position", "Recorder", "RecordStats", "record_topics", "SOURCE_FILE",
            "recorder_argv", "recording_summary", "add_record_parser", "record_command", "RECORDER"]
 
 log = logging.getLogger("expstream.recorder")
@@ -82,9 +93,9 @@ DRAIN_DEADLINE_S = 15.0
 MISSING_TOPIC_RETRY_S = 2.0
 # How long export mode waits for the broker's metadata and end offsets.
 METADATA_TIMEOUT_S = 30.0
+#: ``<output>/topics/source.json``: where a recording was started from (step 0 of the module doc).
+SOURCE_FILE = "source.json"
 
-# The frame header of expstream/recording.py (length, crc32; big-endian uint32 each).
-_FRAME_HEAD = struct.Struct(">II")
 _PER_PARTITION = re.compile(r"^\d+:\d+(,\d+:\d+)*$")
 
 
@@ -164,25 +175,18 @@ def parse_position(text: str, flag: str = "--from") -> Position:
 def cut_torn_tail(path: Path, topic: str, partition: int) -> int:
     """Cut an incomplete last frame (a recorder killed mid-write) off ``path`` before appending to
     it again, so that new frames never follow a torn one (which readers would call corruption).
-    Returns the bytes cut; a corrupt file (bad frame with data after it) raises RecordingError."""
+    Returns the bytes cut; a corrupt file raises RecordingError (naming the file and byte position)."""
     reader = PartitionReader(path, topic, partition)
-    for _ in reader:  # validates: raises on corruption, sets torn_tail
+    for _ in reader:  # validates: raises on corruption, says where a torn tail starts
         pass
-    if not reader.torn_tail:
+    if reader.damage is None:
         return 0
-    data = path.read_bytes()
-    pos = len(MAGIC) if data.startswith(MAGIC) else 0
-    while pos and pos + _FRAME_HEAD.size <= len(data):
-        length, crc = _FRAME_HEAD.unpack_from(data, pos)
-        end = pos + _FRAME_HEAD.size + length
-        if end > len(data) or zlib.crc32(data[pos + _FRAME_HEAD.size:end]) != crc:
-            break
-        pos = end
+    size = path.stat().st_size
     with open(path, "r+b") as fh:
-        fh.truncate(pos)
-    log.warning("recorder: %s[%d]: cut a torn last frame (%d bytes) off %s before appending", topic, partition,
-                len(data) - pos, path)
-    return len(data) - pos
+        fh.truncate(reader.damage.position)
+    log.warning("recorder: %s[%d]: cut a torn last frame (%d bytes at byte %d) off %s before appending", topic,
+                partition, size - reader.damage.position, reader.damage.position, path)
+    return size - reader.damage.position
 
 
 @dataclass
@@ -201,11 +205,14 @@ class Recorder:
     ``start`` / ``end``: a :class:`Position` applied to every topic, or a mapping
     ``(topic, partition) -> offset``; None: the beginning / no bound. ``follow``: keep recording until
     :meth:`request_stop` (SIGTERM in the CLI), else stop at the end offsets taken at start.
+    ``continue_recording``: append to a recording ``root`` already holds, once it is checked to be of
+    this source (step 0); ``run_id``: the run this recorder belongs to (kept in ``topics/source.json``).
     """
 
     def __init__(self, bootstrap: str, kafka_config: KafkaConfig | None, topics: Iterable[str], root: str | Path,
                  start: Position | Mapping[tuple[str, int], int] | None = None,
-                 end: Position | Mapping[tuple[str, int], int] | None = None, *, follow: bool = False) -> None:
+                 end: Position | Mapping[tuple[str, int], int] | None = None, *, follow: bool = False,
+                 continue_recording: bool = False, run_id: str | None = None) -> None:
         self.bootstrap, self.cfg = bootstrap, kafka_config or KafkaConfig()
         self.topics = list(dict.fromkeys(topics))
         if not self.topics:
@@ -216,6 +223,7 @@ class Recorder:
                                   fix="give an offset or a time")
         self.root = Path(root)
         self.start, self.end, self.follow = start, end, follow
+        self.continue_recording, self.run_id = continue_recording, run_id
         self._stop = threading.Event()
         self.stats = RecordStats()
 
@@ -263,20 +271,123 @@ class Recorder:
     def _time(self, pos: Any) -> int | None:
         return pos.time_ms if isinstance(pos, Position) and pos.kind == "time" else None
 
+    # -- step 0 ---------------------------------------------------------------------------------
+    def _source(self) -> dict[str, Any]:
+        try:
+            got = json.loads((self.root / TOPICS_DIR / SOURCE_FILE).read_text())
+            return got if isinstance(got, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _held(self) -> dict[str, int]:
+        """Topic -> partition files of the recording ``root`` already holds (empty: nothing recorded)."""
+        return {t: len(recorded_partitions(self.root, t)) for t in recorded_topics(self.root)
+                if recorded_partitions(self.root, t)}
+
+    def _refuse_other_recording(self) -> None:
+        """Step 0 before the broker is asked: a recording here, and no --continue (or another run id)."""
+        held = self._held()
+        if not held:
+            return
+        src = self._source()
+        whose = (f"run {src.get('run_id') or '?'} from {src.get('bootstrap') or '?'}, started {src.get('started') or '?'}"
+                 if src else f"no {SOURCE_FILE}: made before recordings named their source")
+        what = ", ".join(f"{t} ({n} partition file(s))" for t, n in sorted(held.items()))
+        if not self.continue_recording:
+            raise ConfigError(f"{self.root} already holds a recording ({what}; {whose}); appending another run's "
+                              "records to it would mix two runs", field="--output",
+                              fix="give a new or empty --output, or pass --continue to append to it (only the same "
+                                  "source is accepted: checked record by record)")
+        if src.get("run_id") and self.run_id and src["run_id"] != self.run_id:
+            raise ConfigError(f"--continue: {self.root} holds the recording of run {src['run_id']}, not of run "
+                              f"{self.run_id} ({what})", field="--output",
+                              fix="give a new or empty --output for this run, or the --run-id of that recording")
+
+    def _check_same_source(self, tps: list[TopicPartition]) -> None:
+        """Step 0 against the broker: the last recorded record of each partition is still there, the same."""
+        last: dict[TopicPartition, RecordFrame] = {}
+        for tp in tps:
+            path = partition_path(self.root, tp.topic, tp.partition)
+            if path.exists():
+                for frame in PartitionReader(path, tp.topic, tp.partition):
+                    last[tp] = frame
+        if not last:
+            return
+        ends = end_offsets(self.bootstrap, self.cfg, sorted(last), timeout_s=METADATA_TIMEOUT_S)
+        fix = "give a new or empty --output: the broker's topic is not the one this directory recorded"
+        for tp, frame in last.items():
+            if ends[tp] <= frame.offset:
+                raise ConfigError(f"--continue: {self.root} recorded {frame.where}, but the broker's {tp.topic}"
+                                  f"[{tp.partition}] ends before it (end offset {ends[tp]}): another run's topic (a "
+                                  "restarted broker, a recreated topic)", field="--output", fix=fix)
+        probe = make_consumer(self.bootstrap, None, self.cfg, max_poll_records=1)
+        try:
+            begin = probe.beginning_offsets(sorted(last))
+            todo = {tp: f for tp, f in last.items() if begin[tp] <= f.offset}
+            for tp in set(last) - set(todo):
+                log.warning("recorder: --continue: %s is no longer on the broker (it starts at offset %d); the "
+                            "source cannot be checked there", last[tp].where, begin[tp])
+            if not todo:
+                return
+            probe.assign(sorted(todo))
+            for tp, f in todo.items():
+                probe.seek(tp, f.offset)
+            deadline = time.monotonic() + METADATA_TIMEOUT_S
+            while todo:
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailableError(f"recorder: --continue: the broker did not return "
+                                                 f"{', '.join(f.where for f in todo.values())} within "
+                                                 f"{METADATA_TIMEOUT_S:.0f}s")
+                for tp, recs in probe.poll(timeout_ms=POLL_MS).items():
+                    if tp not in todo or not recs:
+                        continue
+                    f, rec = todo.pop(tp), recs[0]
+                    probe.pause(tp)
+                    same = (rec.offset == f.offset and rec.timestamp == f.timestamp
+                            and (None if rec.key is None else bytes(rec.key)) == f.key
+                            and (None if rec.value is None else bytes(rec.value)) == f.value)
+                    if not same:
+                        raise ConfigError(f"--continue: {self.root} recorded {f.where} (timestamp {f.timestamp}, "
+                                          f"{len(f.value or b'')} bytes), but the broker holds another record at "
+                                          f"{tp.topic}[{tp.partition}]@{rec.offset} (timestamp {rec.timestamp}, "
+                                          f"{len(rec.value or b'')} bytes): another run's topic", field="--output",
+                                          fix=fix)
+        finally:
+            probe.close(autocommit=False)
+
+    def _write_source(self) -> None:
+        path = self.root / TOPICS_DIR / SOURCE_FILE
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": 1, "run_id": self.run_id, "bootstrap": self.bootstrap,
+                                    "topics": self.topics, "started": datetime.now().astimezone().isoformat(
+                                        timespec="seconds")}, indent=1) + "\n")
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> RecordStats:
-        """Steps 1-5 of the module doc; returns what was recorded."""
+        """Steps 0-5 of the module doc; returns what was recorded."""
+        self._refuse_other_recording()
         consumer = make_consumer(self.bootstrap, None, self.cfg, max_poll_records=MAX_POLL_RECORDS)
         writer = RecordingWriter(self.root)
         try:
             tps = self._partitions(consumer)
             if not tps:
                 return self.stats
+            try:
+                if self.continue_recording:
+                    self._check_same_source(tps)
+                for tp in tps:
+                    path = partition_path(self.root, tp.topic, tp.partition)
+                    if path.exists():
+                        cut_torn_tail(path, tp.topic, tp.partition)
+            except RecordingError as exc:  # never append to a damaged file: new frames would follow the damage
+                raise ConfigError(f"--continue: {exc}", field="--output",
+                                  fix="give a new or empty --output (the damaged recording stays as it is)") from exc
+            self._write_source()
             for tp in tps:
                 path = partition_path(self.root, tp.topic, tp.partition)
-                if path.exists():
-                    cut_torn_tail(path, tp.topic, tp.partition)
-                else:  # an empty partition is recorded as empty (magic only), not left out
+                if not path.exists():  # an empty partition is recorded as empty (magic only), not left out
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_bytes(MAGIC)
             begin = consumer.beginning_offsets(tps)
@@ -369,24 +480,30 @@ def record_topics(topo: Any) -> list[str]:
 
 def recorder_argv(topo_path: Path, bootstrap: str, topics: list[str], out_dir: Path, run_id: str) -> list[str]:
     """The supervised recorder's command line (like a stage's: ``python -m expstream record ...``)."""
+    # --continue: a restarted recorder carries on with its own recording (checked to be this run's)
     return [sys.executable, "-m", "expstream", "record", "--topology", str(topo_path), "--bootstrap-servers", bootstrap,
-            "--topics", ",".join(topics), "--output", str(Path(out_dir).resolve()), "--follow", "--run-id", run_id]
+            "--topics", ",".join(topics), "--output", str(Path(out_dir).resolve()), "--follow", "--run-id", run_id,
+            "--continue"]
 
 
 def recording_summary(root: str | Path) -> dict[str, Any]:
-    """``{topics: {name: records}, bytes, torn_tails}`` of the recording under ``root`` (summary.json)."""
+    """``{topics: {name: records}, bytes, torn_tails, corrupt}`` of the recording under ``root``
+    (summary.json); ``corrupt`` names each damaged file and byte position (never raises for it)."""
     topics: dict[str, int] = {}
     size = torn = 0
+    corrupt: list[str] = []
     for topic in recorded_topics(root):
         n = 0
         for p in recorded_partitions(root, topic):
             path = partition_path(root, topic, p)
-            reader = PartitionReader(path, topic, p)
+            reader = PartitionReader(path, topic, p, strict=False)
             n += sum(1 for _ in reader)
             torn += reader.torn_tail
+            if reader.damage is not None and reader.corrupt:
+                corrupt.append(f"{topic}[{p}] at byte {reader.damage.position}: {reader.damage.detail}")
             size += path.stat().st_size
         topics[topic] = n
-    return {"topics": topics, "bytes": size, "torn_tails": torn}
+    return {"topics": topics, "bytes": size, "torn_tails": torn, "corrupt": corrupt}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,7 +541,8 @@ def record_command(topo: Any, args: argparse.Namespace,
     except OSError as exc:
         raise ConfigError(f"cannot create {str(out)!r} ({exc.strerror or exc})", field="--output",
                           fix="give a writable directory") from exc
-    recorder = Recorder(args.bootstrap_servers, topo.kafka, topics, out, start, end, follow=args.follow)
+    recorder = Recorder(args.bootstrap_servers, topo.kafka, topics, out, start, end, follow=args.follow,
+                        continue_recording=args.continue_recording, run_id=args.run_id)
     if install_signals is None:
         def _on_signal(signum: int, _frame: Any) -> None:
             log.info("recorder: got signal %d; draining", signum)
@@ -462,3 +580,6 @@ def add_record_parser(sub: Any, add_topology_args: Any) -> None:
     rec.add_argument("--run-id", default=None, help="the run this recorder belongs to (shown in its process title)")
     rec.add_argument("--follow", action="store_true",
                      help="keep recording new records until SIGTERM/Ctrl-C (then drain and exit 0)")
+    rec.add_argument("--continue", dest="continue_recording", action="store_true",
+                     help="--output already holds a recording: append to it, after checking it is of the same "
+                          "source (the broker still holds its last records, byte for byte); without it, refused")

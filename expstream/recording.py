@@ -15,20 +15,29 @@ languages in ``schemas/README.md``, "Recording format"):
 3. Frames of one file are in increasing ``offset`` order; a writer appends and flushes whole
    frames only.
 
-A killed writer leaves at most one incomplete frame at the end of a file: readers stop there and
-report it (:attr:`PartitionReader.torn_tail`), so a killed run's recording is readable up to its
-last complete record. A bad frame *followed by more data* is corruption, not a torn tail, and is
-an error naming the file and the byte position.
+Damage is told apart where the bytes allow it (:class:`Damage`, :func:`classify`):
+
+* **torn**: the file ends inside a frame whose start is plausible (the header's length is at least
+  the smallest possible frame and what payload there is starts a msgpack map of 6+ keys): a writer
+  killed mid-write. Readers stop there, keep everything before it and report it
+  (:attr:`PartitionReader.damage`), so a killed run's recording is readable up to its last complete
+  record.
+* **corrupt**: a frame of complete length whose CRC fails (also the last one: a killed process
+  leaves a frame short, never whole and wrong), a payload that is not the documented map, a length
+  too small for any frame (zero padding lands here: length 0), or bytes after a header that cannot
+  start a frame. An error naming the file and the byte position (``strict``), or reported and read
+  up to there (``strict=False``: ``expstream show``).
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import re
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,6 +48,8 @@ from expstream.errors import ExpstreamError
 
 __all__ = [
     "MAGIC",
+    "MIN_PAYLOAD",
+    "Damage",
     "TOPICS_DIR",
     "RecordFrame",
     "RecordingError",
@@ -56,6 +67,15 @@ TOPICS_DIR = "topics"
 _HEAD = struct.Struct(">II")
 _PART_RE = re.compile(r"^partition-(\d+)\.rec$")
 _KEYS = ("offset", "timestamp", "timestamp_type", "key", "headers", "value")
+#: Bytes of the smallest payload a writer can produce (the 6 keys, each value one byte: offset 0,
+#: nil key and value, no headers): a header announcing less is not a frame (zero padding: length 0).
+MIN_PAYLOAD = 57
+# msgpack map markers of a map with >= 6 entries: fixmap 0x86-0x8f, map16, map32.
+_MAP_MARKERS = frozenset(range(0x86, 0x90)) | {0xDE, 0xDF}
+# A torn payload's start is checked on at most this many bytes (a prefix of a prefix is a prefix).
+_PREFIX_CHECK = 1 << 16
+
+log = logging.getLogger("expstream.recording")
 
 
 class RecordingError(ExpstreamError):
@@ -193,44 +213,137 @@ class RecordingWriter:
         self.close()
 
 
-class PartitionReader:
-    """Iterates the frames of one partition file; stops at a torn tail and says so."""
+@dataclass(frozen=True)
+class Damage:
+    """Where and how one partition file stops being readable (see the module doc)."""
 
-    def __init__(self, path: str | Path, topic: str, partition: int) -> None:
+    path: Path
+    kind: str  # "torn" (a writer killed mid-write) | "corrupt" (modified or damaged after writing)
+    position: int  # byte offset in the file of the frame (or magic) that is bad
+    detail: str  # what the bytes there are
+    records_before: int  # whole records read before it
+
+    def message(self) -> str:
+        if self.kind == "torn":
+            return (f"{self.path}: torn last frame at byte {self.position} ({self.detail}): a writer killed "
+                    f"mid-write; the {self.records_before} record(s) before it are read")
+        return (f"{self.path}: corrupt at byte {self.position} ({self.detail}); the file was modified or damaged "
+                f"after it was written, not cut short by a killed writer ({self.records_before} record(s) "
+                "before it are intact)")
+
+
+def _plausible_payload_start(partial: bytes) -> bool:
+    """Can ``partial`` (the bytes of a frame's payload up to the end of the file) begin a frame payload?"""
+    if not partial:
+        return True
+    if partial[0] not in _MAP_MARKERS:
+        return False
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(partial[:_PREFIX_CHECK])
+    try:
+        unpacker.unpack()
+    except msgpack.OutOfData:
+        return True  # an incomplete map: what a cut write leaves
+    except Exception:  # noqa: BLE001 - any other decoding failure: not the start of a map
+        return False
+    return False  # a whole object shorter than the announced length: not a cut write
+
+
+def _header(h: Any) -> tuple[str, bytes]:
+    k, v = h
+    if not isinstance(k, str) or not isinstance(v, bytes):
+        raise TypeError(f"header {h!r:.80} is not [str, bin]")
+    return k, v
+
+
+def _frame(payload: bytes, topic: str, partition: int) -> RecordFrame | str:
+    """The frame a payload holds, or why it holds none (a string)."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:  # noqa: BLE001 - any bytes may be in a damaged file
+        return f"the payload is not msgpack ({type(exc).__name__}: {exc})"
+    if not isinstance(obj, dict) or any(k not in obj for k in _KEYS):
+        return f"the payload lacks one of {', '.join(_KEYS)}"
+    key, value = obj["key"], obj["value"]
+    try:
+        if not (key is None or isinstance(key, bytes)) or not (value is None or isinstance(value, bytes)):
+            raise TypeError("key and value must be bin or nil")
+        return RecordFrame(topic, partition, int(obj["offset"]), int(obj["timestamp"]), key, value,
+                           tuple(_header(h) for h in obj["headers"]), int(obj["timestamp_type"]))
+    except (TypeError, ValueError) as exc:
+        return f"a payload field has the wrong type ({exc})"
+
+
+class PartitionReader:
+    """Iterates the frames of one partition file; stops at a torn tail and says so.
+
+    Corruption raises :class:`RecordingError` (naming the file and the byte position) unless
+    ``strict`` is false; then iteration stops there too. Either way :attr:`damage` says what
+    stopped it once the iteration ended (None: the file was read to its end).
+    """
+
+    def __init__(self, path: str | Path, topic: str, partition: int, *, strict: bool = True) -> None:
         self.path, self.topic, self.partition = Path(path), topic, int(partition)
-        self.torn_tail = False  # True when the file ends inside a frame (a killed writer)
+        self.strict = strict
+        self.damage: Damage | None = None
+
+    @property
+    def torn_tail(self) -> bool:
+        """True when the file ends inside a frame (a killed writer)."""
+        return self.damage is not None and self.damage.kind == "torn"
+
+    @property
+    def corrupt(self) -> bool:
+        return self.damage is not None and self.damage.kind == "corrupt"
+
+    def _stop(self, kind: str, position: int, detail: str, records: int) -> None:
+        self.damage = Damage(self.path, kind, position, detail, records)
+        if kind == "corrupt" and self.strict:
+            raise RecordingError(self.damage.message())
 
     def __iter__(self) -> Iterator[RecordFrame]:
+        self.damage = None
         data = self.path.read_bytes()
         if data[: len(MAGIC)] != MAGIC:
             if len(data) < len(MAGIC) and MAGIC.startswith(data):
-                self.torn_tail = bool(data)
+                if data:
+                    self._stop("torn", 0, f"{len(data)} of the {len(MAGIC)} magic bytes", 0)
                 return
             raise RecordingError(f"{self.path}: not an expstream recording (bad magic {data[:8]!r}); "
                                  "recordings start with b'EXPREC\\x00\\x01'")
-        pos = len(MAGIC)
-        while pos < len(data):
-            if pos + _HEAD.size > len(data):
-                self.torn_tail = True
+        pos, n, records = len(MAGIC), len(data), 0
+        while pos < n:
+            rest = n - pos
+            if rest >= 4 and (length := int.from_bytes(data[pos:pos + 4], "big")) < MIN_PAYLOAD:
+                zeros = " (zero bytes)" if not any(data[pos:pos + min(rest, _HEAD.size)]) else ""
+                self._stop("corrupt", pos, f"a frame header announcing {length} payload bytes{zeros}, fewer than "
+                                           f"the smallest frame ({MIN_PAYLOAD}); {rest} bytes to the end", records)
+                return
+            if rest < _HEAD.size:
+                self._stop("torn", pos, f"{rest} of the {_HEAD.size} bytes of a frame header", records)
                 return
             length, crc = _HEAD.unpack_from(data, pos)
             start, end = pos + _HEAD.size, pos + _HEAD.size + length
-            if end > len(data):
-                self.torn_tail = True
+            if end > n:
+                if not _plausible_payload_start(data[start:]):
+                    self._stop("corrupt", pos, f"a header announcing {length} payload bytes followed by bytes "
+                                               "that cannot start a frame payload", records)
+                else:
+                    self._stop("torn", pos, f"the file ends {rest} bytes into a frame of {_HEAD.size + length}",
+                               records)
                 return
             payload = data[start:end]
             if zlib.crc32(payload) != crc:
-                if end == len(data):
-                    self.torn_tail = True
-                    return
-                raise RecordingError(f"{self.path}: corrupt frame at byte {pos} (CRC mismatch) with more data "
-                                     "after it; the recording was modified, not just cut short")
-            obj = msgpack.unpackb(payload, raw=False)
-            if not isinstance(obj, dict) or any(k not in obj for k in _KEYS):
-                raise RecordingError(f"{self.path}: frame at byte {pos} lacks one of {', '.join(_KEYS)}")
-            yield RecordFrame(self.topic, self.partition, int(obj["offset"]), int(obj["timestamp"]), obj["key"],
-                              obj["value"], tuple((str(k), bytes(v)) for k, v in obj["headers"]),
-                              int(obj["timestamp_type"]))
+                after = f"; {n - end} more bytes after it" if end < n else "; the last frame, whole but wrong"
+                self._stop("corrupt", pos, f"CRC mismatch on a complete frame of {length} payload bytes{after}",
+                           records)
+                return
+            frame = _frame(payload, self.topic, self.partition)
+            if isinstance(frame, str):
+                self._stop("corrupt", pos, frame, records)
+                return
+            records += 1
+            yield frame
             pos = end
 
 
@@ -247,21 +360,35 @@ def recorded_partitions(root: str | Path, topic: str) -> list[int]:
     return sorted(int(m.group(1)) for p in base.iterdir() if (m := _PART_RE.match(p.name)))
 
 
+def _reported(reader: PartitionReader, on_damage: Callable[[Damage], None] | None) -> Iterator[RecordFrame]:
+    yield from reader
+    if reader.damage is not None:
+        if on_damage is not None:
+            on_damage(reader.damage)
+        else:
+            log.warning("recording: %s", reader.damage.message())
+
+
 def iter_topic(root: str | Path, topic: str, partitions: Sequence[int] | None = None, *,
-               order: str = "time") -> Iterator[RecordFrame]:
+               order: str = "time", strict: bool = True,
+               on_damage: Callable[[Damage], None] | None = None) -> Iterator[RecordFrame]:
     """Every recorded frame of ``topic``: per partition in offset order, partitions merged by
     ``(timestamp, partition, offset)`` (``order="time"``, the order the records were written to
-    the broker) or one partition after the other (``order="partition"``)."""
+    the broker) or one partition after the other (``order="partition"``).
+
+    A partition file that ends torn (or, with ``strict=False``, corrupt) is read up to there and
+    its :class:`Damage` handed to ``on_damage`` (default: a warning in the log); with ``strict``
+    corruption raises RecordingError."""
     if topic not in recorded_topics(root):
         raise RecordingError(f"{root}: no recording of topic {topic!r}; recorded: "
                              f"{', '.join(recorded_topics(root)) or 'none'}")
+    if order not in ("time", "partition"):
+        raise ValueError(f"order must be 'time' or 'partition', got {order!r}")
     parts = recorded_partitions(root, topic) if partitions is None else list(partitions)
-    readers = [iter(PartitionReader(partition_path(root, topic, p), topic, p)) for p in parts
-               if partition_path(root, topic, p).exists()]
+    readers = [_reported(PartitionReader(partition_path(root, topic, p), topic, p, strict=strict), on_damage)
+               for p in parts if partition_path(root, topic, p).exists()]
     if order == "partition":
         for r in readers:
             yield from r
         return
-    if order != "time":
-        raise ValueError(f"order must be 'time' or 'partition', got {order!r}")
     yield from heapq.merge(*readers, key=lambda f: (f.timestamp, f.partition, f.offset))

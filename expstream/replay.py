@@ -31,7 +31,6 @@ instead: expstream/replaybroker.py. ``--into TOPIC --bootstrap-servers B`` inste
 from __future__ import annotations
 
 import argparse
-import heapq
 import logging
 import sys
 import time
@@ -46,11 +45,11 @@ from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
 from expstream.letters import letter_headers
 from expstream.outcome import dump_json
 from expstream.recording import (
-    PartitionReader,
+    Damage,
     RecordFrame,
+    RecordingError,
     RecordingWriter,
-    partition_path,
-    recorded_partitions,
+    iter_topic,
     recorded_topics,
 )
 from expstream.state import MemoryState
@@ -143,6 +142,46 @@ class Filters:
         return {"samples": sorted(self.samples), "groups": sorted(self.groups), "batches": sorted(self.batches),
                 "offsets": {str(p): [f"{a}-{b}" for a, b in r] for p, r in sorted(self.offsets.items())}}
 
+    def given(self) -> list[str]:
+        """The flags of the filters that are set, e.g. ``["--samples", "--offsets"]``."""
+        return [flag for flag, v in (("--samples", self.samples), ("--groups", self.groups),
+                                     ("--batches", self.batches), ("--offsets", self.offsets)) if v]
+
+    def matched_nothing(self, topic: str, records: int, seen: Seen) -> ConfigError:
+        """The error for filters that selected none of ``records`` records: a replay of nothing
+        would exit 0 and write an empty run, which looks like a replay that worked."""
+        flags = self.given()
+        return ConfigError(
+            f"{' '.join(flags)} selected none of the {records} record(s) of {topic}", field=flags[0],
+            fix=f"{topic} holds e.g. batch ids {', '.join(seen.batches) or 'none'}; sample ids "
+                f"{', '.join(seen.samples) or 'none'}; group ids {', '.join(seen.groups) or 'none'}; offsets "
+                f"{', '.join(f'{p}:{lo}-{hi}' for p, (lo, hi) in sorted(seen.offsets.items())) or 'none'} "
+                f"(`expstream show RUN_DIR --topic {topic} --offset P:O` shows a record)")
+
+
+#: Ids named per kind in the error for filters that match nothing.
+LISTED_IDS = 5
+
+
+@dataclass
+class Seen:
+    """A few ids and the offset range per partition of what a recorded topic holds (for that error)."""
+
+    batches: list[str] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)
+    offsets: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def add(self, frame: RecordFrame, batch: Any) -> None:
+        lo, hi = self.offsets.get(frame.partition, (frame.offset, frame.offset))
+        self.offsets[frame.partition] = (min(lo, frame.offset), max(hi, frame.offset))
+        for out, ids in ((self.batches, [batch.batch_id]),
+                         (self.samples, batch.sample_ids() if isinstance(batch, SampleBatch) else []),
+                         (self.groups, list(getattr(batch, "group_id", None) or batch.prompt_id))):
+            for i in ids:
+                if len(out) < LISTED_IDS and i not in out:
+                    out.append(i)
+
 
 # ----------------------------------------------------------------------------------------------
 # Configuration and span
@@ -202,13 +241,25 @@ class _Item:
 
 
 def read_recorded(run_dir: Path, topic: str, torn: list[str]) -> Iterator[RecordFrame]:
-    """Every frame of ``topic`` in time order; partitions whose file ends in a torn frame are named in ``torn``."""
+    """Every frame of ``topic`` in time order. A partition file that ends in a torn frame (a killed
+    run) is read up to it, named in ``torn`` and warned about (file and byte position); a corrupt one
+    is a ConfigError naming the file and the byte position (a replay of what is left would be
+    silently partial)."""
     if topic not in recorded_topics(run_dir):
         raise ConfigError(f"--from {topic!r}: {run_dir} has no recording of that topic", field="--from",
                           fix=f"recorded topics: {', '.join(recorded_topics(run_dir)) or 'none'}")
-    readers = [PartitionReader(partition_path(run_dir, topic, p), topic, p) for p in recorded_partitions(run_dir, topic)]
-    yield from heapq.merge(*readers, key=lambda f: (f.timestamp, f.partition, f.offset))
-    torn.extend(f"{r.topic}[{r.partition}]" for r in readers if r.torn_tail)
+
+    def on_damage(d: Damage) -> None:
+        torn.append(f"{topic}[{d.path.stem.removeprefix('partition-')}]")
+        log.warning("replay: %s; replaying what is complete", d.message())
+
+    try:
+        yield from iter_topic(run_dir, topic, order="time", on_damage=on_damage)
+    except RecordingError as exc:
+        raise ConfigError(str(exc), field="RUN_DIR",
+                          fix="the recording was modified or damaged after it was written: restore it (a copy), or "
+                              "replay another topic; `expstream show RUN_DIR --topic T --offset P:O` shows what is "
+                              "readable before the damage") from exc
 
 
 def output_key(batch: Any) -> bytes:
@@ -378,6 +429,7 @@ def _selected(run_dir: Path, topic: str, filters: Filters, counts: dict[str, Any
     """Step 2: the recorded records of ``topic`` that pass the filters, decoded (rows cut)."""
     items: list[_Item] = []
     torn: list[str] = []
+    seen = Seen()
     for frame in read_recorded(run_dir, topic, torn):
         counts["records_read"] += 1
         try:
@@ -388,6 +440,7 @@ def _selected(run_dir: Path, topic: str, filters: Filters, counts: dict[str, Any
             if len(counts["undecodable"]) < SUMMARY_LIST_LIMIT:
                 counts["undecodable"].append({"record": frame.where, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
+        seen.add(frame, batch)
         if not filters.keeps_record(frame, batch.batch_id):
             continue
         cut = filters.rows(batch)
@@ -398,9 +451,8 @@ def _selected(run_dir: Path, topic: str, filters: Filters, counts: dict[str, Any
                                 frame.headers, frame.timestamp_type)
         items.append(_Item(frame, cut))
     counts["torn_tails"] = torn
-    for where in torn:
-        log.warning("replay: the recording of %s ends in a torn frame (a killed run); replaying what is complete",
-                    where)
+    if not items and filters.given():
+        raise filters.matched_nothing(topic, counts["records_read"], seen)
     return items
 
 

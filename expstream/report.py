@@ -108,7 +108,7 @@ def _recording_rates(run_dir: Path, out: Path) -> str | None:
     for topic in recorded_topics(run_dir):
         if topic.endswith(".dlq"):
             continue
-        for frame in iter_topic(run_dir, topic):
+        for frame in iter_topic(run_dir, topic, strict=False):  # damage: logged, the rest plotted
             prov = read_provenance(frame.headers)
             who = prov.producer if prov is not None and prov.producer else f"→{topic}"
             t = frame.timestamp / 1000.0
@@ -172,7 +172,7 @@ def _experience_batches(run_dir: Path) -> Any:
     from schemas import SampleBatch, decode
     from schemas.errors import SchemaError
 
-    for frame in iter_topic(run_dir, "experiences"):
+    for frame in iter_topic(run_dir, "experiences", strict=False):
         try:
             b = decode(frame.value) if frame.value else None
         except SchemaError:
@@ -294,12 +294,20 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
 
 
+#: What report reads: a directory holding none of these is not a run, and gets no report.html.
+RUN_INPUTS = ("summary.json", "status.jsonl", "experiences.msgpack", "train.jsonl", "topics")
+
+
 def report_command(args: argparse.Namespace) -> int:
     from expstream.errors import ConfigError
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"RUN_DIR: {run_dir} is not a directory; give a run's --output", field="RUN_DIR")
+    if not any((run_dir / name).exists() for name in RUN_INPUTS):
+        raise ConfigError(f"{run_dir} is not a run directory: it holds none of {', '.join(RUN_INPUTS)}, so a report "
+                          "would be empty; nothing written", field="RUN_DIR",
+                          fix="give the directory `expstream run --output` (or replay/record) wrote, e.g. runs/<name>")
     path = write_report(run_dir)
     print(f"wrote {path}")
     return 0

@@ -175,8 +175,10 @@ def index_from_recording(run_dir: str | Path, topic: str) -> dict[int, list[Entr
         return {}
     out: dict[int, list[Entry]] = {}
     for p in recorded_partitions(run_dir, topic):
-        out[p] = [Entry(f.offset, f.timestamp, peek_header(f.value)[2] if f.value else None)
-                  for f in PartitionReader(partition_path(run_dir, topic, p), topic, p)]
+        reader = PartitionReader(partition_path(run_dir, topic, p), topic, p, strict=False)
+        out[p] = [Entry(f.offset, f.timestamp, peek_header(f.value)[2] if f.value else None) for f in reader]
+        if reader.damage is not None:  # a torn or corrupt end: the positions before it still hold
+            log.warning("rewind: %s; using the %d record(s) before it", reader.damage.message(), len(out[p]))
     return out
 
 

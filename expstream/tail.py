@@ -37,6 +37,7 @@ import numpy as np
 from expstream.bus import KafkaConfig, end_offsets, make_consumer
 from expstream.errors import EXIT_INTERRUPTED, EXIT_OK, ConfigError
 from expstream.letters import decode_headers
+from expstream.terminal import printable
 from expstream.topology import Topology
 
 __all__ = ["DEFAULT_LAST_N", "format_record", "record_json", "tail", "tail_command", "add_tail_args"]
@@ -111,7 +112,7 @@ def format_record(record: Any) -> str:
     if headers:
         shown = " ".join(f"{k}={' '.join(v.split())[:HEADER_VALUE_CHARS]}" for k, v in headers.items())
         line += f" headers: {shown}"
-    return line
+    return printable(line)  # keys, ids and headers are whatever the producer sent: no raw escape sequences
 
 
 def record_json(record: Any) -> dict[str, Any]:

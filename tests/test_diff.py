@@ -10,7 +10,7 @@ import pytest
 
 from expstream.cli import main
 from expstream.recording import RecordFrame, RecordingWriter
-from schemas import Ragged, SampleBatch, encode
+from schemas import PromptBatch, Ragged, SampleBatch, encode
 
 #: group -> action length of each of its 3 samples (ragged on purpose)
 LENGTHS = {"1": [5, 3, 6], "2": [4, 4, 2], "10": [1, 7, 3]}
@@ -172,4 +172,101 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     data[20] ^= 0xFF
     path.write_bytes(bytes(data))
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 2
-    assert "corrupt frame" in capsys.readouterr().err
+    assert "corrupt at byte 8" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# topics that are not samples: prompts, dead letters, other records (issue 21, item 4)
+# ------------------------------------------------------------------------------------------------
+
+
+def prompt_batch(batch_id: str, ids: list[str], texts: list[str] | None = None) -> PromptBatch:
+    texts = texts or [f"question {i}" for i in ids]
+    return PromptBatch(batch_id=batch_id, prompt_id=ids, prompt=texts, label=[""] * len(ids),
+                       reference=[f"ref {i}" for i in ids])
+
+
+def write_frames(root, topic: str, frames: list[tuple[bytes, dict[str, str]]]) -> None:
+    with RecordingWriter(root) as w:
+        for k, (value, headers) in enumerate(frames):
+            w.append(RecordFrame(topic, 0, k, 1_764_000_000_000 + k, None, value,
+                                 tuple((n, v.encode()) for n, v in headers.items())))
+
+
+def test_prompt_records_are_compared_prompt_by_prompt(tmp_path, capsys):
+    two = [prompt_batch("p000000", ["0", "1"]), prompt_batch("p000001", ["2", "3"])]
+    write_run(tmp_path / "a", two[:1], topic="prompts")  # 1 record, 2 prompts
+    write_run(tmp_path / "b", two, topic="prompts")  # 2 records, 4 prompts
+    code, res = run_diff(capsys, tmp_path / "a", tmp_path / "b", "--topic", "prompts")
+    assert code == 1, res  # was: EQUAL, exit 0, 0 compared
+    assert res["compared"] == 2 and res["only_in_b"] == ["2", "3"] and res["unit"] == "prompts"
+    write_run(tmp_path / "c", [prompt_batch("p000000", ["0", "1"], ["question 0", "changed"]), two[1]],
+              topic="prompts")
+    code, res = run_diff(capsys, tmp_path / "b", tmp_path / "c", "--topic", "prompts")
+    assert code == 1 and res["compared"] == 4
+    assert [(d["sample"], d["field"], d["kind"], d["b"]) for d in res["differences"]] == [
+        ("1", "prompt", "string", "changed")]
+    assert main(["diff", str(tmp_path / "b"), str(tmp_path / "b"), "--topic", "prompts"]) == 0
+    assert "compared 4 prompts of topic prompts" in capsys.readouterr().out
+
+
+def test_dead_letters_are_compared_by_headers_and_original_value(tmp_path, capsys):
+    def letters(junk: bytes, message: str, replica: str, reward: float) -> list[tuple[bytes, dict[str, str]]]:
+        b = make_batch("1", [0])
+        b = b.replace(rewards=np.array([reward], np.float32))
+        common = {"stage": "reward", "error_class": "PoisonRecordError", "original_topic": "scored"}
+        return [
+            (junk, {**common, "error_class": "DecodeError", "error_message": "not msgpack",
+                    "original_partition": "0", "original_offset": "4", "replica": replica}),
+            (encode(b), {**common, "error_message": message, "batch_id": b.batch_id, "sample_ids": "1#0",
+                         "original_partition": "0", "original_offset": "7", "replica": replica}),
+            (encode(prompt_batch("p000009", ["9"])), {**common, "batch_id": "p000009", "error_message": "m"}),
+        ]
+
+    write_frames(tmp_path / "a", "scored.dlq", letters(b"\xc1junk-a", "too long", "r-1", 0.5))
+    # the same letters from other replicas: equal (replica, positions follow scheduling)
+    write_frames(tmp_path / "b", "scored.dlq", letters(b"\xc1junk-a", "too long", "r-2", 0.5))
+    code, res = run_diff(capsys, tmp_path / "a", tmp_path / "b", "--topic", "scored.dlq")
+    assert code == 0 and res["compared"] == 3 and res["unit"] == "dead letters", res
+    # was: EQUAL after comparing nothing, whatever the letters held
+    write_frames(tmp_path / "c", "scored.dlq", letters(b"\xc1junk-B", "too short", "r-1", 0.75))
+    code, res = run_diff(capsys, tmp_path / "a", tmp_path / "c", "--topic", "scored.dlq")
+    got = {(d["sample"], d["field"]): d for d in res["differences"]}
+    assert code == 1 and set(got) == {("@scored[0]@4", "value"), ("g/1", "headers.error_message"),
+                                      ("g/1", "value.1#0.rewards")}, got
+    v = got[("@scored[0]@4", "value")]
+    assert (v["kind"], v["a"], v["b"], v["first_position"]) == ("bytes", 7, 7, 6)  # \xc1 j u n k - | a vs B
+    assert got[("g/1", "headers.error_message")]["b"] == "too short"
+    assert got[("g/1", "value.1#0.rewards")]["max_abs"] == pytest.approx(0.25)
+    _, res = run_diff(capsys, tmp_path / "a", tmp_path / "c", "--topic", "scored.dlq", "--ignore", "headers",
+                      "--atol", "0.3")
+    assert [d["field"] for d in res["differences"]] == ["value"]
+
+
+def test_a_topic_of_no_comparable_records_is_refused(tmp_path, capsys):
+    import msgpack
+
+    manifest = msgpack.packb({"version": 1, "sha256": "ab", "role": "actor"})
+    for side in ("a", "b"):
+        write_frames(tmp_path / side, "policy", [(manifest, {"producer": "trainer"})])
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--topic", "policy"]) == 2  # was: EQUAL, exit 0
+    err = capsys.readouterr().err
+    assert "--topic" in err and "no record diff can compare" in err and "policy[0]@0" in err
+
+
+def test_a_damaged_recording_is_an_error_and_a_torn_one_a_warning(tmp_path, capsys):
+    write_run(tmp_path / "a", base())
+    write_run(tmp_path / "b", base())
+    path = tmp_path / "a" / "topics" / "experiences" / "partition-0.rec"
+    whole = path.read_bytes()
+    path.write_bytes(whole + bytes(100))  # zero padding: was a traceback and exit 1 ("differs")
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert f"partition-0.rec: corrupt at byte {len(whole)}" in err and "zero bytes" in err
+    assert "Traceback" not in err
+    path.write_bytes(whole[:-10])  # a killed writer: the last record is read as missing, with a warning
+    code, res = run_diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1 and res["only_in_b"] == ["10#0", "10#1", "10#2"] and len(res["a"]["torn"]) == 1
+    main(["diff", str(tmp_path / "a"), str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert "warning:" in err and "partition-0.rec: torn last frame at byte" in err

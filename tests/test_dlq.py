@@ -175,19 +175,23 @@ def test_redrive_publishes_only_to_the_letters_own_topology_topic(broker, tmp_pa
     base = ["dlq", "redrive", "--bootstrap-servers", broker, "--topic", dlq, "--topology", str(topo_path)]
 
     rc, out = cli(capsys, *base, "--dry-run")
-    assert rc == 1 and "would redrive 1, skipped 0 at max attempts, 0 not redrivable, 2 refused" in out, out
+    assert rc == 1 and "would redrive 1, skipped 0 at max attempts, 0 not redrivable, 1 refused" in out, out
     # bad option combinations are refused before anything is read
     assert main([*base, "--to", outside]) == 2 and "--to" in capsys.readouterr().err
     assert main([*base, "--allow-any-topic"]) == 2 and "--allow-any-topic" in capsys.readouterr().err
     assert main([*base, "--to", "no-such-topic", "--allow-any-topic"]) == 2 and "does not exist" in (
         capsys.readouterr().err)
 
+    # a refused letter stops its partition: the one after it waits (it would be refused too)
     rc, out = cli(capsys, *base)
     assert rc == 1, out
-    assert "redrove 1, skipped 0 at max attempts, 0 not redrivable, 2 refused" in out, out
+    assert "redrove 1, skipped 0 at max attempts, 0 not redrivable, 1 refused" in out, out
     refused = [line for line in out.splitlines() if line.startswith("  refused:")]
-    assert len(refused) == 2 and f"{dlq}[0]@1" in refused[0] and f"names {outside!r}" in refused[0], refused
-    assert f"{dlq}[0]@2" in refused[1] and f"names {dst!r}" in refused[1], refused
+    assert len(refused) == 1 and f"{dlq}[0]@1" in refused[0] and f"names {outside!r}" in refused[0], refused
+    assert f"waiting: {dlq}[0]: stopped at the refused letter @1; 1 letter(s) after it wait" in out, out
+    rc, out = cli(capsys, *base, "--skip-refused")  # leave them behind: both refused, both committed
+    assert rc == 1 and "redrove 0, skipped 0 at max attempts, 0 not redrivable, 2 refused" in out, out
+    assert f"names {dst!r}" in out and "waiting" not in out
     assert list(read_topic(broker, None, outside, timeout_s=5)) == [], "a forged header redirected a record"
     assert list(read_topic(broker, None, dst, timeout_s=5)) == [], "a forged header redirected a record"
     assert [r.value for r in read_topic(broker, None, src)] == [b"genuine"]
@@ -201,3 +205,54 @@ def test_redrive_publishes_only_to_the_letters_own_topology_topic(broker, tmp_pa
     assert rc == 0 and "redrove 1," in out, out
     assert [r.value for r in read_topic(broker, None, src)] == [b"genuine", b"again"]
     assert [r.value for r in read_topic(broker, None, outside)] == [b"elsewhere"]
+
+
+def test_refused_letters_stay_reachable_for_the_redrive_the_report_advises(broker, tmp_path, capsys):
+    """Issue 21 item 8: redrive committed the letters it refused, so `--to TOPIC`, which its message advises,
+    never saw them. Now a refused letter stops its partition uncommitted; other partitions go on."""
+    src, dst = (f"{p}-{uuid.uuid4().hex[:10]}" for p in ("in", "out"))
+    create_topics(broker, {src: 1, dst: 1}, with_dlq=False)
+    dlq = f"{src}.dlq"
+    create_topics(broker, {dlq: 2}, with_dlq=False)
+    topo_path = tmp_path / "topology.yaml"
+    topo_path.write_text(yaml.safe_dump({"stages": {"generate": {"output": src}, "shard-preprocess": {"output": dst}}}))
+    producer = make_producer(broker)
+    for p, value, target in ((0, b"genuine-0", src), (0, b"forged", dst), (0, b"genuine-2", src),
+                             (1, b"other-partition", src)):
+        producer.send(dlq, value=value, partition=p, headers=[("original_topic", target.encode()),
+                                                              ("error_class", b"DecodeError")])
+    producer.flush()
+    producer.close()
+    base = ["dlq", "redrive", "--bootstrap-servers", broker, "--topic", dlq, "--topology", str(topo_path)]
+
+    rc, out = cli(capsys, *base)
+    assert rc == 1 and "redrove 2," in out and "1 refused" in out, out  # partition 1 went on
+    assert sorted(r.value for r in read_topic(broker, None, src)) == [b"genuine-0", b"other-partition"]
+    rc, out = cli(capsys, *base)  # the refused letter is still there: refused again, nothing sent twice
+    assert rc == 1 and "redrove 0," in out and f"refused: {dlq}[0]@1" in out, out
+    rc, out = cli(capsys, *base, "--to", src)  # what the message advises: it sees the refused letter
+    assert rc == 0 and "redrove 2," in out, out  # was: "redrove 0" (the refused letter had been committed)
+    assert sorted(r.value for r in read_topic(broker, None, src)) == [b"forged", b"genuine-0", b"genuine-2",
+                                                                     b"other-partition"]
+    rc, out = cli(capsys, *base)
+    assert rc == 0 and "redrove 0, skipped 0 at max attempts, 0 not redrivable, 0 refused" in out, out
+    assert list(read_topic(broker, None, dst, timeout_s=5)) == []
+
+
+def test_inspect_escapes_control_characters_from_headers(broker, tmp_path, capsys):
+    topic = f"in-{uuid.uuid4().hex[:10]}"
+    create_topics(broker, {topic: 1}, with_dlq=True)
+    producer = make_producer(broker)
+    producer.send(f"{topic}.dlq", value=b"x", headers=[
+        ("stage", b"\x1b]0;pwned\x07gen"), ("error_class", b"E\x1b[2J"),
+        ("error_message", "boom \x1b[31mred\x9b6n \u202egnp.exe".encode()), ("batch_id", b"b\x00\x7f")])
+    producer.flush()
+    producer.close()
+    rc, out = cli(capsys, "dlq", "inspect", "--bootstrap-servers", broker, "--topic", f"{topic}.dlq")
+    assert rc == 0
+    for raw in ("\x1b", "\x07", "\x00", "\x7f", "\x9b", "\u202e"):
+        assert raw not in out, repr(raw)  # was: printed raw (the terminal cleared, retitled, recoloured)
+    assert "stage=\\x1b]0;pwned\\x07gen" in out and "E\\x1b[2J" in out and "batch=b\\x00\\x7f" in out
+    assert "boom \\x1b[31mred\\x9b6n \\u202egnp.exe" in out
+    rc, out = cli(capsys, "dlq", "inspect", "--bootstrap-servers", broker, "--topic", f"{topic}.dlq", "--json")
+    assert json.loads(out)["stage"] == "\x1b]0;pwned\x07gen" and "\x1b" not in out  # JSON escapes them itself

@@ -270,3 +270,13 @@ def test_expstream_report_command_plots_a_continuous_run_from_its_recorded_exper
     arr = experience_arrays(tmp_path)  # the repeated group "a" record is counted once (dedupe by sample id)
     assert sorted(arr["reward"].tolist()) == [0.0, 0.25, 0.5, 1.0]
     assert arr["advantage"].size == 4 + 5 + 4 + 5
+
+
+def test_report_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    from expstream.cli import main
+
+    (tmp_path / "notes.txt").write_text("my files")
+    assert main(["report", str(tmp_path)]) == 2  # was: report.html and report/ written into it
+    err = capsys.readouterr().err
+    assert "RUN_DIR" in err and "is not a run directory" in err and "summary.json" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

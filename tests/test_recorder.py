@@ -119,8 +119,8 @@ def test_export_whole_topics_identical_to_the_broker(broker: str, fresh_topic, t
                for f in iter_topic(tmp_path, topic, order="partition")]
         assert sorted(got) == sorted(want) and len(got) == {a: 10, b: 3}[topic]
         assert stats.records[topic] == len(want)
-    # run again: nothing new on the broker, nothing recorded twice
-    again = Recorder(broker, None, [a, b], tmp_path).run()
+    # run again (continuing this recording): nothing new on the broker, nothing recorded twice
+    again = Recorder(broker, None, [a, b], tmp_path, continue_recording=True).run()
     assert sum(again.records.values()) == 0
     assert len(list(iter_topic(tmp_path, a))) == 10
 
@@ -197,10 +197,43 @@ def test_torn_tail_is_cut_before_appending(broker: str, fresh_topic, tmp_path: P
     reader = PartitionReader(path, topic, 0)
     assert [f.offset for f in reader] == [0, 1] and reader.torn_tail
     _produce(broker, topic, 1, 2)
-    Recorder(broker, None, [topic], tmp_path).run()  # re-records offset 2 and appends 3, 4
+    Recorder(broker, None, [topic], tmp_path, continue_recording=True).run()  # re-records offset 2, appends 3, 4
     reader = PartitionReader(path, topic, 0)
     assert [f.offset for f in reader] == [0, 1, 2, 3, 4] and not reader.torn_tail
     assert cut_torn_tail(path, topic, 0) == 0
+
+
+def test_a_directory_holding_another_runs_recording_is_refused(broker: str, fresh_topic, tmp_path: Path) -> None:
+    topic = fresh_topic(1)
+    _produce(broker, topic, 1, 3)
+    Recorder(broker, None, [topic], tmp_path / "r", run_id="run-1").run()
+    path = partition_path(tmp_path / "r", topic, 0)
+    before = path.read_bytes()
+    _produce(broker, topic, 1, 2)
+    # without --continue: refused, nothing appended (was: appended from offset 3, silently)
+    proc = subprocess.run([PY, "-m", "expstream", "record", "--bootstrap-servers", broker, "--topics", topic,
+                           "--output", str(tmp_path / "r")], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--output" in proc.stderr and "already holds a recording" in proc.stderr and "run run-1" in proc.stderr
+    assert "--continue" in proc.stderr and "Traceback" not in proc.stderr
+    assert path.read_bytes() == before
+    with pytest.raises(ConfigError, match="holds the recording of run run-1, not of run run-2"):
+        Recorder(broker, None, [topic], tmp_path / "r", continue_recording=True, run_id="run-2").run()
+    # --continue on the same source: checked, then appended
+    stats = Recorder(broker, None, [topic], tmp_path / "r", continue_recording=True, run_id="run-1").run()
+    assert stats.records == {topic: 2} and [f.offset for f in iter_topic(tmp_path / "r", topic)] == [0, 1, 2, 3, 4]
+    # another run's records under this topic's name (what a restarted local broker looks like), --continue or not
+    for n, says in ((5, "holds another record at"), (7, "ends before it")):
+        other = fresh_topic(1)
+        _produce(broker, other, 1, n)
+        Recorder(broker, None, [other], tmp_path / f"o{n}").run()
+        (tmp_path / f"o{n}" / "topics" / other).rename(tmp_path / f"o{n}" / "topics" / topic)
+        held = partition_path(tmp_path / f"o{n}", topic, 0).read_bytes()
+        with pytest.raises(ConfigError, match=says) as err:
+            Recorder(broker, None, [topic], tmp_path / f"o{n}", continue_recording=True).run()
+        assert err.value.field == "--output" and f"{topic}[0]@{n - 1}" in str(err.value)
+        assert partition_path(tmp_path / f"o{n}", topic, 0).read_bytes() == held
 
 
 def test_missing_topic_is_a_clear_error_in_export_mode(broker: str, tmp_path: Path) -> None:

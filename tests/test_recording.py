@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 
@@ -72,7 +73,7 @@ def test_corruption_before_the_end_is_an_error_naming_the_file(tmp_path):
     data = bytearray(path.read_bytes())
     data[20] ^= 0xFF  # inside the first frame's payload
     path.write_bytes(bytes(data))
-    with pytest.raises(RecordingError, match=r"partition-0\.rec: corrupt frame at byte 8"):
+    with pytest.raises(RecordingError, match=r"partition-0\.rec: corrupt at byte 8"):
         list(PartitionReader(path, "scored", 0))
     path.write_bytes(b"NOTAREC!" + bytes(data[8:]))
     with pytest.raises(RecordingError, match="not an expstream recording"):
@@ -93,3 +94,52 @@ def test_unknown_topic_and_bad_names_are_refused(tmp_path):
         list(iter_topic(tmp_path, "nope"))
     with pytest.raises(RecordingError, match="cannot name"):
         partition_path(tmp_path, "../x", 0)
+
+
+def _three_frames(tmp_path):
+    with RecordingWriter(tmp_path) as w:
+        w.extend([frame(0, i, i) for i in range(3)])
+    path = partition_path(tmp_path, "scored", 0)
+    return path, path.read_bytes()
+
+
+@pytest.mark.parametrize("tail, says", [
+    (bytes(100), "announcing 0 payload bytes (zero bytes)"),  # zero padding after the last frame
+    (bytes(5), "announcing 0 payload bytes (zero bytes)"),  # shorter than a header, still not one
+    (struct.pack(">II", 40_000, 7) + b"garbage that is no msgpack map", "cannot start a frame payload"),
+    (struct.pack(">II", 30, zlib.crc32(b"x" * 30)) + b"x" * 30, "fewer than the smallest frame"),
+])
+def test_bytes_after_the_last_frame_that_no_writer_leaves_are_corruption(tmp_path, tail, says):
+    path, whole = _three_frames(tmp_path)
+    path.write_bytes(whole + tail)
+    with pytest.raises(RecordingError, match=rf"partition-0\.rec: corrupt at byte {len(whole)} \(.*{re.escape(says)}"):
+        list(PartitionReader(path, "scored", 0))
+    reader = PartitionReader(path, "scored", 0, strict=False)  # show: read up to there, say where
+    assert [f.offset for f in reader] == [0, 1, 2]
+    assert reader.corrupt and not reader.torn_tail
+    assert (reader.damage.position, reader.damage.records_before) == (len(whole), 3)
+
+
+def test_a_whole_last_frame_with_a_bad_crc_is_corruption_not_a_torn_tail(tmp_path):
+    path, whole = _three_frames(tmp_path)
+    data = bytearray(whole)
+    data[-3] ^= 0x01  # inside the last frame's payload: its length is complete, its CRC fails
+    path.write_bytes(bytes(data))
+    reader = PartitionReader(path, "scored", 0, strict=False)
+    assert [f.offset for f in reader] == [0, 1] and reader.corrupt
+    assert "CRC mismatch on a complete frame" in reader.damage.message()
+    with pytest.raises(RecordingError, match="CRC mismatch"):
+        list(iter_topic(tmp_path, "scored"))
+
+
+def test_every_cut_of_a_frame_is_a_torn_tail_and_reported(tmp_path):
+    path, whole = _three_frames(tmp_path)
+    first_two = len(whole) - (len(whole) - 8) // 3
+    for cut in range(first_two + 1, len(whole)):  # every byte position inside the last frame
+        path.write_bytes(whole[:cut])
+        reader = PartitionReader(path, "scored", 0)
+        assert [f.offset for f in reader] == [0, 1] and reader.torn_tail, cut
+        assert reader.damage.position == first_two
+    seen = []
+    assert [f.offset for f in iter_topic(tmp_path, "scored", on_damage=seen.append)] == [0, 1]
+    assert len(seen) == 1 and seen[0].kind == "torn" and f"torn last frame at byte {first_two}" in seen[0].message()

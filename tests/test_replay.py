@@ -375,3 +375,56 @@ def test_broker_topology_renames_the_span_and_disables_the_rest():
     assert unreachable_samples(topo, ["postprocess", "advantage"], ids) == {"b#0", "b#2"}
     assert unreachable_samples(topo, ["postprocess"], ids) == set()
     assert unreachable_samples(load_topology(None, ["algo.advantage_estimator=reinforce"]), ["advantage"], ids) == set()
+
+
+# ------------------------------------------------------------------------------------------------
+# a hand-made recording: damage and filters are refused before anything runs (issue 21, items 7, 14)
+# ------------------------------------------------------------------------------------------------
+
+
+def _prompt_run(root: Path, n: int = 3) -> Path:
+    """A run directory with the default topology and ``n`` one-prompt records on ``prompts``."""
+    from schemas import PromptBatch, encode
+
+    root.mkdir(parents=True)
+    (root / "topology.yaml").write_text(yaml.safe_dump(load_topology().raw))
+    with RecordingWriter(root) as w:
+        for k in range(n):
+            w.append(RecordFrame("prompts", 0, k, 1_764_000_000_000 + k, None, encode(PromptBatch(
+                batch_id=f"p{k:06d}", prompt_id=[str(k)], prompt=[f"q{k}"], label=[""], reference=[""]))))
+    return root
+
+
+def test_filters_that_match_nothing_are_refused(tmp_path, capsys):
+    from expstream.cli import main
+
+    run = _prompt_run(tmp_path / "run")
+    for flag, value in (("--batches", "p999999"), ("--groups", "77"), ("--samples", "77#0"), ("--offsets", "0:50-60"),
+                        ("--offsets", "3:0")):
+        out = tmp_path / f"out{flag}{value}"
+        code = main(["replay", str(run), "--from", "prompts", "--stages", "generate", "--output", str(out),
+                     flag, value])
+        err = capsys.readouterr().err
+        assert code == 2, (flag, value, err)  # was: exit 0 after replaying nothing
+        assert f"{flag} selected none of the 3 record(s) of prompts" in err and "p000000" in err and "0:0-2" in err
+        assert not out.exists()
+    with pytest.raises(ConfigError, match="--batches selected none"):  # --into: checked before the broker is asked
+        republish(run, "prompts", "x", "127.0.0.1:1", filters=Filters(batches=frozenset({"nope"})))
+
+
+def test_a_damaged_recording_is_refused_and_a_torn_one_warned_about(tmp_path, capsys, caplog):
+    from expstream.cli import main
+    from expstream.replay import prepare_replay
+
+    run = _prompt_run(tmp_path / "run")
+    path = partition_path(run, "prompts", 0)
+    whole = path.read_bytes()
+    path.write_bytes(whole + bytes(100))  # was: replayed as if torn, only summary.json's torn_tails said so
+    code = main(["replay", str(run), "--from", "prompts", "--stages", "generate", "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{path}: corrupt at byte {len(whole)}" in err and "Traceback" not in err
+    path.write_bytes(whole[:-7])  # the tail a SIGKILL leaves
+    with caplog.at_level("WARNING", logger="expstream.replay"):
+        prep = prepare_replay(run, "prompts", "generate", output=tmp_path / "o2")
+    assert len(prep.items) == 2 and prep.counts["torn_tails"] == ["prompts[0]"]
+    assert any(f"{path}: torn last frame at byte" in r.getMessage() for r in caplog.records)

@@ -195,3 +195,95 @@ def test_show_never_builds_the_tokenizer(chain_run, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "not built" in captured.err and "pos  token  mask" in captured.out
     assert not (tmp_path / "empty-cache").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# any recorded record: prompts, dead letters, other bytes (issue 21, item 4); damage (item 7)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_prompt_records_are_shown(chain_run, capsys):
+    root, topics, where, _ = chain_run
+    rec = topics["prompts"][0]
+    p, o, _ = where[("prompts", rec.batch_id)]
+    for flags in (["--batch", rec.batch_id], ["--offset", f"{p}:{o}"]):  # was: "holds no batch p000000"
+        assert main(["show", str(root), "--topic", "prompts", *flags]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"PromptBatch record prompts[{p}]@{o}")
+        assert "prompt '0': 'Hello there'" in text and "prompt '1': 'Add two numbers'" in text
+    out = io.StringIO()
+    show(root, "prompts", batch=rec.batch_id, as_json=True, out=out)
+    [d] = json.loads(out.getvalue())["records"]
+    assert d["kind"] == "prompts" and [x["prompt"] for x in d["prompts"]] == rec.prompt
+    assert d["value"]["schema"] == "expstream.PromptBatch" and d["value"]["bytes"] == len(encode(rec))
+    with pytest.raises(ConfigError, match="holds no sample 0#0") as err:  # a sample id on prompts: say why
+        show(root, "prompts", sample="0#0", out=io.StringIO(), err=io.StringIO())
+    assert "PromptBatch records" in err.value.fix and "--batch" in err.value.fix
+
+
+def letter(value: bytes, **headers: str) -> tuple[bytes, tuple[tuple[str, bytes], ...]]:
+    return value, tuple((k, v.encode()) for k, v in headers.items())
+
+
+def write_letters(root, topic: str, letters: list) -> None:
+    with RecordingWriter(root) as w:
+        for k, (value, headers) in enumerate(letters):
+            w.append(RecordFrame(topic, 0, k, T0 + k, b"key", value, headers))
+
+
+def test_dead_letters_show_headers_and_the_original(chain_run, tmp_path, capsys):
+    _, topics, _, _ = chain_run
+    prompts = topics["prompts"][0]
+    sample_batch = topics["rewarded"][0]
+    write_letters(tmp_path, "prompts.dlq", [
+        letter(encode(prompts), stage="generate", error_class="PoisonRecordError",
+               error_message="prompt too long\nsecond line", original_topic="prompts", original_partition="0",
+               original_offset="0", batch_id=prompts.batch_id),
+        letter(b"\xc1\x00not msgpack at all", stage="generate", error_class="DecodeError",
+               error_message="bad \x1b]0;owned\x07 bytes \x1b[2J", original_topic="prompts",
+               original_partition="0", original_offset="1"),
+    ])
+    write_letters(tmp_path, "rewarded.dlq", [
+        letter(encode(sample_batch), stage="postprocess", error_class="ValueError", error_message="nan",
+               original_topic="rewarded", batch_id=sample_batch.batch_id,
+               sample_ids=",".join(sample_batch.sample_ids()))])
+    # a letter whose value decodes: its prompts shown (was: "holds no batch")
+    assert main(["show", str(tmp_path), "--topic", "prompts.dlq", "--batch", prompts.batch_id]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("dead letter prompts.dlq[0]@0")
+    assert "dead-lettered by stage generate: PoisonRecordError: prompt too long" in text
+    assert "from prompts[0]@0" in text and "prompt '0': 'Hello there'" in text
+    # undecodable: the error, the hex of its start, and no raw escape sequence from a header
+    assert main(["show", str(tmp_path), "--topic", "prompts.dlq", "--offset", "0:1"]) == 0
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\x07" not in text
+    assert "bad \\x1b]0;owned\\x07 bytes \\x1b[2J" in text
+    assert "not an expstream message" in text and b"\xc1\x00not".hex(" ") in text
+    # a SampleBatch letter: found by a sample id it holds, its rows shown as samples
+    sid = sample_batch.sample_ids()[1]
+    out = io.StringIO()
+    show(tmp_path, "rewarded.dlq", sample=sid, as_json=True, tokenizer=False, out=out)
+    [d] = json.loads(out.getvalue())["records"]
+    assert d["kind"] == "letter" and d["headers"]["error_message"] == "nan"
+    assert [s["sample_id"] for s in d["samples"]] == sample_batch.sample_ids()
+
+
+def test_a_record_that_is_no_expstream_message_is_shown(tmp_path, capsys):
+    import msgpack
+
+    write_letters(tmp_path, "policy", [letter(msgpack.packb({"version": 3, "role": "actor"}), producer="trainer")])
+    assert main(["show", str(tmp_path), "--topic", "policy", "--offset", "0:0"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("record policy[0]@0") and "msgpack: {'version': 3, 'role': 'actor'}" in text
+
+
+def test_a_damaged_recording_is_shown_up_to_the_damage_with_a_warning(chain_run, tmp_path, capsys):
+    _, topics, _, _ = chain_run
+    record_run(tmp_path, {"experiences": topics["experiences"]}, partitions=1)
+    path = tmp_path / "topics" / "experiences" / "partition-0.rec"
+    whole = path.read_bytes()
+    path.write_bytes(whole + bytes(100))  # was: a traceback
+    assert main(["show", str(tmp_path), "--sample", "0#0", "--no-tokenizer"]) == 0
+    captured = capsys.readouterr()
+    assert "sample 0#0" in captured.out
+    assert f"warning: {path}: corrupt at byte {len(whole)}" in captured.err and "Traceback" not in captured.err

@@ -128,3 +128,17 @@ def test_tail_errors_exit_2(broker, capsys):
     assert main(["topics", "tail", "no-such-topic-xyz", "--bootstrap-servers", broker]) == 2
     err = capsys.readouterr().err
     assert "no-such-topic-xyz" in err and "not found" in err
+
+
+def test_tail_escapes_control_characters(broker, fresh_topic, capsys):
+    topic = fresh_topic(1)
+    producer = make_producer(broker)
+    try:
+        send_and_confirm(producer, topic, GARBAGE, key=b"k\x1b[2J",
+                         headers=[("stage", b"\x1b]0;owned\x07"), ("error_message", "\x9b6n \u202eexe".encode())])
+    finally:
+        producer.close()
+    assert main(["topics", "tail", topic, "--bootstrap-servers", broker, "--from-beginning"]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\x9b\u202e"), repr(out)
+    assert "key=k\\x1b[2J" in out and "stage=\\x1b]0;owned\\x07" in out and "error_message=\\x9b6n \\u202eexe" in out
