@@ -48,7 +48,7 @@ from expstream.metrics import enabled as metrics_enabled
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
-from expstream.prompts import feed_prompts, has_media, read_prompts, store_media
+from expstream.prompts import dead_letter_refused, feed_prompts, has_media, read_prompts, store_media
 from expstream.recorder import RECORDER, record_topics, recorder_argv
 from expstream.recording import TOPICS_DIR
 from expstream.resolve import build_builtin_models
@@ -60,6 +60,7 @@ from expstream.supervisor import Supervisor, SupervisorError
 from expstream.timeline import STARTUP_DIR, STARTUP_DIR_ENV, Timeline
 from expstream.topics import create_topics, dlq_topic, loop_topics
 from expstream.topology import Topology
+from expstream.vision import MIB
 
 if TYPE_CHECKING:
     from expstream.state import State
@@ -154,7 +155,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     # Configuration first: a bad prompt file, model directory or reward function stops the run here
     # (exit 2 from cli.main) before any directory, broker, redis-server or stage is started.
     try:
-        rows = read_prompts(args.prompts)
+        rows = read_prompts(args.prompts, media_root=getattr(args, "media_root", None) or topo.run.media_root,
+                            media_max_mb=topo.run.media_max_mb)
     except OSError as exc:
         raise ConfigError(f"cannot read the prompt file {args.prompts!r} ({exc.strerror or exc})", field="--prompts",
                           fix="give an existing JSON-lines file, e.g. --prompts examples/prompts.jsonl") from exc
@@ -225,7 +227,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             log.info("run %s: continuous; weight store %s, trainer output %s", run_id, store, out_dir)
         if has_media(rows):  # images and video frames by claim check, before the stages read the topology
             blobs = resolve_blob_store(topo, out_dir)
-            log.info("run %s: %d images/videos stored in %s", run_id, store_media(rows, blobs), blobs)
+            stored = store_media(rows, blobs, max_bytes=int(topo.run.media_max_mb * MIB))
+            log.info("run %s: %d images/videos stored in %s", run_id, stored, blobs)
         timeline.mark("topics_created")
         state = out.state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
@@ -260,7 +263,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             sampler.start()
         try:
             if continuous:
-                run_continuous(topo, rows, out, sup, state, bootstrap, stop, scaler=scaler)
+                # prompts whose media were refused: dead-lettered once; the epochs feed the others
+                fed_rows = dead_letter_refused(bootstrap, topo.kafka, topo.topics.input, rows)
+                run_continuous(topo, fed_rows, out, sup, state, bootstrap, stop, scaler=scaler)
             else:
                 dlqs = [dlq_topic(t) for t in topo.all_topics()]
                 collector = out.collector = ExperienceCollector(

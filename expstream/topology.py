@@ -77,6 +77,11 @@ class RunConfig:
     max_lost_group_share: float = 0.0
     # The claim-check store of images and video frames (expstream/blobs.py); null = <output>/blobs
     blob_store: str | None = None
+    # Where a prompt file's image/video paths may lead (symlinks resolved); null = the prompt file's
+    # directory (`expstream run --media-root DIR` sets it). expstream/vision.py MediaPolicy
+    media_root: str | None = None
+    # The largest image or video item of a prompt file, in MiB; a larger one refuses its prompt
+    media_max_mb: float = 64.0
 
     def __post_init__(self) -> None:
         share = self.max_lost_group_share
@@ -88,6 +93,7 @@ class RunConfig:
                f"got {self.spawn!r}; use fork (stages forked from a preloaded server) or exec")
         _check(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
         _check(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
+        _check(self.media_max_mb > 0, "run.media_max_mb", f"got {self.media_max_mb!r}; give a size in MiB > 0")
 
 
 @dataclass
