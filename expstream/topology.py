@@ -23,6 +23,7 @@ from expstream.errors import ConfigError, unknown_key_error
 from expstream.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from expstream.fieldtypes import check_block, check_fields
 from expstream.reward_config import RewardsConfig, RewardSourceConfig  # noqa: F401  (the rewards block, re-exported)
+from expstream.secrets import apply_secrets, env_topology_secrets
 
 #: train.off_policy choices (docs/async.md has each formula).
 OFF_POLICY_MODES = ("none", "token_tis", "seq_tis", "decoupled")
@@ -480,6 +481,8 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value, valid)
+    # the credentials a run directory's copy holds redacted, from the environment (expstream/secrets.py)
+    apply_secrets(raw, env_topology_secrets())
     topo = build_topology(raw)
     topo.source = source
     log.info("topology: %s%s", source, f" with {len(overrides)} --set override(s)" if overrides else "")
