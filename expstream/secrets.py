@@ -24,6 +24,7 @@ redacted form of that value.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping
@@ -128,7 +129,7 @@ def _node_for(raw: dict[str, Any], dotted: str) -> tuple[dict[str, Any], str] | 
 
 def split_secrets(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """``(a copy of raw with every URL's credentials redacted, {dotted key: the real value})``."""
-    shown = json.loads(json.dumps(raw, default=str)) if raw else {}
+    shown = copy.deepcopy(raw)
     secrets: dict[str, str] = {}
     for dotted, value in _strings(raw):
         if "://" in value and redact_url(value) != value:
