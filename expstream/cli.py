@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the whole pipeline on a prompt file")
     _add_topology_args(run)
     run.add_argument("--prompts", required=True, help="JSON-lines prompt file")
+    run.add_argument("--media-root", metavar="DIR",
+                     help="image/video paths of the prompt file must resolve inside DIR (default: the prompt file's "
+                          "directory; = --set run.media_root=DIR; docs/vision.md)")
     run.add_argument("--output", help="output directory (default runs/<run id>)")
     run.add_argument("--run-id", help="names consumer groups and Redis keys (default: fresh)")
     reuse = run.add_mutually_exclusive_group()

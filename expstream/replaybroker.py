@@ -257,7 +257,7 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
         stack.callback(stop_recorder)
         sup = Supervisor(run_dir_ / "logs", max_restarts=btopo.run.max_restarts, spawn=btopo.run.spawn,
                          fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(btopo.run.torch_threads),
-                                                     "TOKENIZERS_PARALLELISM": "false", **stage_env(redis_url)})
+                                                     "TOKENIZERS_PARALLELISM": "false", **stage_env(redis_url, btopo)})
         for st in btopo.enabled_stages():
             for replica in range(st.replicas):
                 sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))

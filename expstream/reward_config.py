@@ -19,6 +19,7 @@ from typing import Any
 
 from expstream.errors import ConfigError, unknown_key_error
 from expstream.fieldtypes import check_block, check_fields
+from expstream.secrets import redact_url
 
 __all__ = ["SOURCE_KINDS", "COMBINE_RULES", "DEFAULT_ROUTE", "RewardSourceConfig", "RewardsConfig"]
 
@@ -91,7 +92,7 @@ class RewardSourceConfig:
             raise ConfigError(f"got {self.fn!r}", field=f"{w}.fn", fix="write it as 'package.module:function'")
         if self.kind == "http":
             if not (self.url or "").startswith(("http://", "https://")):
-                raise ConfigError(f"got {self.url!r}", field=f"{w}.url",
+                raise ConfigError(f"got {redact_url(self.url)!r}", field=f"{w}.url",
                                   fix="give the server's base address, e.g. http://127.0.0.1:8000")
             for key, low in (("timeout_s", 0.0), ("max_in_flight", 1), ("batch_size", 1), ("retries", 0)):
                 value = getattr(self, key)

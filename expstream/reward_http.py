@@ -10,6 +10,12 @@ and turns every answer into either scores or one of two errors the stage runner 
 * :class:`RewardServerUnavailable` (retriable): 429, 5xx, a timeout, a refused connection, after
   ``retries`` bounded retries with exponential backoff, or at once while the circuit breaker is
   open. The runner backs off and keeps its group membership; nothing is dead-lettered for an outage.
+  A 401/403 (the server wants a token this process does not have) is one too: the samples are not
+  at fault, and the message names ``EXPSTREAM_REWARD_TOKEN``.
+
+Authentication: with ``EXPSTREAM_REWARD_TOKEN`` set in the stage's environment every request carries
+``Authorization: Bearer <token>``. The token is never logged; a URL's own credentials
+(``http://user:pass@host``) are redacted in every message (:func:`expstream.secrets.redact_url`).
 
 Protocol of one :meth:`HttpRewardSource.score` call:
 
@@ -41,10 +47,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from expstream.errors import ExpstreamError, PoisonRecordError
+from expstream.secrets import REWARD_TOKEN_ENV, env_reward_token, is_redacted, redact_url
 
 __all__ = [
     "HttpRewardSource",
@@ -89,6 +97,8 @@ BREAKER_RESET_S = 1.0
 CLOSE_TIMEOUT_S = 5.0
 #: HTTP statuses that mean "this request, as sent, is wrong": the items are poison, never retried.
 POISON_STATUSES = frozenset({400, 413, 422})
+#: HTTP statuses that mean "not with these credentials": retriable (the samples are not at fault), named.
+AUTH_STATUSES = frozenset({401, 403})
 
 
 class RewardServerUnavailable(ExpstreamError):
@@ -120,8 +130,8 @@ def score_url(url: str) -> str:
     if not base.startswith(("http://", "https://")):
         from expstream.errors import ConfigError
 
-        raise ConfigError(f"reward server url {url!r} is not an http(s) url", field="rewards.sources.<name>.url",
-                          fix="write it as http://host:port")
+        raise ConfigError(f"reward server url {redact_url(url)!r} is not an http(s) url",
+                          field="rewards.sources.<name>.url", fix="write it as http://host:port")
     return base if base.endswith("/score") else base + "/score"
 
 
@@ -242,13 +252,14 @@ class HttpRewardSource:
 
     ``tokenizer`` (optional, beyond the contract) builds each item's ``query`` from the token ids as
     a local reward function sees it; without it ``query`` is prompt + response text. ``breaker`` may
-    be shared or tuned (tests); by default each source has its own.
+    be shared or tuned (tests); by default each source has its own. ``token``: the bearer token
+    (None: ``EXPSTREAM_REWARD_TOKEN`` from the environment; "": none).
     """
 
     def __init__(self, name: str, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, batch_size: int = DEFAULT_BATCH_SIZE,
                  retries: int = DEFAULT_RETRIES, tokenizer: Any | None = None,
-                 breaker: CircuitBreaker | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, token: str | None = None) -> None:
         field = f"rewards.sources.{name}"
         from expstream.errors import ConfigError
 
@@ -260,7 +271,19 @@ class HttpRewardSource:
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}", field=f"{field}.timeout_s",
                               fix="set timeout_s to the seconds one request may take, e.g. 10")
+        if is_redacted(url):
+            raise ConfigError(f"the credentials of {url!r} were redacted when the run directory's topology was "
+                              "written", field=f"{field}.url",
+                              fix=f"give the url with its credentials again: --set {field}.url=..., or the "
+                                  "EXPSTREAM_TOPOLOGY_SECRETS variable (docs/reward.md \"Authentication\")")
         self.name, self.url = name, score_url(url)
+        self.shown_url = redact_url(self.url)  # what messages show
+        token = env_reward_token() if token is None else token
+        if token and urlsplit(url).username is not None:
+            raise ConfigError(f"{self.shown_url} carries credentials and {REWARD_TOKEN_ENV} is set too; a request "
+                              "has one Authorization header", field=f"{field}.url",
+                              fix=f"drop the user:password@ part of the url, or unset {REWARD_TOKEN_ENV}")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s, self.max_in_flight, self.batch_size, self.retries = (
             float(timeout_s), max_in_flight, batch_size, retries)
         self.tokenizer = tokenizer
@@ -321,7 +344,7 @@ async def score_with_session(src: HttpRewardSource, session: Any, items: list[di
         src.stats["fast_failures"] += 1
         raise RewardServerUnavailable(
             f"reward source {src.name}: circuit breaker open after {src.breaker.failures} consecutive failures "
-            f"against {src.url}; failing fast until a probe succeeds (every {src.breaker.reset_s:g}s)")
+            f"against {src.shown_url}; failing fast until a probe succeeds (every {src.breaker.reset_s:g}s)")
     results: list[list[float] | None] = [None] * len(chunks)
     start = 0
     if admitted == "probe":  # the probe goes alone; the rest only when it succeeded
@@ -377,7 +400,7 @@ async def _request(src: HttpRewardSource, session: Any, chunk: list[dict[str, st
         src.breaker.success()
         return scores
     raise RewardServerUnavailable(
-        f"reward source {src.name}: {src.url} unavailable for items {chunk[0]['id']}..{chunk[-1]['id']} "
+        f"reward source {src.name}: {src.shown_url} unavailable for items {chunk[0]['id']}..{chunk[-1]['id']} "
         f"({last}; breaker {src.breaker.state})")
 
 
@@ -386,7 +409,7 @@ async def _try(src: HttpRewardSource, session: Any, chunk: list[dict[str, str]])
 
     src.stats["requests"] += 1
     try:
-        async with session.post(src.url, json={"items": chunk},
+        async with session.post(src.url, json={"items": chunk}, headers=src._headers,
                                 timeout=aiohttp.ClientTimeout(total=src.timeout_s)) as resp:
             status = resp.status
             text = await resp.text()
@@ -398,6 +421,12 @@ async def _try(src: HttpRewardSource, session: Any, chunk: list[dict[str, str]])
         return _parse_scores(src, text, chunk)
     if status in POISON_STATUSES:
         raise _rejected(src, status, text, chunk)
+    if status in AUTH_STATUSES:
+        if urlsplit(src.url).username is not None:
+            raise _Retry(f"HTTP {status}: the server refused the credentials of the url {src.shown_url}")
+        has = "a token that it refused" if src._headers else "no token"
+        raise _Retry(f"HTTP {status}: the server wants a bearer token and this process sent {has}; set "
+                     f"{REWARD_TOKEN_ENV} to the server's token in the run's environment")
     # 404/405 too: a server being redeployed, or a wrong url; either way not the samples' fault, and
     # the runner's give-up (exit 1, nothing dead-lettered) reports a url that never works.
     raise _Retry(f"HTTP {status}: {text[:200]}")
@@ -408,11 +437,11 @@ def _parse_scores(src: HttpRewardSource, text: str, chunk: list[dict[str, str]])
         body = json.loads(text)
         scores = body["scores"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise RewardServerError(f"reward source {src.name}: {src.url} answered 200 without a JSON "
+        raise RewardServerError(f"reward source {src.name}: {src.shown_url} answered 200 without a JSON "
                                 f"{{\"scores\": [...]}} body: {text[:200]!r}") from exc
     if not isinstance(scores, list) or len(scores) != len(chunk):
         n = len(scores) if isinstance(scores, list) else type(scores).__name__
-        raise RewardServerError(f"reward source {src.name}: {src.url} returned {n} scores for {len(chunk)} "
+        raise RewardServerError(f"reward source {src.name}: {src.shown_url} returned {n} scores for {len(chunk)} "
                                 "items; the API answers one score per item, in order")
     out = []
     for item, s in zip(chunk, scores, strict=True):

@@ -29,6 +29,7 @@ and the stages are stopped before ``summary.json`` is written, and nothing is co
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import signal
@@ -48,18 +49,26 @@ from expstream.metrics import enabled as metrics_enabled
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.preflight import check_output_dir, check_services
-from expstream.prompts import feed_prompts, has_media, read_prompts, store_media
+from expstream.prompts import dead_letter_refused, feed_prompts, has_media, read_prompts, store_media
 from expstream.recorder import RECORDER, record_topics, recorder_argv
 from expstream.recording import TOPICS_DIR
 from expstream.resolve import build_builtin_models
 from expstream.rundir import claim_run_dir
 from expstream.scale import Scaler, lag_reader
-from expstream.secrets import REDACTED, REDIS_URL_ENV, redact_url, url_password
+from expstream.secrets import (
+    REDACTED,
+    REDIS_URL_ENV,
+    TOPOLOGY_SECRETS_ENV,
+    redact_url,
+    split_secrets,
+    url_password,
+)
 from expstream.status import StatusSampler
 from expstream.supervisor import Supervisor, SupervisorError
 from expstream.timeline import STARTUP_DIR, STARTUP_DIR_ENV, Timeline
 from expstream.topics import create_topics, dlq_topic, loop_topics
 from expstream.topology import Topology
+from expstream.vision import MIB
 
 if TYPE_CHECKING:
     from expstream.state import State
@@ -93,7 +102,9 @@ def resolve_blob_store(topo: Topology, out_dir: Path) -> Any:
 
 
 def write_resolved_topology(topo: Topology, path: Path) -> None:
-    path.write_text(yaml.safe_dump(topo.raw, sort_keys=False))
+    """The topology as the stages read it, every URL's credentials redacted (the stages get them from
+    :func:`stage_env`; expstream/secrets.py)."""
+    path.write_text(yaml.safe_dump(split_secrets(topo.raw)[0], sort_keys=False))
 
 
 def install_interrupt_handler() -> dict[str, bool]:
@@ -115,13 +126,16 @@ def stage_argv(topo_path: Path, name: str, replica: int, bootstrap: str, run_id:
             "--bootstrap-servers", bootstrap, "--run-id", run_id, "--replica-id", str(replica)]
 
 
-def stage_env(redis_url: str) -> dict[str, str]:
-    """What a stage's environment adds: the real Redis URL (``/proc/<pid>/environ`` is owner-only), and
-    for a stage started as a fresh interpreter the fork server's malloc settings (expstream/forkserver.py
-    MALLOC_ENV; a forked stage inherits them from the server), unless the environment sets its own."""
+def stage_env(redis_url: str, topo: Topology | None = None) -> dict[str, str]:
+    """What a stage's environment adds: the real Redis URL (``/proc/<pid>/environ`` is owner-only), the
+    credentials of ``topo``'s URLs that the written topology holds redacted, and for a stage started as a
+    fresh interpreter the fork server's malloc settings (expstream/forkserver.py MALLOC_ENV; a forked
+    stage inherits them from the server), unless the environment sets its own."""
     from expstream.forkserver import malloc_env
 
-    return {**malloc_env(), REDIS_URL_ENV: redis_url}
+    secrets = split_secrets(topo.raw)[1] if topo is not None else {}
+    return {**malloc_env(), REDIS_URL_ENV: redis_url,
+            **({TOPOLOGY_SECRETS_ENV: json.dumps(secrets)} if secrets else {})}
 
 
 class Progress:
@@ -154,7 +168,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     # Configuration first: a bad prompt file, model directory or reward function stops the run here
     # (exit 2 from cli.main) before any directory, broker, redis-server or stage is started.
     try:
-        rows = read_prompts(args.prompts)
+        rows = read_prompts(args.prompts, media_root=getattr(args, "media_root", None) or topo.run.media_root,
+                            media_max_mb=topo.run.media_max_mb)
     except OSError as exc:
         raise ConfigError(f"cannot read the prompt file {args.prompts!r} ({exc.strerror or exc})", field="--prompts",
                           fix="give an existing JSON-lines file, e.g. --prompts examples/prompts.jsonl") from exc
@@ -225,7 +240,8 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             log.info("run %s: continuous; weight store %s, trainer output %s", run_id, store, out_dir)
         if has_media(rows):  # images and video frames by claim check, before the stages read the topology
             blobs = resolve_blob_store(topo, out_dir)
-            log.info("run %s: %d images/videos stored in %s", run_id, store_media(rows, blobs), blobs)
+            stored = store_media(rows, blobs, max_bytes=int(topo.run.media_max_mb * MIB))
+            log.info("run %s: %d images/videos stored in %s", run_id, stored, blobs)
         timeline.mark("topics_created")
         state = out.state = RedisState(redis_url, run_id)
         topo_path = run_dir / "topology.yaml"
@@ -235,7 +251,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
                          fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
                                                      METRICS_DIR_ENV: str(run_dir / "metrics"),
-                                                     STARTUP_DIR_ENV: str(run_dir / STARTUP_DIR), **stage_env(redis_url)})
+                                                     STARTUP_DIR_ENV: str(run_dir / STARTUP_DIR), **stage_env(redis_url, topo)})
         serve_supervisor(sup, run_dir / "metrics")  # expstream_restarts_total (docs/observability.md)
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
@@ -260,7 +276,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             sampler.start()
         try:
             if continuous:
-                run_continuous(topo, rows, out, sup, state, bootstrap, stop, scaler=scaler)
+                # prompts whose media were refused: dead-lettered once; the epochs feed the others
+                fed_rows = dead_letter_refused(bootstrap, topo.kafka, topo.topics.input, rows)
+                run_continuous(topo, fed_rows, out, sup, state, bootstrap, stop, scaler=scaler)
             else:
                 dlqs = [dlq_topic(t) for t in topo.all_topics()]
                 collector = out.collector = ExperienceCollector(

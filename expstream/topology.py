@@ -23,6 +23,7 @@ from expstream.errors import ConfigError, unknown_key_error
 from expstream.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from expstream.fieldtypes import check_block, check_fields
 from expstream.reward_config import RewardsConfig, RewardSourceConfig  # noqa: F401  (the rewards block, re-exported)
+from expstream.secrets import apply_secrets, env_topology_secrets
 
 #: train.off_policy choices (docs/async.md has each formula).
 OFF_POLICY_MODES = ("none", "token_tis", "seq_tis", "decoupled")
@@ -77,6 +78,11 @@ class RunConfig:
     max_lost_group_share: float = 0.0
     # The claim-check store of images and video frames (expstream/blobs.py); null = <output>/blobs
     blob_store: str | None = None
+    # Where a prompt file's image/video paths may lead (symlinks resolved); null = the prompt file's
+    # directory (`expstream run --media-root DIR` sets it). expstream/vision.py MediaPolicy
+    media_root: str | None = None
+    # The largest image or video item of a prompt file, in MiB; a larger one refuses its prompt
+    media_max_mb: float = 64.0
 
     def __post_init__(self) -> None:
         share = self.max_lost_group_share
@@ -88,6 +94,7 @@ class RunConfig:
                f"got {self.spawn!r}; use fork (stages forked from a preloaded server) or exec")
         _check(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
         _check(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
+        _check(self.media_max_mb > 0, "run.media_max_mb", f"got {self.media_max_mb!r}; give a size in MiB > 0")
 
 
 @dataclass
@@ -474,6 +481,8 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value, valid)
+    # the credentials a run directory's copy holds redacted, from the environment (expstream/secrets.py)
+    apply_secrets(raw, env_topology_secrets())
     topo = build_topology(raw)
     topo.source = source
     log.info("topology: %s%s", source, f" with {len(overrides)} --set override(s)" if overrides else "")

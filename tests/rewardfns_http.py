@@ -15,3 +15,15 @@ def reject_poison(queries, prompts, labels):
 def server_fault(queries, prompts, labels):
     """Fails on every call with a non-ValueError (-> HTTP 500, a server fault)."""
     raise RuntimeError("the judge crashed")
+
+
+def exits_on_label(queries, prompts, labels):
+    """A buggy reward function: label "exit" calls sys.exit, "interrupt" raises KeyboardInterrupt
+    (BaseExceptions, not Exceptions); any other label scores its length."""
+    import sys
+
+    if "exit" in labels:
+        sys.exit(3)
+    if "interrupt" in labels:
+        raise KeyboardInterrupt
+    return [float(len(label)) for label in labels]

@@ -356,3 +356,288 @@ def test_a_400_for_one_sample_dead_letters_that_sample_only(tmp_path):
     assert "bad#0" in summary["lost_groups"]["bad"] and "this prompt is poison" in summary["lost_groups"]["bad"]
     ids = Counter(s for e in exps for s in e.sample_ids)
     assert set(ids) == {f"ok{i}#0" for i in range(4)} and set(ids.values()) == {1}
+
+
+# --- issue 21 item 9: a server that stays up, bounded inputs, a bearer token --------------------------
+
+TOKEN = "tok-7c1e9a52f0"  # distinctive: any occurrence in an error, a log or a file is a leak
+
+
+def serve_reward_env(port: int, env_extra: dict[str, str], *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "EXPSTREAM_REWARD_TOKEN"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env_extra)
+    proc = subprocess.Popen([sys.executable, "-m", "expstream", "serve-reward", "--port", str(port), *args],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_port("127.0.0.1", port, 120, process=proc)
+    return proc
+
+
+def post_as(url: str, body: bytes, token: str | None = None, path: str = "/score") -> tuple[int, dict, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url + path, data=body if path == "/score" else None, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def test_a_reward_function_raising_systemexit_or_keyboardinterrupt_answers_500_and_the_server_stays_up():
+    port = free_port()
+    proc = serve_reward_env(port, {}, "--fn", "tests.rewardfns_http:exits_on_label", "--host", "0.0.0.0")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for label, name in (("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt")):
+            status, body, _ = post_as(url, json.dumps({"items": items([label])}).encode())
+            assert status == 500 and name in body["error"] and body["index"] is None, (status, body)
+            assert proc.poll() is None, f"{name} in the reward function stopped the server"
+        status, body, _ = post_as(url, json.dumps({"items": items(["abc"])}).encode())
+        assert (status, body) == (200, {"scores": [3.0]})
+        src = HttpRewardSource("judge", url, retries=0, breaker=CircuitBreaker(failures=100))
+        try:  # the client sees a server fault: retriable, nothing is dead-lettered
+            with pytest.raises(RewardServerUnavailable, match="HTTP 500"):
+                src.score_items(items(["exit"]))
+        finally:
+            src.close()
+        assert proc.poll() is None
+    finally:
+        kill(proc)
+    err = proc.stderr.read()
+    assert "listens on 0.0.0.0 without a token" in err and "EXPSTREAM_REWARD_TOKEN" in err
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_500(fn_server):
+    srv = fn_server()
+    deep = b'{"items": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    status, body = post(srv.url, deep)
+    assert status == 400 and body["index"] is None and "nested too deeply" in body["error"], (status, body)
+    nested_field = json.dumps({"items": [{"id": "a#0", "prompt": "p", "response": "r"}]}).encode().replace(
+        b'"p"', b"[" * 100_000 + b"]" * 100_000)
+    assert post(srv.url, nested_field)[0] == 400
+    assert post(srv.url, json.dumps({"items": items(["ab"])}).encode()) == (200, {"scores": [2.0]})
+
+
+@pytest.fixture(scope="module")
+def tiny_rm():
+    from expstream.reward_server import ModelScorer
+
+    return ModelScorer("builtin:tiny", cache_dir=str(ROOT / ".cache/expstream/models"))
+
+
+def test_a_reward_model_refuses_an_item_longer_than_its_context_with_413_at_once(tiny_rm):
+    from expstream.reward_server import ModelScorer
+
+    assert tiny_rm.max_len == tiny_rm.model.config.max_position_embeddings  # 4096 for the tiny model
+    srv = ServerThread(tiny_rm)
+    srv.start()
+    src = HttpRewardSource("rm", srv.url, batch_size=8, retries=0)
+    try:
+        huge = items(["", "", ""], ["short", "a " * 120_000, "also short"])  # a 240 KB response
+        status, body = post(srv.url, json.dumps({"items": huge}).encode())
+        assert status == 413 and body["index"] == 1 and "--max-len" in body["error"] and "4096" in body["error"]
+        with pytest.raises(RewardRejected) as info:  # poison for that sample only, never retried
+            src.score_items(huge)
+        assert info.value.sample_id == "g1#0" and src.stats["retries"] == 0
+        ok = src.score_items(items(["", ""], ["short", "also short"]))
+        assert np.all(np.isfinite(ok))
+    finally:
+        src.close()
+        srv.stop()
+    # a --max-len below the model's: counted in tokens after the character pre-check
+    srv = ServerThread(ModelScorer("builtin:tiny", cache_dir=str(ROOT / ".cache/expstream/models"), max_len=16))
+    srv.start()
+    try:
+        words = " ".join(f"w{i}" for i in range(40))
+        status, body = post(srv.url, json.dumps({"items": items(["", ""], ["hi", words])}).encode())
+        assert status == 413 and body["index"] == 1 and "tokens" in body["error"] and "16" in body["error"]
+        status, body = post(srv.url, json.dumps({"items": items([""], ["hi"])}).encode())
+        assert status == 200 and len(body["scores"]) == 1
+    finally:
+        srv.stop()
+
+
+def test_the_reward_api_takes_an_optional_bearer_token_from_the_environment(fn_server, monkeypatch):
+    srv = fn_server(token=TOKEN)
+    one = json.dumps({"items": items(["abcd"])}).encode()
+    for sent in (None, "wrong", TOKEN + "x"):
+        status, body, headers = post_as(srv.url, one, sent)
+        assert status == 401 and body["index"] is None and "EXPSTREAM_REWARD_TOKEN" in body["error"]
+        assert headers.get("WWW-Authenticate", "").startswith("Bearer") and TOKEN not in body["error"]
+    assert post_as(srv.url, one, TOKEN)[:2] == (200, {"scores": [4.0]})
+    assert post_as(srv.url, b"", None, "/health")[1] == {"status": "ok"}  # a probe learns nothing more
+    assert post_as(srv.url, b"", TOKEN, "/health")[1]["model"] == "tests.rewardfns_http:label_length"
+    # the client: the token from the environment; without it a retriable error that names the variable
+    monkeypatch.delenv("EXPSTREAM_REWARD_TOKEN", raising=False)
+    src = HttpRewardSource("judge", srv.url, retries=0)
+    try:
+        with pytest.raises(RewardServerUnavailable, match="HTTP 401.*EXPSTREAM_REWARD_TOKEN") as info:
+            src.score_items(items(["ab"]))
+        assert info.value.retriable
+    finally:
+        src.close()
+    monkeypatch.setenv("EXPSTREAM_REWARD_TOKEN", TOKEN)
+    src = HttpRewardSource("judge", srv.url, retries=0)
+    try:
+        assert src.score_items(items(["ab", "abc"])).tolist() == [2.0, 3.0]
+    finally:
+        src.close()
+    monkeypatch.setenv("EXPSTREAM_REWARD_TOKEN", "not-it")
+    src = HttpRewardSource("judge", srv.url, retries=0)
+    try:
+        with pytest.raises(RewardServerUnavailable, match="refused") as info:
+            src.score_items(items(["ab"]))
+        assert TOKEN not in str(info.value) and "not-it" not in str(info.value)
+    finally:
+        src.close()
+
+
+def test_serve_reward_reads_its_token_from_the_environment_and_warns_only_without_one():
+    from expstream.reward_server import bind_warning
+
+    for host in ("0.0.0.0", "::", "10.1.2.3", "reward.example"):
+        assert "without a token" in bind_warning(host, None)
+        assert bind_warning(host, TOKEN) is None
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert bind_warning(host, None) is None
+    port = free_port()
+    proc = serve_reward_env(port, {"EXPSTREAM_REWARD_TOKEN": TOKEN}, "--fn", "tests.rewardfns_http:label_length",
+                            "--host", "0.0.0.0")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        one = json.dumps({"items": items(["abc"])}).encode()
+        assert post_as(url, one)[0] == 401 and post_as(url, one, TOKEN)[:2] == (200, {"scores": [3.0]})
+        assert TOKEN.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    finally:
+        kill(proc)
+    err = proc.stderr.read()
+    assert "without a token" not in err and TOKEN not in err and "bearer token from EXPSTREAM_REWARD_TOKEN" in err
+
+
+# --- issue 21 item 14: credentials in an http reward url, redacted where written, given to the stages -----
+
+URL_PASSWORD = "Pw-url-4e2d9b17"
+
+
+class BasicAuthJudge:
+    """A reward server (aiohttp, loopback, own thread) that wants HTTP basic auth ``bob:URL_PASSWORD``,
+    as a server behind a proxy might, and scores len(label); it counts the refused requests."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import base64
+
+        from aiohttp import web
+
+        want = "Basic " + base64.b64encode(f"bob:{URL_PASSWORD}".encode()).decode()
+        self.refused = 0
+
+        async def score(request: web.Request) -> web.Response:
+            if request.headers.get("Authorization") != want:
+                self.refused += 1
+                return web.json_response({"error": "who are you", "index": None}, status=401)
+            body = await request.json()
+            return web.json_response({"scores": [float(len(it.get("label", ""))) for it in body["items"]]})
+
+        app = web.Application()
+        app.router.add_post("/score", score)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def up() -> int:
+            self.runner = web.AppRunner(app)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            return self.runner.addresses[0][1]
+
+        self.port = asyncio.run_coroutine_threadsafe(up(), self.loop).result(10)
+        self.url = f"http://bob:{URL_PASSWORD}@127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def basic_judge():
+    judge = BasicAuthJudge()
+    yield judge
+    judge.stop()
+
+
+def test_url_credentials_are_redacted_in_the_written_topology_and_reach_the_stage_by_environment(
+        basic_judge, tmp_path, monkeypatch):
+    from expstream.run import stage_env, write_resolved_topology
+    from expstream.secrets import TOPOLOGY_SECRETS_ENV
+    from expstream.topology import load_topology
+
+    monkeypatch.delenv(TOPOLOGY_SECRETS_ENV, raising=False)
+    topo = load_topology(None, ["models.reward=null", "rewards.sources.judge.kind=http",
+                                f"rewards.sources.judge.url={basic_judge.url}"])
+    path = tmp_path / "topology.yaml"
+    write_resolved_topology(topo, path)
+    text = path.read_text()
+    assert URL_PASSWORD not in text and f"http://bob:***@127.0.0.1:{basic_judge.port}" in text
+    # a stage without the variable: the redacted url is refused, naming the field and the fix
+    with pytest.raises(ConfigError, match=r"rewards\.sources\.judge\.url.*redacted") as info:
+        HttpRewardSource("judge", load_topology(path).rewards.sources["judge"].url)
+    assert URL_PASSWORD not in str(info.value)
+    # a stage with the environment expstream run gives it: the real url, and the server accepts it
+    env = stage_env("redis://127.0.0.1:1/0", topo)
+    assert URL_PASSWORD in env[TOPOLOGY_SECRETS_ENV]
+    monkeypatch.setenv(TOPOLOGY_SECRETS_ENV, env[TOPOLOGY_SECRETS_ENV])
+    url = load_topology(path).rewards.sources["judge"].url
+    assert url == basic_judge.url
+    src = HttpRewardSource("judge", url, retries=0)
+    try:
+        assert src.score_items(items(["abc", "a"])).tolist() == [3.0, 1.0] and basic_judge.refused == 0
+    finally:
+        src.close()
+    # the variable never replaces a url the file holds otherwise (another judge, no credentials)
+    other = tmp_path / "other.yaml"
+    other.write_text(text.replace(f"bob:***@127.0.0.1:{basic_judge.port}", "127.0.0.1:9"))
+    assert load_topology(other).rewards.sources["judge"].url == "http://127.0.0.1:9"
+
+
+def test_a_failing_request_does_not_show_the_url_credentials(basic_judge):
+    src = HttpRewardSource("judge", basic_judge.url.replace(URL_PASSWORD, URL_PASSWORD + "-wrong"), retries=0,
+                           token="")
+    try:
+        with pytest.raises(RewardServerUnavailable) as info:
+            src.score_items(items(["ab"]))
+        assert "HTTP 401" in str(info.value) and URL_PASSWORD not in str(info.value)
+        assert "bob:***@" in str(info.value)
+    finally:
+        src.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_a_run_scores_through_a_url_with_credentials_and_writes_them_nowhere(basic_judge, tmp_path):
+    topology = tmp_path / "judge.yaml"  # in a file, not on the command line (`ps` shows a command line)
+    topology.write_text(f"models:\n  reward: null\n  cache_dir: {ROOT / '.cache/expstream/models'}\n"
+                        f"generate:\n  max_new_tokens: 4\n  n_samples_per_prompt: 2\n"
+                        f"rewards:\n  sources:\n    judge: {{kind: http, url: '{basic_judge.url}', batch_size: 2}}\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}?", "label": "x" * (i + 1)}) + "\n"
+                               for i in range(2)))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "EXPSTREAM_TOPOLOGY_SECRETS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-m", "expstream", "run", "--topology", str(topology), "--prompts",
+                          str(prompts), "--output", str(out), "--no-progress"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-4000:]
+    from expstream import read_experiences
+
+    rewards = {sid: r for e in read_experiences(out / "experiences.msgpack")
+               for sid, r in zip(e.sample_ids, e.info["reward"].tolist(), strict=True)}
+    assert rewards == {f"q{i}#{k}": float(i + 1) for i in range(2) for k in range(2)} and basic_judge.refused == 0
+    for name in ("topology.yaml", "run/topology.yaml"):
+        assert f"bob:***@127.0.0.1:{basic_judge.port}" in (out / name).read_text()
+    leaks = [p for p in out.rglob("*") if p.is_file() and URL_PASSWORD.encode() in p.read_bytes()]
+    assert not leaks and URL_PASSWORD not in res.stderr + res.stdout, leaks

@@ -119,3 +119,21 @@ def test_a_run_against_a_password_protected_redis_shows_it_nowhere(tmp_path, sec
     assert any(p.name.endswith(".log") for p in files)
     holding = [p for p in files if PASSWORD.encode() in p.read_bytes()]
     assert not holding, f"files holding the password: {holding}"
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("http://bob:s3cret@judge:8000", "http://bob:***@judge:8000"),
+    ("https://judge.example/v1/score?token=s3cret&model=x", "https://judge.example/v1/score?token=***&model=x"),
+    ("http://judge:8000/score?api_key=s3cret", "http://judge:8000/score?api_key=***"),
+    ("http://judge:8000", "http://judge:8000"),
+])
+def test_an_http_reward_url_is_redacted_and_its_secrets_split_off_the_topology(url, shown):
+    from expstream.secrets import apply_secrets, is_redacted, split_secrets
+
+    assert redact_url(url) == shown and is_redacted(shown) == (shown != url)
+    raw = {"rewards": {"sources": {"judge": {"kind": "http", "url": url}}}, "run": {"seed": 3}}
+    written, secrets = split_secrets(raw)
+    assert "s3cret" not in json.dumps(written) and written["rewards"]["sources"]["judge"]["url"] == shown
+    assert raw["rewards"]["sources"]["judge"]["url"] == url  # the topology in memory keeps them
+    assert secrets == ({"rewards.sources.judge.url": url} if shown != url else {})
+    assert apply_secrets(written, secrets) == len(secrets) and written == raw

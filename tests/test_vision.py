@@ -19,7 +19,7 @@ from PIL import Image
 from expstream.blobs import DirectoryBlobStore, MissingBlobError, blob_ref
 from expstream.errors import ConfigError, PoisonRecordError
 from expstream.prompts import prompt_batches, read_prompts, store_media
-from expstream.vision import BadImageError, item_bytes, load_image
+from expstream.vision import BadImageError, MediaPolicy, item_bytes, load_image
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from schemas.errors import ValidationError, VersionError
 from tests.vlstages import png, vl_stage_contexts
@@ -52,8 +52,9 @@ def test_every_image_input_form_gives_the_file_bytes(tmp_path):
     data = png()
     (tmp_path / "a.png").write_bytes(data)
     b64 = base64.b64encode(data).decode()
-    assert item_bytes("a.png", "x", tmp_path) == data
-    assert item_bytes(str(tmp_path / "a.png"), "x") == data
+    policy = MediaPolicy(base_dir=tmp_path, root=tmp_path)
+    assert item_bytes("a.png", "x", policy) == data
+    assert item_bytes(str(tmp_path / "a.png"), "x", policy) == data
     assert item_bytes(f"data:image/png;base64,{b64}", "x") == data
     assert item_bytes(b64, "x") == data
     assert item_bytes(data, "x") == data
@@ -283,10 +284,12 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     (tmp_path / "ok.png").write_bytes(png((80, 60)))
     (tmp_path / "empty.png").write_bytes(b"")
     (tmp_path / "cut.png").write_bytes(png()[:70])
+    (tmp_path / "fake.png").write_text("root:x:0:0:root:/root:/bin/bash\n")  # a text file renamed .png
     lines = [{"id": "text", "prompt": "2+2?"}, {"id": "one", "prompt": "shape?", "images": ["ok.png"]},
              {"id": "two", "prompt": "which?", "images": ["ok.png", f"data:image/png;base64,{base64.b64encode(png()).decode()}"]},
              {"id": "zero", "prompt": "empty?", "images": ["empty.png"]},
              {"id": "trunc", "prompt": "cut?", "images": ["cut.png"]}, {"id": "text2", "prompt": "hello"},
+             {"id": "fake", "prompt": "what?", "images": ["fake.png"]},
              {"id": "video", "prompt": "what moves?", "videos": [["ok.png", "ok.png", "ok.png"]]}]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -298,9 +301,17 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["groups_complete"] == 5 and sorted(summary["groups_dead_lettered"]) == ["trunc", "zero"], summary
+    assert summary["groups_complete"] == 5, summary
+    assert sorted(summary["groups_dead_lettered"]) == ["fake", "trunc", "zero"], summary
     reasons = " ".join(str(d) for d in summary["dead_letters"])
     assert "zero bytes" in reasons and "not a readable image" in reasons, summary["dead_letters"]
+    assert "p.jsonl:7: images[0]: not a readable image" in reasons and "root:x" not in reasons
+    # the feeder refused the three bad images: the blob store holds the good ones only (issue 21)
+    ok_ref = blob_ref(png((80, 60)))
+    from expstream.vision import video_manifest
+
+    want = {ok_ref, blob_ref(png()), blob_ref(video_manifest([ok_ref] * 3))}
+    assert {f.name for f in (out / "blobs").rglob("*") if f.is_file()} == {r.split(":")[1] for r in want}
     exps = read_experiences(out / "experiences.msgpack")
     by_id = {pid: (e, i) for e in exps for i, pid in enumerate(e.prompt_ids)}
     assert set(by_id) == {"text", "one", "two", "text2", "video"}
@@ -377,7 +388,7 @@ def test_prompt_rows_from_python_take_pil_images_and_a_missing_short_path_is_not
     frames = json.loads(store.get(rows[0].videos[0]))["frames"]
     assert frames == [rows[0].images[0]] * 2
     with pytest.raises(ConfigError, match="no file 'pics/cat'"):
-        item_bytes("pics/cat", "p.jsonl:1: images[0]", tmp_path)
+        item_bytes("pics/cat", "p.jsonl:1: images[0]", MediaPolicy(base_dir=tmp_path, root=tmp_path))
 
 
 def test_a_video_prompt_goes_through_generate_and_the_actor_like_an_unpadded_forward(vl):
