@@ -5,8 +5,10 @@ Argument parsing and dispatch only; each command's work lives in its module (``e
 ``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
 
 Exit codes (``expstream.errors``): 0 done, 1 the run failed (a stage could not be kept alive, or a
-timeout), 2 a configuration error (the message names the field and the fix), 130 interrupted by
-Ctrl-C after a clean shutdown.
+timeout; or a service did not answer: one line saying so, never a traceback), 2 a configuration
+error (the message names the field and the fix), 130 interrupted by Ctrl-C after a clean shutdown,
+141 the reader of the output went away (``expstream ... | head``: standard output is closed quietly,
+as a program killed by SIGPIPE would end).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import os
 import socket
 import sys
 
-from expstream.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError
+from expstream.errors import EXIT_BROKEN_PIPE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
 from expstream.resolve import check_models, model_dir
 from expstream.secrets import REDIS_URL_ENV, env_redis_url
-from expstream.topology import find_topology, load_topology
+from expstream.topology import Topology, find_topology, load_topology
 
 
 def _setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001
@@ -117,6 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a reader gone since the last write fails here, not at exit
+        return code
+    except BrokenPipeError:
+        # `expstream ... | head`: the reader has what it wanted. Point stdout at /dev/null so that the
+        # interpreter's own flush at exit does not raise again, and end like a SIGPIPE'd program.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "redis_url", "absent") is None:  # the flag wins; a password need not be typed on it
         args.redis_url = env_redis_url()
@@ -163,14 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             from expstream.run import run_pipeline
 
             return run_pipeline(topo, args)
-        if args.command == "stage":
-            from expstream.stage import run_stage
-
-            return run_stage(topo, args)
-        if args.command == "train":
-            from expstream.train import run_trainer
-
-            return run_trainer(topo, args)
+        if args.command in ("stage", "train"):
+            return _run_process(topo, args)
         if args.command == "topics":
             from expstream.topics import topics_command
 
@@ -195,7 +205,29 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"expstream: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except ExpstreamError as exc:  # a service away (not retried further here), a stop request: one line
+        again = "retriable: try again once it answers" if exc.retriable else "not retriable"
+        print(f"expstream: {type(exc).__name__}: {exc} ({again})", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_FAILED
+
+
+def _run_process(topo: Topology, args: argparse.Namespace) -> int:
+    """``stage`` and ``train``: the process a supervisor starts. Code that cannot be imported (a syntax
+    error, a missing module) is reported as one line and exit 2, which the supervisor does not restart:
+    the same import fails again however often it is retried (expstream/supervisor.py)."""
+    try:
+        if args.command == "stage":
+            from expstream.stage import run_stage
+
+            return run_stage(topo, args)
+        from expstream.train import run_trainer
+
+        return run_trainer(topo, args)
+    except (ImportError, SyntaxError) as exc:  # a SyntaxError's text names the file and line
+        what = f"stage {args.name}" if args.command == "stage" else "the trainer"
+        print(f"expstream: {what}: cannot import its code: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ What :func:`expstream.run.run_pipeline` does differently when ``train.enabled`` 
    worth of prompts fed beyond what the trainer has consumed (:func:`feed_limit`), prints each
    step the trainer logs to ``train.jsonl``, and returns when the trainer has finished
    (exit 0 and ``train/done.json``), on Ctrl-C, or when no step came for ``run.timeout_s``.
+   It also stops, failing the run, when the prompts yield nothing (:class:`YieldWatch`): an
+   epoch's worth of samples dead-lettered or dropped by dynamic sampling in a row, no experience
+   produced meanwhile, and nothing left in flight (every prompt bad used to be fed epoch after
+   epoch, thousands of them, until ``run.timeout_s``).
 5. The caller stops the trainer and the stages (SIGTERM) and then writes ``summary.json``
    (expstream.outcome.ContinuousOutcome). Nothing is collected into memory: the trainer is the
    consumer of ``experiences``.
@@ -90,6 +94,60 @@ def feed_limit(version: int, k: int, batch_size: int, lost: int) -> int:
 def records_to_feed(fed_samples: int, record_samples: int, limit: int) -> int:
     """Whole records that fit under ``limit`` samples after ``fed_samples``."""
     return max(0, (limit - fed_samples) // record_samples)
+
+
+#: Why 30 s: how long a :class:`YieldWatch` holds the feeding while samples stay in flight without any
+#: change (neither lost nor produced). Far above a micro-batch's time through the stages (ms to seconds),
+#: so only samples that wait for more input (a cross-batch advantage window) stall it; those need the
+#: feeding to go on.
+HOLD_STALL_S = 30.0
+
+
+class YieldWatch:
+    """Does feeding still yield experiences? (:func:`run_continuous`, step 4 of the module docstring).
+
+    Every loop turn :meth:`check` gets the experiences produced so far (samples out of the last
+    stage), the samples lost (dead-lettered or dropped by dynamic sampling; the admission counts)
+    and the samples fed, and answers:
+
+    * ``feed`` while fewer than ``epoch_samples`` (a whole epoch: prompts x n) were lost since the
+      last experience came out;
+    * ``hold`` once that many were lost in a row: stop feeding and see what the samples still in
+      flight (fed - produced - lost) give. (A good prompt among bad ones is still on its way
+      through the stages while the bad ones are rejected at once: losses in a row alone prove nothing.)
+    * ``barren`` when nothing is in flight any more and still no experience came: every sample of at
+      least an epoch was lost, and feeding the same prompts again gives the same. The run fails.
+    * Any experience resets the count (``feed``). In flight but nothing changes for ``stall_s``
+      (samples held for more input, e.g. an advantage window): ``feed`` again, counting anew.
+    """
+
+    FEED, HOLD, BARREN = "feed", "hold", "barren"
+
+    def __init__(self, epoch_samples: int, stall_s: float = HOLD_STALL_S) -> None:
+        self.epoch_samples, self.stall_s = epoch_samples, stall_s
+        self.produced: int | None = None
+        self.lost_at = 0  # samples lost when the last experience came out
+        self._seen: tuple[int, int] | None = None
+        self._changed_at = 0.0
+
+    def check(self, produced: int, lost: int, fed: int, now: float) -> str:
+        if produced != self.produced:  # an experience came out: count the losses in a row from here
+            self.produced, self.lost_at = produced, lost
+        if (produced, lost) != self._seen:
+            self._seen, self._changed_at = (produced, lost), now
+        if lost - self.lost_at < self.epoch_samples:
+            return self.FEED
+        if fed - produced - lost <= 0:
+            return self.BARREN
+        if now - self._changed_at >= self.stall_s:
+            self.lost_at = lost
+            return self.FEED
+        return self.HOLD
+
+
+def produced_samples(state: State, topo: Topology) -> int:
+    """Samples out of the last enabled stage (experiences), from the run's flow accounting."""
+    return int(state.flows().get(topo.enabled_stages()[-1].name, {}).get("out", 0))
 
 
 def lost_samples(state: State) -> int:
@@ -185,15 +243,25 @@ def run_continuous(topo: Topology, rows: list[PromptRow], out: Any, sup: Supervi
     train_log = out.train_log = TrainLog(out.out_dir / TRAIN_LOG)
     producer = make_producer(bootstrap, topo.kafka)
     last_step_at = time.monotonic()
+    watch = YieldWatch(len(rows) * topo.generate.n_samples_per_prompt)
     try:
         while True:
             if stop["stop"]:
                 out.status = EXIT_INTERRUPTED
                 return
-            version = state.policy_version()
-            limit = feed_limit(version, k, train.batch_size, lost_samples(state))
+            version, lost = state.policy_version(), lost_samples(state)
+            verdict = watch.check(produced_samples(state, topo), lost, feeder.records_fed * record_samples,
+                                  time.monotonic())
+            if verdict == YieldWatch.BARREN:
+                out.fail(f"the prompts yield nothing: {lost - watch.lost_at} samples in a row (at least an epoch: "
+                         f"{len(rows)} prompts x {topo.generate.n_samples_per_prompt}) were dead-lettered or dropped by "
+                         f"dynamic sampling and none became an experience; feeding them again gives the same. The "
+                         f"reasons: the 'dead-lettered' lines of {sup.log_dir}/*.log, and the dead-letter topics "
+                         f"(`expstream dlq inspect --all`, or recorded under {out.out_dir}/topics)")
+                return
+            limit = feed_limit(version, k, train.batch_size, lost)
             count = records_to_feed(feeder.records_fed * record_samples, record_samples, limit)
-            if count and not sup.finished(TRAINER):
+            if count and verdict == YieldWatch.FEED and not sup.finished(TRAINER):
                 first = feeder.records_fed
                 send_prompt_batches(producer, topo.kafka, topo.topics.input, feeder.batches(count))
                 log.info("run %s: fed records p%06d..p%06d (epoch %d) to %s; policy version %d", out.run_id, first,

@@ -35,6 +35,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_CONFIG",
     "EXIT_INTERRUPTED",
+    "EXIT_BROKEN_PIPE",
 ]
 
 # --- exit codes of `expstream ...` and of every stage process -----------------------------------
@@ -45,6 +46,9 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 #: Interrupted by Ctrl-C (128 + SIGINT, the shell's convention) after a clean shutdown.
 EXIT_INTERRUPTED = 130
+#: The reader of standard output went away (``expstream ... | head``): 128 + SIGPIPE, as the shell
+#: reports a program that SIGPIPE ended; the command stops quietly, without a traceback.
+EXIT_BROKEN_PIPE = 141
 
 
 class ExpstreamError(Exception):
@@ -66,6 +70,7 @@ class ConfigError(ExpstreamError):
     retriable = False
 
     def __init__(self, message: str, *, field: str | None = None, fix: str | None = None) -> None:
+        self.message = message  # without the field and the fix, for callers that phrase their own
         self.field = field
         self.fix = fix
         text = message

@@ -25,6 +25,19 @@ Lifetimes (nothing outlives ``expstream run``, however it dies):
    stages holding it, the server and the stages kept each other alive after a ``kill -9`` of the run.
 4. multiprocessing's resource tracker exits when the last holder of its pipe (the run, the server,
    the stages) is gone, which 1-2 guarantee.
+5. A forked stage ends with ``os._exit`` (its non-daemon threads, a stuck Kafka client, must not hold
+   the exit), after running multiprocessing's finalizers itself (:func:`_child_main`): they
+   unlink the named semaphores the process created (tqdm's lock, made by transformers'
+   ``save_pretrained`` progress bar in the trainer). Skipped, the resource tracker unlinked them
+   when the run ended, with a "leaked semaphore objects" warning at the end of every continuous run.
+
+Preloading (:data:`PRELOAD`) never kills the server: multiprocessing ignores only an ImportError of
+a preloaded module, so a syntax error in a stage module used to end the server and every later
+start with ``EOFError`` (after the run had waited on a stopped Redis). The server imports the
+modules itself (:func:`_preload`), reporting a failure on the run's stderr and going on; the stage
+that imports the module then fails with the error in its own log and exit code 2 (expstream/cli.py),
+which the supervisor reports at once. A server that is gone all the same (killed) makes
+:class:`ForkedProcess` raise :class:`ForkServerError`, one line, instead of ``EOFError``.
 
 ``ForkedProcess`` offers the part of ``subprocess.Popen`` the supervisor uses (``pid``, ``poll``,
 ``send_signal``, ``kill``, ``wait``, ``returncode``), with the same exit-code convention
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import subprocess
@@ -55,20 +69,41 @@ PRELOAD = ["expstream.forkserver", "torch", "transformers", "transformers.modeli
 #: 32 MiB is the largest mmap threshold glibc accepts on 64-bit; larger values are ignored.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024)}
 _CONTEXT: multiprocessing.context.BaseContext | None = None
+_PRELOADS: list[str] = []  # what the server imports after this module (set with _CONTEXT)
 #: Set (to the starting process's pid) only in the environment the fork server starts with.
 PARENT_ENV = "EXPSTREAM_FORKSERVER_PARENT"
+#: Set (comma-separated module names) only in the environment the fork server starts with: what it preloads.
+PRELOAD_ENV = "EXPSTREAM_FORKSERVER_PRELOAD"
 #: In the fork server and its children: the server's pid (None elsewhere).
 SERVER_PID: int | None = None
 
 
+class ForkServerError(RuntimeError):
+    """The fork server is gone: no stage process can be forked from it."""
+
+
 def _guard_server() -> None:
-    """At import: in the fork server (step 1 of the module docstring), die with the process that started it."""
+    """At import: in the fork server (step 1 of the module docstring), die with the process that started
+    it, then preload the modules it was started with."""
     global SERVER_PID
     parent = os.environ.pop(PARENT_ENV, None)
+    names = [n for n in os.environ.pop(PRELOAD_ENV, "").split(",") if n]
     if parent is None or parent == str(os.getpid()):
         return
     die_with(int(parent))
     SERVER_PID = os.getpid()
+    _preload(names)
+
+
+def _preload(names: list[str]) -> None:
+    """Import ``names`` in the fork server; a module that fails is reported and left out (see the module
+    docstring, "Preloading"): the child that needs it imports it again and reports the error itself."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - a syntax error in a stage module must not end the server
+            print(f"expstream fork server: preloading {name} failed ({type(exc).__name__}: {exc}); a process "
+                  "that imports it reports the error in its log", file=sys.stderr, flush=True)
 
 
 _guard_server()
@@ -78,9 +113,11 @@ def _context(extra: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext
     global _CONTEXT
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
-        # expstream.forkfreeze last: gc.freeze() once every import is done (shared pages stay shared)
-        ctx.set_forkserver_preload(PRELOAD + list(extra) + ["expstream.forkfreeze"])
+        # the server preloads the rest itself (_preload, named in PRELOAD_ENV by warm_up); expstream.forkfreeze
+        # last: gc.freeze() once every import is done (shared pages stay shared)
+        ctx.set_forkserver_preload([PRELOAD[0], "expstream.forkfreeze"])
         _CONTEXT = ctx
+        _PRELOADS.extend(PRELOAD[1:] + list(extra))
     return _CONTEXT
 
 
@@ -99,6 +136,7 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     # (bench/README.md, "Noise"). An explicit OMP_WAIT_POLICY in the environment wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ[PARENT_ENV] = str(os.getpid())
+    os.environ[PRELOAD_ENV] = ",".join(_PRELOADS)
     # glibc reads these when a process starts (the fork server; its children inherit the settings).
     # Why: a stage holds its last input and output while the next record's buffers are allocated, so
     # glibc's default (blocks over ~128 KiB-32 MiB mmapped, a free heap top over ~2x that returned to
@@ -111,6 +149,7 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
         forkserver.ensure_running()
     finally:
         os.environ.pop(PARENT_ENV, None)
+        os.environ.pop(PRELOAD_ENV, None)
         for k in added:
             os.environ.pop(k, None)
 
@@ -150,6 +189,10 @@ def _child_main(entry: str, argv: list[str], log_path: str, env: dict[str, str])
     code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
+    # step 5: multiprocessing's finalizers of priority >= 0 (named semaphores unlinked, pools terminated), what
+    # its own exit handler runs first; not the rest of it, which joins child processes (a stuck one would
+    # hold the exit). Then out, without waiting for threads.
+    multiprocessing.util._run_finalizers(0)
     os._exit(code)
 
 
@@ -180,7 +223,12 @@ class ForkedProcess:
         warm_up()
         self._proc = _context().Process(target=_child_main, args=(entry, argv[3:], str(log_path), dict(env)),
                                         daemon=False)
-        self._proc.start()
+        try:
+            self._proc.start()
+        except (EOFError, OSError) as exc:  # the server died (killed, out of memory) before it forked
+            raise ForkServerError(f"the fork server that starts stage processes is gone ({type(exc).__name__}: "
+                                  f"{exc}); its last words, if any, are on this process's stderr. Set run.spawn: "
+                                  "exec to start each stage as a fresh interpreter") from exc
         self.pid: int = self._proc.pid
         self.returncode: int | None = None
 

@@ -5,7 +5,15 @@ Each stage process has its own registry and serves it on its own HTTP port (``pr
 docker-compose service does). ``expstream run`` sets ``EXPSTREAM_METRICS_DIR`` (``<run>/run/metrics``)
 and each process writes ``<stage>-<replica>.json`` there: ``{"stage", "replica", "pid", "port",
 "url"}``, which tests, ``expstream status`` and Prometheus' file-based discovery read. The run's
-own process serves the supervisor's view (restarts) the same way, as ``supervisor.json``.
+own process serves the supervisor's view (restarts) the same way, as ``supervisor.json``. A
+replica's file is removed when its process is gone for good (retired by a scale-down, or stopped at
+the end of the run: :func:`forget_replica`, called by the supervisor); readers skip a file whose
+``pid`` is no longer alive (:func:`discovery_files`): a killed replica's port may belong to
+another process by the time it is read.
+
+``expstream_policy_version`` starts as NaN ("no version yet"), not 0: a stage shows a version only
+once it has one. It is the policy version of the last record handled, and for ``generate``, whose
+prompt records carry none, the actor version it generates with (set when the record is admitted).
 
 Why one port per process rather than the library's multiprocess mode: stages are separate OS
 processes that come and go (restarts, autoscaling); multiprocess mode needs a shared directory
@@ -95,6 +103,7 @@ class StageMetrics:
         self.commit_seconds = made["expstream_commit_seconds"].labels(**own)
         self.dead_letters = made["expstream_dead_letters_total"].labels(**own)
         self.policy_version = made["expstream_policy_version"].labels(**own)
+        self.policy_version.set(float("nan"))  # no version yet (0 would read as "on version 0")
         self.reward_mean = made["expstream_reward_mean"].labels(**own)
         self.staleness = made["expstream_staleness_versions"].labels(**own)
         self.record_age = made["expstream_record_age_seconds"].labels(**own)
@@ -125,8 +134,48 @@ class StageMetrics:
     def serve(self, out_dir: str | os.PathLike[str] | None = None, port: int | None = None) -> int:
         """Serve /metrics on 127.0.0.1 (``port``, else EXPSTREAM_METRICS_PORT, else a free one); write the
         discovery file into ``out_dir`` (else EXPSTREAM_METRICS_DIR) when given; returns the port."""
-        return _serve(self.registry, f"{self.stage}-{self.replica}", {"stage": self.stage, "replica": self.replica},
-                      out_dir, port)
+        return _serve(self.registry, discovery_name(self.stage, self.replica),
+                      {"stage": self.stage, "replica": self.replica}, out_dir, port)
+
+
+def discovery_name(stage: str, replica: str | int) -> str:
+    """The discovery file of one replica's endpoint: ``<stage>-<replica>.json``."""
+    return f"{stage}-{replica}.json"
+
+
+def forget_replica(out_dir: str | os.PathLike[str], stage: str, replica: str | int) -> None:
+    """Remove a replica's discovery file (its process is gone for good); a no-op when there is none."""
+    (Path(out_dir) / discovery_name(stage, replica)).unlink(missing_ok=True)
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def discovery_files(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The discovery files under ``out_dir`` whose process is alive, parsed, in name order. A file left
+    by a process that is gone (killed: nobody removed it) is skipped with a debug line."""
+    out = []
+    for f in sorted(Path(out_dir).glob("*.json")):
+        try:
+            info = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict):
+            continue
+        if not _alive(info.get("pid")):
+            log.debug("metrics: %s is stale (pid %s gone); skipped", f, info.get("pid"))
+            continue
+        out.append(info)
+    return out
 
 
 def _serve(registry: Any, name: str, info: dict[str, Any], out_dir: str | os.PathLike[str] | None,
@@ -142,11 +191,11 @@ def _serve(registry: Any, name: str, info: dict[str, Any], out_dir: str | os.Pat
     if where:
         d = Path(where)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{name}.json.tmp"
+        tmp = d / f".{name}.tmp"
         tmp.write_text(json.dumps({**info, "pid": os.getpid(), "port": bound,
                                    "url": f"http://127.0.0.1:{bound}/metrics"}) + "\n")
-        os.replace(tmp, d / f"{name}.json")
-    log.info("metrics: %s on http://%s:%d/metrics", name, addr, bound)
+        os.replace(tmp, d / name)
+    log.info("metrics: %s on http://%s:%d/metrics", name.removesuffix(".json"), addr, bound)
     return bound
 
 
@@ -184,7 +233,7 @@ def serve_supervisor(supervisor: Any, out_dir: str | os.PathLike[str]) -> int | 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SupervisorCollector(supervisor))
     try:
-        return _serve(registry, "supervisor", {"stage": "supervisor", "replica": "0"}, out_dir, 0)
+        return _serve(registry, "supervisor.json", {"stage": "supervisor", "replica": "0"}, out_dir, 0)
     except OSError as exc:
         log.warning("metrics: the supervisor's endpoint did not start: %s", exc)
         return None

@@ -38,6 +38,8 @@ log = logging.getLogger("expstream.preflight")
 PREFLIGHT_TIMEOUT_S = 5.0
 
 _KAFKA_FIX = "check --bootstrap-servers (HOST:PORT of a running broker), or leave it out to start a local one"
+#: The advice of commands that read from or publish to a broker that must already run (record, replay --into).
+KAFKA_FIX_EXISTING = "check --bootstrap-servers: HOST:PORT of the running broker (is it up?)"
 _REDIS_FIX = "check --redis-url (redis://[:PASSWORD@]HOST:PORT/DB), or leave it out to start a local redis-server"
 
 
@@ -88,24 +90,26 @@ def _kafka_auth_errors(kafka_errors: object) -> tuple[type[BaseException], ...]:
     return tuple(t for n in names if isinstance(t := getattr(kafka_errors, n, None), type))
 
 
-def check_kafka(bootstrap: str, cfg: KafkaConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
-    """Step 2: some bootstrap address accepts TCP, and the cluster answers a metadata request."""
+def check_kafka(bootstrap: str, cfg: KafkaConfig, timeout_s: float = PREFLIGHT_TIMEOUT_S, *,
+                fix: str = _KAFKA_FIX) -> None:
+    """Step 2: some bootstrap address accepts TCP, and the cluster answers a metadata request. ``fix``: the
+    advice in the error (commands that never start a broker of their own pass theirs)."""
     addresses = [a.strip() for a in bootstrap.split(",") if a.strip()]
     if not addresses:
-        raise ConfigError("empty broker address", field="--bootstrap-servers", fix=_KAFKA_FIX)
+        raise ConfigError("empty broker address", field="--bootstrap-servers", fix=fix)
     reasons: list[str] = []
     for address in addresses:
         try:
             host, port = _split_hostport(address, 9092)
         except ValueError:
-            raise ConfigError(f"{address!r} is not HOST:PORT", field="--bootstrap-servers", fix=_KAFKA_FIX) from None
+            raise ConfigError(f"{address!r} is not HOST:PORT", field="--bootstrap-servers", fix=fix) from None
         reason = _tcp_reason(host, port, timeout_s)
         if reason is None:
             break
         reasons.append(reason)
     else:
         raise ConfigError(f"cannot reach Kafka at {bootstrap} ({'; '.join(sorted(set(reasons)))}) within "
-                          f"{timeout_s:g}s", field="--bootstrap-servers", fix=_KAFKA_FIX)
+                          f"{timeout_s:g}s", field="--bootstrap-servers", fix=fix)
     from kafka import KafkaAdminClient
     from kafka import errors as kafka_errors
 
@@ -121,7 +125,7 @@ def check_kafka(bootstrap: str, cfg: KafkaConfig, timeout_s: float = PREFLIGHT_T
     except Exception as exc:  # noqa: BLE001 - any failure here means "not a usable broker": say so in one line
         raise ConfigError(f"{bootstrap} accepts connections but answered no Kafka metadata request within "
                           f"{timeout_s:g}s ({type(exc).__name__}: {exc})", field="--bootstrap-servers",
-                          fix=_KAFKA_FIX + "; is it a Kafka broker, with kafka.security_protocol matching?") from exc
+                          fix=fix + "; is it a Kafka broker, with kafka.security_protocol matching?") from exc
     finally:
         if admin is not None:
             admin.close()

@@ -530,6 +530,10 @@ def record_command(topo: Any, args: argparse.Namespace,
         setproctitle(f"expstream {RECORDER} run={args.run_id}")
     if not args.bootstrap_servers:
         raise ConfigError("needed to read the topics", field="--bootstrap-servers", fix="e.g. --bootstrap-servers kafka:9092")
+    from expstream.preflight import KAFKA_FIX_EXISTING, check_kafka
+
+    # an unreachable broker: one line in seconds, before the output directory is created
+    check_kafka(args.bootstrap_servers, topo.kafka, fix=KAFKA_FIX_EXISTING)
     topics = [t.strip() for t in (args.topics or "").split(",") if t.strip()]
     if not topics:
         raise ConfigError("no topics given", field="--topics", fix="e.g. --topics rollouts,scored")

@@ -711,6 +711,10 @@ def replay_command(args: argparse.Namespace, broker_replay: Callable[..., dict] 
                               fix="leave --stages out (the live pipeline's stages process them)")
         topo = load_topology(Path(args.topology) if args.topology else recorded_topology_path(args.run_dir),
                              args.overrides)
+        from expstream.preflight import KAFKA_FIX_EXISTING, check_kafka
+
+        # an unreachable broker: one line in seconds, not a traceback after a 30 s bootstrap timeout
+        check_kafka(args.bootstrap_servers, topo.kafka, fix=KAFKA_FIX_EXISTING)
         report = republish(args.run_dir, args.from_topic, args.into, args.bootstrap_servers, filters=filters,
                            keep_ids=args.keep_ids, tag=args.tag, kafka_cfg=topo.kafka)
         print(f"expstream replay: sent {report['sent']} records of {args.from_topic} to {args.into} "

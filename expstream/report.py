@@ -47,6 +47,42 @@ def _read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def read_train_steps(path: Path) -> list[dict]:
+    """The lines of ``train.jsonl`` the policy plots can use: JSON objects with an integer ``step`` and a
+    numeric ``reward_mean``. Any other line (torn by a crash, written by hand, from another version) is
+    left out with one warning naming ``train.jsonl:<line>`` and what it lacks; a ``staleness_hist`` that
+    is not a map of integers is ignored for that line, with a warning too."""
+    steps = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            log.warning("report: %s:%d is not JSON (a line torn by a crash?); skipped", path, no)
+            continue
+        if not isinstance(obj, dict):
+            log.warning("report: %s:%d is not a JSON object; skipped", path, no)
+            continue
+        missing = [key for key, kind in (("step", int), ("reward_mean", int | float))
+                   if not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool)]
+        if missing:
+            log.warning("report: %s:%d has no numeric %s; skipped", path, no, " and no ".join(map(repr, missing)))
+            continue
+        hist = obj.get("staleness_hist")
+        try:
+            obj["staleness_hist"] = {int(k): int(v) for k, v in (hist or {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            log.warning("report: %s:%d: staleness_hist %r is not a map of integers; ignored", path, no, hist)
+            obj["staleness_hist"] = {}
+        steps.append(obj)
+    return steps
+
+
 def _fig(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
     import matplotlib
 
@@ -229,7 +265,7 @@ def write_report(run_dir: str | Path) -> Path:
         stale = np.zeros(0)
     source = "experiences.msgpack" if (run_dir / "experiences.msgpack").is_file() else "the recorded experiences topic"
     sections.append(("Distributions", dist, note or f"from {source}"))
-    train = _read_jsonl(run_dir / "train.jsonl")
+    train = read_train_steps(run_dir / "train.jsonl")
     learn: list[str] = []
     if train:
         fig, ax = _fig("reward per training step (continuous run)", "step", "mean reward of the step's samples")
@@ -237,7 +273,7 @@ def write_report(run_dir: str | Path) -> Path:
         learn.append(_save(fig, out, "reward_curve.png"))
         hist: Counter = Counter()
         for x in train:
-            hist.update({int(k): int(v) for k, v in (x.get("staleness_hist") or {}).items()})
+            hist.update(x["staleness_hist"])
         if hist:
             fig, ax = _fig("staleness of trained samples (trainer step − generating version)", "versions", "samples")
             ks = sorted(hist)

@@ -29,6 +29,7 @@ and the stages are stopped before ``summary.json`` is written, and nothing is co
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ import yaml
 
 from expstream.continuous import TRAINER, resolve_weight_store, run_continuous, trainer_argv
 from expstream.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
-from expstream.metrics import METRICS_DIR_ENV, serve_supervisor
+from expstream.metrics import METRICS_DIR_ENV, forget_replica, serve_supervisor
 from expstream.metrics import enabled as metrics_enabled
 from expstream.monitor import REJECTED_FILE, ExperienceCollector
 from expstream.outcome import ContinuousOutcome, RunOutcome, dump_json
@@ -222,6 +223,10 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             timeline.mark("redis_ready")
             stack.callback(redis.stop)
             log.info("local redis at %s", redact_url(redis_url))
+        # Once more, now that Redis is up: a failure from here to the loop below writes the outputs while
+        # Redis still answers (the first hook, after the servers stopped, waited out Redis retries for a
+        # minute reading the stage statistics). Whichever runs first writes; the other is a no-op.
+        stack.push(out.on_exit)
         from expstream.state import RedisState
 
         out.redis_url, out.secret = redact_url(redis_url), url_password(redis_url)
@@ -251,7 +256,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         sup = Supervisor(run_dir / "logs", max_restarts=topo.run.max_restarts, spawn=topo.run.spawn,
                          fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(topo.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
                                                      METRICS_DIR_ENV: str(run_dir / "metrics"),
-                                                     STARTUP_DIR_ENV: str(run_dir / STARTUP_DIR), **stage_env(redis_url, topo)})
+                                                     STARTUP_DIR_ENV: str(run_dir / STARTUP_DIR), **stage_env(redis_url, topo)},
+                         # a replica gone for good leaves no metrics file behind (expstream/metrics.py)
+                         on_gone=functools.partial(forget_replica, run_dir / "metrics"))
         serve_supervisor(sup, run_dir / "metrics")  # expstream_restarts_total (docs/observability.md)
         for st in topo.enabled_stages():
             for replica in range(st.replicas):
@@ -267,14 +274,14 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         # `expstream scale` requests and the autoscalers, answered from the loop below (expstream/scale.py)
         scaler = out.scaler = Scaler(topo, sup, out_dir, lambda name, replica: stage_argv(
             topo_path, name, replica, bootstrap, run_id), lag_reader(topo, bootstrap, run_id), started=started)
-        sup.start()
-        timeline.mark("stages_spawned")
-        stack.callback(sup.stop)
+        stack.callback(sup.stop)  # before the start: a start that fails half-way stops what it started
         # one status snapshot per STATUS_INTERVAL_S into <output>/status.jsonl (expstream status, report)
         sampler = StatusSampler(topo, bootstrap, redis_url, run_id, out_dir)
-        if metrics_enabled():
-            sampler.start()
         try:
+            sup.start()  # inside the try: a stage that cannot be started fails the run with its reason
+            timeline.mark("stages_spawned")
+            if metrics_enabled():
+                sampler.start()
             if continuous:
                 # prompts whose media were refused: dead-lettered once; the epochs feed the others
                 fed_rows = dead_letter_refused(bootstrap, topo.kafka, topo.topics.input, rows)
@@ -430,7 +437,8 @@ def print_summary(summary: dict, out_dir: Path) -> None:
               f"rejected records {summary['rejected_records']['count']}"
               + (f" (kept in {out_dir / REJECTED_FILE})" if summary["rejected_records"]["count"] else ""))
     steady = summary["steady_samples_per_s"]
-    print(f"  first experience after {summary['first_experience_after_s']}s; steady state "
+    first = summary["first_experience_after_s"]
+    print(f"  first experience after {'n/a (none came)' if first is None else f'{first}s'}; steady state "
           + (f"{steady:.2f} samples/s" if steady is not None else "n/a (arrivals spanned under a second)"))
     print(f"  wall {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
           f"duplicates dropped {summary['duplicate_samples_dropped']}, restarts {summary['stage_restarts'] or 0}")
@@ -462,7 +470,8 @@ def print_continuous_summary(summary: dict, out_dir: Path) -> None:
     print_scale_events(summary)
     for name, s in summary["stages"].items():
         print(f"  {name:<17} {s['batches']:>4} batches {s['samples']:>5} samples  {s['ms_per_batch']} ms/batch")
-    print(f"  wrote {summary['train_jsonl']}, {out_dir / 'summary.json'}"
+    print(f"  wrote {summary['train_jsonl'] + ', ' if Path(summary['train_jsonl']).exists() else ''}"
+          f"{out_dir / 'summary.json'}"
           + (f", final weights {summary['final_weights']}" if summary["final_weights"] else ""))
 
 

@@ -12,9 +12,11 @@ appendonly file (its moments, KL state and per-stage stats). :func:`claim_run_di
 3. Write our pid into the lock file (what the message of step 2 reads).
 4. Look at what the directory holds besides ``.lock``:
    * nothing: a fresh run;
-   * something, no flag: refuse, naming the previous run (``summary.json from run X``);
-   * ``--force``: delete it (only when it looks like an expstream run directory, so a mistyped
-     ``--output ~`` deletes nothing) and start fresh;
+   * something that does not look like an expstream run directory: refuse, with or without
+     ``--force`` (a mistyped ``--output ~`` deletes nothing), and the message does not suggest
+     ``--force``, which would be refused too;
+   * a previous run, no flag: refuse, naming it (``summary.json from run X``) and suggesting ``--force``;
+   * a previous run and ``--force``: delete it and start fresh;
    * ``--resume``: not supported yet (refused with the reason; see README.md, Options).
 5. The caller keeps the returned :class:`RunDirLock` for the life of the run and releases it last.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from expstream.errors import ConfigError
 
-__all__ = ["LOCK_NAME", "RunDirLock", "claim_run_dir", "lock_run_dir", "previous_run"]
+__all__ = ["LOCK_NAME", "RunDirLock", "claim_run_dir", "is_locked", "lock_run_dir", "previous_run"]
 
 LOCK_NAME = ".lock"
 # What marks a directory as written by `expstream run`: only such a directory is emptied by --force.
@@ -84,6 +86,24 @@ def lock_run_dir(path: Path | str) -> RunDirLock:
     return RunDirLock(path, fd)
 
 
+def is_locked(lock_path: Path | str) -> bool:
+    """True when some process holds ``flock`` on ``lock_path`` (a running run's ``DIR/.lock``). Taking a
+    shared lock for a moment does not disturb the holder; a missing file is not locked."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def previous_run(path: Path | str) -> str:
     """A short description of what ``path`` holds: ``summary.json from run X`` when it can tell."""
     path = Path(path)
@@ -125,15 +145,15 @@ def claim_run_dir(path: Path | str, *, force: bool = False, resume: bool = False
                 field="--resume", fix=f"pass --force to delete {path} and start fresh, or give another --output")
         if not _entries(path):
             return lock
+        if not any((path / m).exists() for m in _RUN_MARKERS):  # with or without --force: never deleted
+            raise ConfigError(f"{path} is not empty and is not an expstream run directory "
+                              f"({previous_run(path)}); --force deletes run directories only", field="--output",
+                              fix="give a new or empty directory")
         if not force:
             raise ConfigError(
                 f"{path} holds a previous run ({previous_run(path)})", field="--output",
                 fix="pass --force to delete it and start fresh, or give another --output "
                     "(--resume, to continue it, is not supported yet)")
-        if not any((path / m).exists() for m in _RUN_MARKERS):
-            raise ConfigError(f"{path} is not empty and is not an expstream run directory "
-                              f"({previous_run(path)}); --force deletes run directories only", field="--output",
-                              fix="give a new or empty directory")
         _empty(path)
     except BaseException:
         lock.release()

@@ -5,7 +5,7 @@ holds ``RUN`` through files in ``RUN/run/scale/`` (no broker or Redis needed, an
 directory is already the one thing an operator names):
 
 1. The command reads ``RUN/run/topology.yaml`` (the resolved topology the stages run with) and
-   refuses, exit 2 naming the flag, a stage that is not enabled there, a count below 1 or above
+   refuses, exit 2 naming the flag, a stage named twice, a stage that is not enabled there, a count below 1 or above
    the partitions of the stage's input topic (a replica past them would own nothing). It checks
    that a run holds ``RUN/.lock`` (expstream.rundir), else exit 1: nobody would answer.
 2. It writes ``req-<id>.json`` ``{"id", "counts": {stage: n}}`` atomically (a temporary file
@@ -112,7 +112,11 @@ def parse_counts(items: list[str]) -> dict[str, int]:
             n = None
         if not sep or not name or n is None:
             raise ConfigError(f"{item!r} is not STAGE=N", field=item, fix="write e.g. reward=4")
-        counts[name.strip()] = n
+        name = name.strip()
+        if name in counts:  # `reward=2 reward=1`: which one was meant? never pick one silently
+            raise ConfigError(f"{name} is given twice ({name}={counts[name]} and {item})", field=item,
+                              fix=f"name each stage once, e.g. {name}={n}")
+        counts[name] = n
     return counts
 
 
@@ -252,7 +256,7 @@ def add_scale_parser(sub: argparse._SubParsersAction) -> None:
 
 def scale_command(args: argparse.Namespace) -> int:
     """Steps 1, 2 and 4 of the module docstring."""
-    from expstream.rundir import LOCK_NAME
+    from expstream.rundir import LOCK_NAME, is_locked
     from expstream.topology import load_topology
 
     counts = parse_counts(args.counts)
@@ -262,7 +266,7 @@ def scale_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"{out_dir} has no run/topology.yaml: not the --output of an expstream run",
                           field="--run-dir", fix="give the directory the run was started with --output")
     check_counts(load_topology(topo_path), counts)
-    if not _locked(out_dir / LOCK_NAME):
+    if not is_locked(out_dir / LOCK_NAME):
         print(f"expstream scale: no run holds {out_dir} (it finished or was never started); nothing to scale",
               file=sys.stderr)
         return EXIT_FAILED
@@ -273,7 +277,7 @@ def scale_command(args: argparse.Namespace) -> int:
     _write_atomic(req, {"id": rid, "counts": counts})
     deadline = time.monotonic() + args.timeout
     while not resp.exists():
-        ended = not _locked(out_dir / LOCK_NAME)
+        ended = not is_locked(out_dir / LOCK_NAME)
         if (ended or time.monotonic() > deadline) and not resp.exists():
             req.unlink(missing_ok=True)
             why = "ended before answering" if ended else f"did not answer within {args.timeout:.0f}s"
@@ -289,22 +293,3 @@ def scale_command(args: argparse.Namespace) -> int:
     for name, n in answer["counts"].items():
         print(f"{name:<17} {n} replicas" + (f"  ({changed[name]})" if name in changed else ""))
     return EXIT_OK
-
-
-def _locked(lock_path: Path) -> bool:
-    """True when some process holds ``flock`` on ``lock_path`` (the run's lock, expstream.rundir)."""
-    import fcntl
-
-    try:
-        fd = os.open(lock_path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)

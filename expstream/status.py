@@ -68,7 +68,12 @@ def _percentile(xs: list[float], q: float) -> float | None:
 
 
 def window_stats(recent: list[tuple[float, float, int]], now: float, window_s: float = STATUS_WINDOW_S) -> dict:
-    """Rates and p50/p95 time per micro-batch over the last ``window_s`` from (time, seconds, samples)."""
+    """Rates and p50/p95 time per micro-batch over the last ``window_s`` from (time, seconds, samples).
+
+    ``last_progress_s`` ("idle s"): seconds since the newest micro-batch ended, never negative. The
+    times are the replicas' clocks when they recorded a batch; one that ends while the snapshot is
+    being read, or a replica whose clock runs ahead of this host's, counts as "just now" (0), and the
+    newest time wins whatever order several replicas' entries arrived in."""
     inside = [r for r in recent if now - r[0] <= window_s]
     span = min(window_s, max(1e-9, now - min((r[0] for r in inside), default=now))) if inside else window_s
     span = max(span, 1.0)
@@ -76,7 +81,7 @@ def window_stats(recent: list[tuple[float, float, int]], now: float, window_s: f
     return {"records_per_s": round(len(inside) / span, 3), "samples_per_s": round(sum(r[2] for r in inside) / span, 3),
             "batch_p50_s": _percentile(secs, 0.5), "batch_p95_s": _percentile(secs, 0.95),
             "busy_share": round(min(1.0, sum(secs) / span), 3),
-            "last_progress_s": round(now - recent[0][0], 3) if recent else None}
+            "last_progress_s": round(max(0.0, now - max(r[0] for r in recent)), 3) if recent else None}
 
 
 def accounting(flow: dict[str, int], dropped: int = 0) -> dict[str, Any]:
@@ -128,10 +133,11 @@ def scrape_run(run_dir: Path, previous: dict[str, Any] | None = None) -> dict[st
     (since ``previous``, an earlier scrape's result, when given: the last interval instead of the
     whole run), the oldest policy version its replicas handled last; the supervisor's restarts per stage.
     The histograms' raw sums and counts stay in ``raw`` for the next call."""
+    from expstream.metrics import discovery_files
+
     out: dict[str, Any] = {"stages": {}, "restarts": {}, "wanted": {}}
-    for f in sorted((Path(run_dir) / "run" / "metrics").glob("*.json")):
+    for info in discovery_files(Path(run_dir) / "run" / "metrics"):  # files of processes gone are skipped
         try:
-            info = json.loads(f.read_text())
             m = _scrape(info["url"])
         except (OSError, ValueError, KeyError):
             continue
@@ -145,10 +151,10 @@ def scrape_run(run_dir: Path, previous: dict[str, Any] | None = None) -> dict[st
         for key, name in (("age", "expstream_record_age_seconds"), ("stale", "expstream_staleness_versions")):
             row[key][0] += sum((m.get(f"{name}_sum") or {}).values())
             row[key][1] += sum((m.get(f"{name}_count") or {}).values())
-        handled = sum((m.get("expstream_records_processed_total") or {}).values())
-        versions = list((m.get("expstream_policy_version") or {}).values())
-        if versions and handled:  # a replica that handled nothing yet has no version to show
-            row["version"] = int(min(versions)) if row["version"] is None else min(row["version"], int(min(versions)))
+        # NaN until a replica has a version (expstream/metrics.py): nothing to show for it yet
+        versions = [int(v) for v in (m.get("expstream_policy_version") or {}).values() if v == v]
+        if versions:
+            row["version"] = min(versions) if row["version"] is None else min(row["version"], min(versions))
     raw: dict[str, Any] = {}
     before = (previous or {}).get("raw", {})
     for stage, row in out["stages"].items():
@@ -170,7 +176,6 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
     from expstream.bus import make_admin
     from expstream.state import RedisState
 
-    now = time.time()
     own_state = state is None
     state = state or RedisState(redis_url, run_id)
     own_admin = admin is None
@@ -180,6 +185,8 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
         flows = state.flows()
         counters = state.counters()
         announced = int(state.policy_version())
+        recents = {st.name: state.stage_recent(st.name) for st in topo.enabled_stages()}
+        now = time.time()  # after the Redis reads: no batch recorded before it is "in the future"
         scraped = scrape_run(run_dir, previous) if run_dir is not None else {"stages": {}, "restarts": {}, "wanted": {}}
         wanted = scraped["wanted"]
         stages: dict[str, Any] = {}
@@ -194,7 +201,7 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
             stages[st.name] = {
                 "replicas_alive": alive, "replicas_wanted": wanted.get(st.name, st.replicas),
                 "restarts": int(scraped["restarts"].get(st.name, 0)),
-                **window_stats(state.stage_recent(st.name), now),
+                **window_stats(recents[st.name], now),
                 "input_topic": st.input, "input_lag_records": lag, "input_lag_s": extra.get("age"),
                 "dead_letters": dead, **accounting(flows.get(st.name, {}), dropped),
                 # the oldest policy version the stage's replicas handled last (their gauges); without
@@ -273,10 +280,64 @@ def bottleneck(stages: dict[str, Any]) -> dict[str, Any] | None:
                                                                              if age is not None else "")}
 
 
+#: The columns of the two tables: (header, justify) in display order, and which ones go first when the
+#: console is too narrow (least useful first). stage, lag / in, out, dead, flight always stay: they are
+#: what "where are my samples" needs.
+FLOW_COLUMNS = ("stage", "repl", "lag", "age s", "rec/s", "smp/s", "p50ms", "p95ms", "busy", "idle s")
+FLOW_DROP_ORDER = ("p50ms", "rec/s", "age s", "p95ms", "repl", "busy", "idle s", "smp/s")
+ACCT_COLUMNS = ("stage", "in", "out", "dead", "drop", "flight", "DLQ rec", "policy v", "stale v", "restarts")
+ACCT_DROP_ORDER = ("stale v", "policy v", "DLQ rec", "drop", "restarts")
+
+
+class FittedTable:
+    """A rich table that leaves out its least important columns until it fits the console's width.
+
+    rich squeezes every column of a table wider than the console, so at 80 columns each number was
+    cut to ``1…`` (the in/out counts vanished). This lays the table out compactly (no outer frame,
+    one space between columns) and drops whole columns in ``drop_order`` until it fits, naming what
+    it left out; ``--json`` and a wider terminal show everything.
+    """
+
+    def __init__(self, title: str, columns: tuple[str, ...], rows: list[list[Any]], drop_order: tuple[str, ...]) -> None:
+        self.title, self.columns, self.rows, self.drop_order = title, columns, rows, drop_order
+
+    def table(self, keep: list[int]) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        t = Table(title=self.title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 0))  # the box's blank vertical is the one space between columns
+        for i in keep:
+            name = self.columns[i]
+            t.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+        for row in self.rows:
+            t.add_row(*(row[i] for i in keep))
+        return t
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.measure import Measurement
+        from rich.text import Text
+
+        keep = list(range(len(self.columns)))
+        dropped: list[str] = []
+        table = self.table(keep)
+        unbounded = options.update_width(1 << 16)  # the width it wants (a measurement is capped at the console's)
+        for name in self.drop_order:
+            if Measurement.get(console, unbounded, table).maximum <= options.max_width:
+                break
+            keep.remove(self.columns.index(name))
+            dropped.append(name)
+            table = self.table(keep)
+        yield table
+        if dropped:
+            yield Text(f"(left out at {options.max_width} columns: {', '.join(dropped)}; a wider terminal or --json "
+                       "shows them)", style="dim")
+
+
 def render_status(snap: dict[str, Any]) -> Any:
-    """A rich renderable: the bottleneck line, a flow table and an accounting table (one row per stage)."""
+    """A rich renderable: the bottleneck line, a flow table and an accounting table (one row per stage),
+    each fitted to the console's width (:class:`FittedTable`)."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     def f(x: Any, spec: str = ".1f") -> str:
@@ -288,20 +349,20 @@ def render_status(snap: dict[str, Any]) -> Any:
     b = (snap.get("bottleneck") or {}).get("stage")
     finished = bool(snap.get("finished"))
     when = time.strftime("%H:%M:%S", time.localtime(snap["t"]))
-    flow = Table(title=f"run {snap['run_id']}  policy v{snap['policy_version']}  {when}", title_justify="left")
-    for col in ("stage", "repl", "lag", "age s", "rec/s", "smp/s", "p50ms", "p95ms", "busy", "idle s"):
-        flow.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True, min_width=16 if col == "stage" else None)
-    acct = Table(title="samples: in = out + dead + dropped + in flight", title_justify="left")
-    for col in ("stage", "in", "out", "dead", "drop", "flight", "DLQ rec", "policy v", "stale v", "restarts"):
-        acct.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True, min_width=16 if col == "stage" else None)
+    flow_rows, acct_rows = [], []
     for name, s in snap["stages"].items():
         style = "bold red" if name == b else ""
-        flow.add_row(Text(name, style=style), f"{s['replicas_alive']}/{s['replicas_wanted']}", f(s["input_lag_records"]),
-                     f(s["input_lag_s"]), f(s["records_per_s"]), f(s["samples_per_s"]), ms(s["batch_p50_s"]),
-                     ms(s["batch_p95_s"]), f"{s['busy_share']:.0%}", f(s["last_progress_s"]))
-        acct.add_row(Text(name, style=style), f(s["samples_in"]), f(s["samples_out"]), f(s["samples_dead"]),
-                     f(s["samples_dropped"]), Text(str(s["in_flight"]), style=_flight_style(s["in_flight"], finished)),
-                     f(s["dead_letters"]), f(s.get("policy_version_seen")), f(s["staleness_versions"]), f(s["restarts"]))
+        flow_rows.append([Text(name, style=style), f"{s['replicas_alive']}/{s['replicas_wanted']}",
+                          f(s["input_lag_records"]), f(s["input_lag_s"]), f(s["records_per_s"]), f(s["samples_per_s"]),
+                          ms(s["batch_p50_s"]), ms(s["batch_p95_s"]), f"{s['busy_share']:.0%}", f(s["last_progress_s"])])
+        acct_rows.append([Text(name, style=style), f(s["samples_in"]), f(s["samples_out"]), f(s["samples_dead"]),
+                          f(s["samples_dropped"]),
+                          Text(str(s["in_flight"]), style=_flight_style(s["in_flight"], finished)),
+                          f(s["dead_letters"]), f(s.get("policy_version_seen")), f(s["staleness_versions"]),
+                          f(s["restarts"])])
+    flow = FittedTable(f"run {snap['run_id']}  policy v{snap['policy_version']}  {when}", FLOW_COLUMNS, flow_rows,
+                       FLOW_DROP_ORDER)
+    acct = FittedTable("samples: in = out + dead + dropped + in flight", ACCT_COLUMNS, acct_rows, ACCT_DROP_ORDER)
     head = Text(f"bottleneck: {b} ({snap['bottleneck']['why']})" if b else "bottleneck: -", style="bold")
     parts = [head, flow, acct]
     if finished:
@@ -386,8 +447,11 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
 
 def status_command(args: argparse.Namespace) -> int:
     import os
+    import sys
 
+    from expstream.errors import EXIT_FAILED
     from expstream.secrets import REDIS_URL_ENV
+    from expstream.state import RedisState
     from expstream.topology import load_topology
 
     run_dir = Path(args.run_dir) if args.run_dir else None
@@ -408,41 +472,97 @@ def status_command(args: argparse.Namespace) -> int:
         bootstrap, run_id = args.bootstrap_servers, args.run_id
         topo = load_topology(args.topology, [])
 
+    gone = _redis_gone(redis_url)
+    if gone is not None:  # the run is over: its last snapshot, or why there is none
+        last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
+        if last is None:
+            if run_dir is None or args.redis_url:  # a Redis the user named does not answer: say so, naming the flag
+                from expstream.preflight import check_redis
+
+                check_redis(redis_url, timeout_s=GONE_CHECK_S)
+            print(f"expstream status: the run in {run_dir} is not running ({gone}), and it left no {STATUS_FILE} "
+                  "snapshot to show (it ended or was killed before its first one)", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"the run's services are gone; its last snapshot ({time.strftime('%H:%M:%S', time.localtime(last['t']))}"
+              f", {run_dir / STATUS_FILE}):", file=sys.stderr if args.json else sys.stdout)  # --json: JSON only
+        last["finished"] = True
+        if args.json:
+            print(json.dumps(last, indent=1))
+        else:
+            from rich.console import Console
+
+            Console().print(render_status(last))
+        return 0
+
+    # a short retry budget: a Redis that stops answering means the run ended, not an outage to wait out
+    state = RedisState(redis_url, run_id, connect_timeout_s=GONE_CHECK_S, retry_deadline_s=GONE_CHECK_S)
     previous: list[dict[str, Any] | None] = [None]
 
     def snap() -> dict[str, Any]:
         got = collect_status(topo, bootstrap=bootstrap, redis_url=redis_url, run_id=run_id, run_dir=run_dir,
-                             previous=previous[0])
+                             state=state, previous=previous[0])
         previous[0] = got.get("scrape")  # --watch: age and staleness over each redraw interval
         return got
 
+    try:
+        if args.json:
+            print(json.dumps(snap(), indent=1))
+            return 0
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console()
+        if not args.watch:
+            console.print(render_status(snap()))
+            return 0
+        try:
+            with Live(render_status(snap()), console=console, refresh_per_second=4, screen=False) as live:
+                while True:
+                    time.sleep(max(0.2, args.interval))
+                    ended = _run_ended(run_dir, redis_url)
+                    if ended is None:
+                        try:
+                            live.update(render_status(snap()))
+                            continue
+                        except Exception:  # noqa: BLE001 - the run ending under the snapshot: looked at below
+                            ended = _run_ended(run_dir, redis_url)
+                            if ended is None:
+                                raise
+                    last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
+                    if last is not None:  # the run's own final snapshot (accounting after the last sample)
+                        last["finished"] = True
+                        live.update(render_status(last))
+                    break
+            console.print(f"the run has ended ({ended}); the last snapshot above"
+                          + (f" is its final one, from {run_dir / STATUS_FILE}" if last is not None else ""))
+            return 0
+        except KeyboardInterrupt:
+            return 0
+    finally:
+        state.close()
+
+
+def _redis_gone(redis_url: str) -> str | None:
+    """Why the run's Redis is out of reach (None when it answers PING within GONE_CHECK_S). A refused
+    password is not "gone": that AuthError is raised."""
+    from expstream.errors import AuthError
     from expstream.preflight import check_redis
 
     try:
         check_redis(redis_url, timeout_s=GONE_CHECK_S)
-    except ConfigError:
-        last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
-        if last is None:
-            raise
-        print(f"the run's services are gone; its last snapshot ({time.strftime('%H:%M:%S', time.localtime(last['t']))}"
-              f", {run_dir / STATUS_FILE}):")
-        last["finished"] = True
-        snap = lambda: last  # noqa: E731
+    except AuthError:
+        raise
+    except ConfigError as exc:
+        return f"its Redis does not answer: {exc.message}"
+    return None
 
-    if args.json:
-        print(json.dumps(snap(), indent=1))
-        return 0
-    from rich.console import Console
-    from rich.live import Live
 
-    console = Console()
-    if not args.watch:
-        console.print(render_status(snap()))
-        return 0
-    try:
-        with Live(render_status(snap()), console=console, refresh_per_second=4, screen=False) as live:
-            while True:
-                time.sleep(max(0.2, args.interval))
-                live.update(render_status(snap()))
-    except KeyboardInterrupt:
-        return 0
+def _run_ended(run_dir: Path | None, redis_url: str) -> str | None:
+    """Why a watched run is over (None while it runs): no process holds its directory's lock any more
+    (expstream/rundir.py; the run releases it last), or its Redis stopped answering."""
+    from expstream.rundir import LOCK_NAME, is_locked
+
+    lock = run_dir / LOCK_NAME if run_dir is not None else None
+    if lock is not None and lock.exists() and not is_locked(lock):
+        return f"no process holds {lock} any more"
+    return _redis_gone(redis_url)

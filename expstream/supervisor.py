@@ -29,6 +29,15 @@ SIGTERM is SIGKILLed (its uncommitted micro-batch is redelivered to the others).
 thread that runs the supervisor for the whole run (the run loop's main thread): ``PDEATHSIG`` fires
 when the *thread* that forked a child ends, not only its process.
 
+A child that exits with code 2 (a configuration error, or code that cannot be imported:
+expstream/cli.py) fails the run at once, and the :class:`SupervisorError` quotes the last line of its
+log (the error itself), so the run's one-line failure says what went wrong without opening the log.
+
+When a replica's process is gone for good (retired after a scale-down, or stopped at the end), the
+``on_gone(name, replica)`` callback given to the constructor runs (expstream run removes the
+replica's metrics discovery file with it: a file left behind would point ``expstream status`` at
+a port some other process may own by now).
+
 Fault injection (``EXPSTREAM_FAULT``, see stages/runner.py) is one-shot per replica: the first
 process of a replica gets the variable as given, a restarted one gets it without the entries that
 name its own stage. Otherwise a fault planned at the k-th record would fire again in every
@@ -70,6 +79,22 @@ FAULT_ENV = "EXPSTREAM_FAULT"
 EXIT_WITH_PARENT_ENV = "EXPSTREAM_EXIT_WITH_PARENT"
 
 
+#: How much of the end of a child's log :func:`last_error_line` reads (its last lines are the error).
+LOG_TAIL_BYTES = 4096
+
+
+def last_error_line(path: Path) -> str | None:
+    """The last non-empty line of a child's log (where ``expstream: ...`` errors end up), shortened."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            tail = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1][:500] if lines else None
+
+
 @dataclass
 class Child:
     name: str
@@ -109,7 +134,8 @@ class Supervisor:
     """
 
     def __init__(self, log_dir: Path, max_restarts: int = 5, env: dict[str, str] | None = None,
-                 spawn: str = "exec", fork_entry: str | None = None) -> None:
+                 spawn: str = "exec", fork_entry: str | None = None,
+                 on_gone: Callable[[str, int], None] | None = None) -> None:
         if spawn not in ("exec", "fork"):
             raise ValueError(f"spawn: {spawn!r}; use exec (a fresh interpreter per stage) or fork (fork server)")
         if spawn == "fork" and not fork_entry:
@@ -122,6 +148,7 @@ class Supervisor:
         self.env = {**os.environ, **(env or {}), EXIT_WITH_PARENT_ENV: "1"}
         self.children: list[Child] = []
         self.stopping = False
+        self.on_gone = on_gone
 
     def add(self, name: str, replica: int, argv: list[str], *, one_shot: bool = False,
             stop_last: bool = False) -> Child:
@@ -152,9 +179,12 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         if self.spawn == "fork":
-            from expstream.forkserver import ForkedProcess
+            from expstream.forkserver import ForkedProcess, ForkServerError
 
-            child.proc = ForkedProcess(self.fork_entry, child.argv, child.log_path, self._child_env(child))
+            try:
+                child.proc = ForkedProcess(self.fork_entry, child.argv, child.log_path, self._child_env(child))
+            except ForkServerError as exc:
+                raise SupervisorError(f"{child.kind} {child.label} could not be started: {exc}") from exc
             self._started(child)
             return
         out = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
@@ -200,8 +230,9 @@ class Supervisor:
                 log.info("%s %s finished (exit 0); not restarted", child.kind, child.label)
                 continue
             if code == EXIT_CONFIG:
-                raise SupervisorError(f"{child.kind} {child.label} exited with a configuration error (code {code}); "
-                                      f"see {child.log_path}")
+                said = last_error_line(child.log_path)
+                raise SupervisorError(f"{child.kind} {child.label} exited with a configuration error (code {code})"
+                                      + (f": {said}" if said else "") + f"; see {child.log_path}")
             if now - child.started_at > HEALTHY_AFTER_S:
                 child.failures_in_a_row = 0
             child.failures_in_a_row += 1
@@ -275,16 +306,27 @@ class Supervisor:
         log.info("%s %s left after scale-down (exit code %s)", child.kind, child.label, code)
         child.proc = None
         self._write_pids()
+        self._gone(child)
+
+    def _gone(self, child: Child) -> None:
+        if self.on_gone is not None:
+            try:
+                self.on_gone(child.name, child.replica)
+            except Exception as exc:  # noqa: BLE001 - housekeeping never stops the supervisor
+                log.warning("%s %s: clean-up after its exit failed: %s", child.kind, child.label, exc)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Two waves: every child not ``stop_last``, then the ``stop_last`` ones (each wave: SIGTERM,
         wait up to ``grace_s``, SIGKILL), so a recorder sees every record the stages wrote."""
+        if self.stopping and not any(c.proc is not None and c.proc.poll() is None for c in self.children):
+            return  # stopped already (expstream run may call this twice): nothing to stop, nothing new to report
         self.stopping = True
         for last in (False, True):
             self._stop_wave([c for c in self.children if c.stop_last == last], grace_s)
         for child in self.children:
             if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
                 log.warning("%s %s exited with code %s on stop", child.kind, child.label, child.proc.returncode)
+            self._gone(child)
         self._write_pids()
 
     def _stop_wave(self, children: list[Child], grace_s: float) -> None:

@@ -129,6 +129,8 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     # bound, waiting otherwise. The version returned is the one loaded, admitted and stamped: the weights
     # are never reloaded again between the admission and the generation.
     version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
+    if ctx.metrics is not None:  # a prompt record has no version: show the one generating it (expstream/metrics.py)
+        ctx.metrics.policy_version.set(version)
     prompts = tokenize_prompts(batch, ctx)
     images = batch.images or [[] for _ in batch.prompt_id]
     videos = batch.videos or [[] for _ in batch.prompt_id]

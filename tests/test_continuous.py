@@ -278,6 +278,10 @@ def test_ctrl_c_stops_the_trainer_and_the_stages_and_writes_the_summary(tmp_path
     assert (summary["mode"], summary["status"]) == ("continuous", "interrupted")
     assert 1 <= summary["steps"] < 1000 and summary["trainer_done"] is False
     assert summary["steps"] == len((out / "train.jsonl").read_text().splitlines())  # read after the trainer stopped
+    # the weights trained so far, loadable, as README.md promises for Ctrl-C
+    assert summary["final_weights"] == str(out / "final"), summary
+    assert (out / "final" / "config.json").is_file() and list((out / "final").glob("*.safetensors"))
+    assert "leaked semaphore" not in err
     assert leftovers(out / "run") == []
 
 

@@ -119,6 +119,18 @@ def test_force_deletes_only_run_directories(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_dir_that_is_not_a_run_is_refused_without_suggesting_force_which_would_refuse_too(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not an expstream run directory") as plain:
+        claim_run_dir(tmp_path)
+    assert "--force deletes run directories only" in str(plain.value)
+    assert "pass --force" not in str(plain.value) and plain.value.fix == "give a new or empty directory"
+    with pytest.raises(ConfigError) as forced:  # what the message says about --force holds
+        claim_run_dir(tmp_path, force=True)
+    assert str(forced.value) == str(plain.value)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_resume_is_refused_with_the_reason_and_keeps_the_run(tmp_path):
     out = previous_run(tmp_path / "out", run_id="r-old")
     before = names(out)

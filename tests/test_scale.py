@@ -26,7 +26,7 @@ from test_crash import ROOT, PipelineRun, model_cache  # noqa: F401 - model_cach
 from expstream.errors import EXIT_CONFIG, ConfigError
 from expstream.run import write_resolved_topology
 from expstream.rundir import lock_run_dir
-from expstream.scale import AutoscaleMemory, Scaler, desired_replicas, scale_dir
+from expstream.scale import AutoscaleMemory, Scaler, desired_replicas, parse_counts, scale_dir
 from expstream.supervisor import Supervisor
 from expstream.topology import AutoscaleConfig, load_topology
 
@@ -110,6 +110,13 @@ def test_scale_refuses_a_bad_item_with_exit_2(tmp_path: Path, item: str, named: 
     assert proc.returncode == EXIT_CONFIG, proc.stderr
     assert named in proc.stderr, proc.stderr
     assert not list(scale_dir(out).glob("req-*")), "a refused request must not be left for the run"
+
+
+def test_a_stage_named_twice_is_refused_not_resolved_silently() -> None:
+    with pytest.raises(ConfigError, match=r"reward is given twice \(reward=2 and reward=1\)") as exc:
+        parse_counts(["reward=2", "generate=1", "reward=1"])
+    assert exc.value.field == "reward=1"
+    assert parse_counts(["reward=2", "generate=1"]) == {"reward": 2, "generate": 1}
 
 
 def test_scale_without_a_running_run_exits_1(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ Per optimisation step u (0-based; trains weights of version u, publishes version
    ``train.jsonl`` line and print one progress line.
 
 After ``train.max_steps``: ``DIR/final/`` (a loadable HF directory) and ``DIR/train/done.json``.
+Stopped by SIGTERM/SIGINT after at least one step: a checkpoint and ``DIR/final/`` (no done.json).
 Resume after a crash: the checkpoint's weights, optimiser state, buffer and taken ids; versions the
 store holds beyond it are discarded (never announced); ``train.jsonl`` is cut back to the
 checkpoint's steps; the experiences are re-read from the checkpoint's positions.
@@ -356,17 +357,25 @@ class Trainer:
             elif self.stop:
                 positions = self.checkpoint()
                 self.stream.commit(positions)
-                log.info("trainer: stopped at step %d (checkpoint written)", self.step)
+                if self.step:  # Ctrl-C ends a run too: its weights so far, loadable, as after max_steps
+                    self._save_final()
+                log.info("trainer: stopped at step %d (checkpoint written%s)", self.step,
+                         ", weights in final/" if self.step else "")
         finally:
             self.stream.close()
             self.control.close()
             self.state.close()
         return EXIT_OK
 
-    def _finish(self) -> None:
+    def _save_final(self) -> Path:
+        """``DIR/final/``: the actor as a loadable model directory (weights, config, tokenizer)."""
         final = self.output / "final"
         self.trainer.actor.save_pretrained(final, safe_serialization=True)
         self.tokenizer.save_pretrained(final)
+        return final
+
+    def _finish(self) -> None:
+        final = self._save_final()
         done = {"steps": self.step, "policy_version": self.step, "run_id": self.run_id,
                 "dropped_stale": int(self.counters["dropped_stale"]), "duplicates": int(self.counters["duplicates"]),
                 "undecodable": self.stream.undecodable, "time": time.time()}
