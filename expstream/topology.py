@@ -92,7 +92,13 @@ class RunConfig:
 
 @dataclass
 class RedisConfig:
-    group_ttl_s: int = 86400
+    group_ttl_s: int = 86400  # an unsettled group buffer (an abandoned run's) expires this long after its last write
+    group_done_ttl_s: int = 3600  # a settled group's "done" marker is kept this long (docs/async.md "What Redis keeps")
+
+    def __post_init__(self) -> None:
+        _check(self.group_ttl_s >= 0, "redis.group_ttl_s", "must be >= 0 seconds (0: buffers never expire)")
+        _check(self.group_done_ttl_s >= 1, "redis.group_done_ttl_s",
+               "must be >= 1 second (how long a rewound record of a freed group is still known as a duplicate)")
 
 
 @dataclass
@@ -220,6 +226,9 @@ class TrainConfig:
     critic_lr: float = 1e-3
     checkpoint_every: int = 1  # steps between checkpoints (offsets are committed only after one)
     weight_store: str | None = None  # a directory; null = <run output>/weights
+    # versions the weight store keeps: null = async.max_staleness + 1 (the staleness window); N = the N
+    # newest (never fewer than max_staleness + 1); 0 = every version. The latest checkpoint's is always kept.
+    keep_versions: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "train.max_steps", "must be >= 1")
@@ -235,6 +244,8 @@ class TrainConfig:
                f"got {self.old_log_probs!r}; use recompute (the trainer's current weights) or stage (actor-logprob's)")
         _check(self.is_cap >= 1, "train.is_cap", "must be >= 1 (the importance-weight cap C)")
         _check(self.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+        _check(self.keep_versions is None or self.keep_versions >= 0, "train.keep_versions",
+               "must be null (the staleness window: async.max_staleness + 1), N >= 1 (the N newest) or 0 (all)")
 
 
 @dataclass

@@ -119,6 +119,75 @@ def test_redis_group_buffers_expire_after_the_ttl(redis_state):
     assert 0 < ttl <= redis_state.group_ttl_s
 
 
+def test_a_group_is_freed_once_its_completer_and_every_members_record_are_committed(state):
+    g = "prompt-9"
+    assert state.park_group(g, 4, "r0", {0: b"s0", 1: b"s1"}) is None
+    done = state.park_group(g, 4, "r1", {2: b"s2", 3: b"s3"})
+    assert done == [b"s0", b"s1", b"s2", b"s3"]
+    # the completer r1 committed first: r0 may still be redelivered, so the buffer stays
+    assert state.settle_groups("r1", {g: [2, 3]}) == []
+    assert state.group_status(g) == (4, 4, "r1")
+    assert state.park_group(g, 4, "r1", {2: b"s2", 3: b"s3"}) == done  # a redelivery still answered
+    # r0 committed too: nothing can be redelivered any more, the buffer goes
+    assert state.settle_groups("r0", {g: [0, 1]}) == [g]
+    assert state.group_status(g) == (0, None, None)
+    assert state.group_done(g)
+    # a record of the group read again (a rewind) is a duplicate: nothing parked, nothing handed out
+    assert state.park_group(g, 4, "r1", {2: b"s2", 3: b"s3"}) is None
+    assert state.park_group(g, 4, "r0", {0: b"s0", 1: b"s1"}) is None
+    assert state.group_status(g) == (0, None, None)
+    assert state.settle_groups("r0", {g: [0, 1]}) == []  # idempotent: nothing more to free
+
+
+def test_a_group_waits_for_its_completing_record_itself_not_only_for_its_members(state):
+    g = "prompt-10"
+    state.park_group(g, 2, "r0", {0: b"a"})
+    assert state.park_group(g, 2, "r1~0-1", {1: b"b"}) == [b"a", b"b"]  # completed by a split sub-batch of r1
+    # every member is committed by another record (r0 carried both, e.g. a duplicate upstream),
+    # but the completing record r1 is not: its redelivery must still get the group
+    assert state.settle_groups("r0", {g: [0, 1]}) == []
+    assert state.park_group(g, 2, "r1~0-1", {1: b"b"}) == [b"a", b"b"]
+    assert state.settle_groups("r1", {g: [1]}) == [g]  # the sub-batch's record: r1
+    assert not state.settle_groups("r2", {"never-parked": [0]})  # unknown groups are skipped, nothing created
+    assert state.group_status("never-parked") == (0, None, None)
+
+
+def test_a_partly_parked_group_is_not_freed_by_its_committed_members(state):
+    g = "prompt-11"
+    state.park_group(g, 3, "r0", {0: b"a", 1: b"b"})
+    assert state.settle_groups("r0", {g: [0, 1]}) == []
+    assert state.group_status(g) == (2, 3, None)  # member 2 is still to come: kept
+    assert state.park_group(g, 3, "r1", {2: b"c"}) == [b"a", b"b", b"c"]
+    assert state.settle_groups("r1", {g: [2]}) == [g]
+
+
+@pytest.mark.integration
+def test_redis_settle_deletes_the_group_keys_and_keeps_one_done_set(redis_state):
+    for i in range(20):
+        redis_state.park_group(f"g{i}", 2, f"r{i}", {0: b"x" * 1000, 1: b"y" * 1000})
+        redis_state.settle_groups(f"r{i}", {f"g{i}": [0, 1]})
+    keys = sorted(k.decode() for k in redis_state.client.scan_iter(match=redis_state.key("*")))
+    assert keys == [redis_state.key("groups", "done")]
+    assert redis_state.client.zcard(redis_state.key("groups", "done")) == 20
+    assert 0 < redis_state.client.ttl(redis_state.key("groups", "done")) <= redis_state.group_ttl_s
+
+
+def test_done_markers_are_dropped_after_group_done_ttl_s(state_handles):
+    state = state_handles()
+    state.group_done_ttl_s = 1
+    state.park_group("old", 1, "r0", {0: b"a"})
+    assert state.settle_groups("r0", {"old": [0]}) == ["old"]
+    assert state.group_done("old")
+    time.sleep(1.2)
+    assert not state.group_done("old")
+    # past the TTL a record of it read again re-forms the group (re-emitted with the same ids; readers dedupe)
+    assert state.park_group("old", 1, "r0", {0: b"a"}) == [b"a"]
+    state.park_group("new", 1, "r1", {0: b"b"})
+    state.settle_groups("r1", {"new": [0]})  # trims the expired marker of "old" (re-added as it settles again)
+    assert state.settle_groups("r0", {"old": [0]}) == ["old"]
+    assert state.group_done("old") and state.group_done("new")
+
+
 def test_park_group_rejects_inconsistent_records(state):
     with pytest.raises(PoisonRecordError, match="sample_index"):
         state.park_group("g", 2, "m0", {2: b"x"})
@@ -321,6 +390,25 @@ def test_admit_within_the_bound_is_idempotent_and_moves_a_redelivered_record(sta
     # a larger bound (a newer version) lets the refused record in
     assert state.admit("p2", 8, 1, 24) is True
     assert state.admission_counts() == ({0: 8, 1: 16}, {})
+
+
+def test_a_delivered_record_read_again_is_admitted_without_counting_or_moving_anything(state):
+    """Issue 21 item 3: a rewind of generate reads committed prompt records again. Their samples were
+    counted (and have arrived, or will); counting the regenerated copies under the newer version made
+    the trainer wait for samples that never come (the copies are duplicates, swallowed downstream)."""
+    assert state.admit("p0", 8, 0, 16) is True
+    assert state.admit("p1", 8, 0, 16) is True
+    assert state.mark_delivered(["p0", "p0", "never-admitted"]) == 1
+    assert state.mark_delivered(["p0"]) == 0  # idempotent
+    # p0 read again under version 3 (a rewind): admitted at once, counts unchanged, version kept
+    assert state.admit("p0", 8, 3, 0) is True
+    assert state.admission_counts() == ({0: 16}, {})
+    assert state.admitted_version("p0") == 0
+    # p1 was not committed: a redelivery is a crash's, regenerated under newer weights: its count moves
+    assert state.admit("p1", 8, 3, 0) is True
+    assert state.admission_counts() == ({0: 8, 3: 8}, {})
+    assert state.admit("never-admitted", 8, 3, 24) is True  # unknown ids are not marked, admitted normally
+    assert state.admission_counts() == ({0: 8, 3: 16}, {})
 
 
 def test_lost_samples_free_room_once_per_batch_id(state):

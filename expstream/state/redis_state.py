@@ -21,8 +21,9 @@ Keys (``P`` = prefix):
 ==============================  ======  =================================================
 ``P moments:<name>``            hash    count, mean, m2 (``%.17g`` strings: exact doubles)
 ``P moments:<name>:applied``    hash    batch_id -> post-merge snapshot "count mean m2"
-``P group:<group_id>``          hash    sample_index -> payload bytes (TTL ``group_ttl_s``)
-``P group:<group_id>:meta``     hash    n, completer (TTL ``group_ttl_s``)
+``P group:<group_id>``          hash    sample_index -> payload bytes (TTL ``group_ttl_s``; freed when settled)
+``P group:<group_id>:meta``     hash    n, completer, c<i> per committed member, settled (TTL, freed alike)
+``P groups:done``               zset    settled (freed) group id -> unix ms freed; kept ``group_done_ttl_s``
 ``P kl_coef``                   string  current KL coefficient
 ``P kl_coef:applied``           hash    step_id -> coefficient after that step
 ``P stage:<stage>``             hash    batches, samples, seconds
@@ -37,7 +38,7 @@ Keys (``P`` = prefix):
 ``P window:<name>:cur``         string  the open window's k
 ``P window:<name>:<k>:members`` hash    batch_id -> payload bytes (TTL ``group_ttl_s``)
 ``P window:<name>:<k>:meta``    hash    samples, closer (TTL ``group_ttl_s``)
-``P admission:of``              hash    admitted batch_id -> "version samples"
+``P admission:of``              hash    admitted batch_id -> "version samples", + " d" once delivered
 ``P admission:lost_of``         hash    lost batch_id -> "version samples"
 ``P admission:admitted``        hash    version -> samples admitted under it
 ``P admission:lost``            hash    version -> samples lost of it
@@ -64,12 +65,14 @@ from expstream.retry import Attempt, Policy, retry
 from expstream.running import batch_moments, check_kl_update
 from expstream.secrets import redact_url
 from expstream.state.base import (
+    DEFAULT_GROUP_DONE_TTL_S,
     DEFAULT_GROUP_TTL_S,
     RECENT_BATCHES,
     Moments,
     WindowTaken,
     check_admission,
     check_group_members,
+    check_settle,
     kl_not_initialised,
     parse_recent,
 )
@@ -136,7 +139,10 @@ return {1, snap}
 """
 
 _PARK_GROUP = """
--- KEYS[1] members hash, KEYS[2] meta hash; ARGV n, batch_id, ttl, idx1, payload1, idx2, ...
+-- KEYS[1] members hash, KEYS[2] meta hash, KEYS[3] done zset
+-- ARGV n, batch_id, ttl, group_id, now_ms, done_ttl_ms, idx1, payload1, idx2, ...
+local freed = redis.call('ZSCORE', KEYS[3], ARGV[4])
+if freed and tonumber(freed) >= tonumber(ARGV[5]) - tonumber(ARGV[6]) then return {2} end
 local n = tonumber(ARGV[1])
 local stored_n = redis.call('HGET', KEYS[2], 'n')
 if stored_n then
@@ -146,7 +152,7 @@ if stored_n then
 else
   redis.call('HSET', KEYS[2], 'n', ARGV[1])
 end
-for i = 4, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 local ttl = tonumber(ARGV[3])
@@ -166,6 +172,51 @@ for idx = 0, n - 1 do
   out[#out + 1] = redis.call('HGET', KEYS[1], tostring(idx))
 end
 return out
+"""
+
+_SETTLE_GROUPS = """
+-- A record of the advantage stage is committed: mark its members committed; free every group whose
+-- completing record and every member's record are committed, leaving a "done" marker.
+-- KEYS[1] done zset, then per group its members hash and meta hash
+-- ARGV batch_id (the record's, no '~' suffix), now_ms, done_ttl_ms, group_ttl_s,
+--      then per group: group_id, m, m sample indices
+local now = tonumber(ARGV[2])
+local freed = {}
+local a, k = 5, 2
+while a <= #ARGV do
+  local gid, m = ARGV[a], tonumber(ARGV[a + 1])
+  local members, meta = KEYS[k], KEYS[k + 1]
+  local n = tonumber(redis.call('HGET', meta, 'n') or '0')
+  if n > 0 then
+    for i = 1, m do
+      local idx = tonumber(ARGV[a + 1 + i])
+      if idx < n then redis.call('HSET', meta, 'c' .. idx, '1') end
+    end
+    local completer = redis.call('HGET', meta, 'completer')
+    if completer then
+      local cut = string.find(completer, '~', 1, true)
+      if cut then completer = string.sub(completer, 1, cut - 1) end
+      if completer == ARGV[1] then redis.call('HSET', meta, 'settled', '1') end
+      if redis.call('HEXISTS', meta, 'settled') == 1 then
+        local marked = 0
+        for idx = 0, n - 1 do marked = marked + redis.call('HEXISTS', meta, 'c' .. idx) end
+        if marked == n then
+          redis.call('DEL', members, meta)
+          redis.call('ZADD', KEYS[1], now, gid)
+          freed[#freed + 1] = gid
+        end
+      end
+    end
+  end
+  a = a + 2 + m
+  k = k + 2
+end
+if #freed > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. tostring(now - tonumber(ARGV[3])))
+  local ttl = tonumber(ARGV[4])
+  if ttl > 0 then redis.call('EXPIRE', KEYS[1], math.max(ttl, math.ceil(tonumber(ARGV[3]) / 1000))) end
+end
+return freed
 """
 
 _KL_INIT = """
@@ -299,9 +350,8 @@ _ADMIT = """
 -- ARGV batch_id, samples, version, bound
 local prev = redis.call('HGET', KEYS[1], ARGV[1])
 if prev then
-  local sp = string.find(prev, ' ', 1, true)
-  local pv = string.sub(prev, 1, sp - 1)
-  local pn = string.sub(prev, sp + 1)
+  local pv, pn, delivered = string.match(prev, '^(%d+) (%d+)( ?d?)$')
+  if delivered == ' d' then return 1 end  -- read again after its commit (a rewind): counted once already
   if tonumber(ARGV[3]) < tonumber(pv) then return 0 end
   if pv ~= ARGV[3] then
     redis.call('HINCRBY', KEYS[2], pv, -tonumber(pn))
@@ -317,6 +367,19 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. ARGV[2])
 redis.call('HINCRBY', KEYS[2], ARGV[3], ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'admitted', ARGV[2])
 return 1
+"""
+
+_MARK_DELIVERED = """
+-- KEYS[1] admission:of; ARGV batch ids whose generate record is committed. Returns how many were new.
+local new = 0
+for i = 1, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v and string.sub(v, -2) ~= ' d' then
+    redis.call('HSET', KEYS[1], ARGV[i], v .. ' d')
+    new = new + 1
+  end
+end
+return new
 """
 
 _RECORD_LOST = """
@@ -344,6 +407,7 @@ class RedisState:
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
         retry_deadline_s: float = RETRY_DEADLINE_S,
         group_ttl_s: int = DEFAULT_GROUP_TTL_S,
+        group_done_ttl_s: int = DEFAULT_GROUP_DONE_TTL_S,
     ) -> None:
         if not run_id or any(c in run_id for c in "{}") or any(c.isspace() for c in run_id):
             raise ConfigError(
@@ -357,6 +421,7 @@ class RedisState:
         self.prefix = f"expstream:{{{run_id}}}:"
         self.retry_deadline_s = float(retry_deadline_s)
         self.group_ttl_s = int(group_ttl_s)
+        self.group_done_ttl_s = int(group_done_ttl_s)
         # redis-py's own retry is switched off: this class owns the policy (see _call).
         self._r = redis.Redis.from_url(
             url,
@@ -381,6 +446,8 @@ class RedisState:
                 ("park_window", _PARK_WINDOW),
                 ("flush_window", _FLUSH_WINDOW),
                 ("admit", _ADMIT),
+                ("mark_delivered", _MARK_DELIVERED),
+                ("settle", _SETTLE_GROUPS),
                 ("record_lost", _RECORD_LOST),
             )
         }
@@ -480,22 +547,52 @@ class RedisState:
         group then holds all ``n`` members, the first caller to see that becomes the group's
         *completer* and gets all ``n`` payloads ordered by sample_index; a later call with the same
         ``batch_id`` (a redelivery of the completing record) gets them again; anyone else gets None.
-        Buffers are kept (expire after ``group_ttl_s``) so that redeliveries stay answerable.
+        A buffer is kept until :meth:`settle_groups` frees it (or it expires after ``group_ttl_s``), so
+        that redeliveries stay answerable; a call for a group settled within ``group_done_ttl_s`` parks
+        nothing and gets None (a record read again after every record of the group was committed).
         """
-        args: list = [str(n), batch_id, str(self.group_ttl_s)]
+        args: list = [str(n), batch_id, str(self.group_ttl_s), group_id, str(int(time.time() * 1000)),
+                      str(self.group_done_ttl_s * 1000)]
         for i, payload in check_group_members(group_id, n, members).items():
             args += [str(i), payload]
         try:
             res = self._script(
-                "park", [self.key("group", group_id), self.key("group", group_id, "meta")], args
-            )
+                "park", [self.key("group", group_id), self.key("group", group_id, "meta"), self.key("groups", "done")],
+                args)
         except redis.ResponseError as exc:
             if "GROUPSIZE" in str(exc):
                 raise PoisonRecordError(f"group {group_id!r}: {exc}") from exc
             raise
-        if int(res[0]) == 0:
+        if int(res[0]) != 1:  # 0: not complete, or not this caller's; 2: settled already
             return None
         return list(res[1:])
+
+    def settle_groups(self, batch_id: str, members: Mapping[str, Sequence[int]]) -> list[str]:
+        """The advantage record ``batch_id`` is committed, carrying ``members`` (group id -> sample indices).
+
+        One Lua script: each member is marked committed in its group's meta hash (groups not parked
+        here, e.g. settled already, are skipped); the group's completing record is marked committed
+        when ``batch_id`` is the completer (or the record its split sub-batch came from). A complete
+        group whose completing record and n members' records are all committed can never be
+        redelivered (only read again by a rewind): its two keys are deleted and its id goes into the
+        ``groups:done`` sorted set, where :meth:`park_group` finds it for ``group_done_ttl_s``.
+        Returns the group ids freed by this call. Idempotent: a repeated call frees nothing more.
+        """
+        checked = check_settle(batch_id, members)
+        if not checked:
+            return []
+        keys = [self.key("groups", "done")]
+        args: list[str] = [batch_id, str(int(time.time() * 1000)), str(self.group_done_ttl_s * 1000),
+                           str(self.group_ttl_s)]
+        for group_id, indices in checked.items():
+            keys += [self.key("group", group_id), self.key("group", group_id, "meta")]
+            args += [group_id, str(len(indices)), *map(str, indices)]
+        return [g.decode() for g in self._script("settle", keys, args)]
+
+    def group_done(self, group_id: str) -> bool:
+        """True while the "done" marker of a settled group is kept (``group_done_ttl_s``)."""
+        freed = self._call("group_done", self._r.zscore, self.key("groups", "done"), group_id)
+        return freed is not None and freed >= time.time() * 1000 - self.group_done_ttl_s * 1000
 
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         """(members parked, group size n or None if unknown, completer batch_id or None)."""
@@ -726,6 +823,8 @@ class RedisState:
     def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
         """Admit a prompt record of ``samples`` samples generated under ``version``; one Lua script.
 
+        0. A ``batch_id`` marked delivered (:meth:`mark_delivered`: its generate record was committed, so
+           it is read again only by a rewind) is admitted (True) and nothing is counted or moved.
         1. A ``batch_id`` admitted before is admitted again (True) at once; when ``version`` is newer
            (the record was redelivered and is generated under newer weights), its count moves from the
            old version to the new one. An older ``version`` is refused (False): a record is never
@@ -763,6 +862,16 @@ class RedisState:
         """The version ``batch_id`` is admitted under, None when it never was."""
         raw = self._call("admitted_version", self._r.hget, self.key("admission", "of"), batch_id)
         return int(raw.split(b" ", 1)[0]) if raw is not None else None
+
+    def mark_delivered(self, batch_ids: Sequence[str]) -> int:
+        """Generate's records ``batch_ids`` are committed (their samples are on their way): from now on an
+        admission of one of them (a rewind reading it again) is granted without counting anything, since
+        the samples it regenerates are duplicates of counted ones. Ids never admitted are skipped.
+        Returns how many were marked now (idempotent)."""
+        ids = list(dict.fromkeys(batch_ids))
+        if not ids:
+            return 0
+        return int(self._script("mark_delivered", [self.key("admission", "of")], ids))
 
     # --- the rewind handshake (expstream/rewind.py) -----------------------------------------------
     def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:
