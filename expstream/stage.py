@@ -67,10 +67,10 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     state: State
     if args.redis_url:
         state = RedisState(args.redis_url, args.run_id, group_ttl_s=topo.redis.group_ttl_s,
-                           group_done_ttl_s=topo.redis.group_done_ttl_s)
+                           dedupe_window_s=topo.redis.dedupe_window_s)
     else:
         state = MemoryState(args.run_id, group_ttl_s=topo.redis.group_ttl_s,
-                            group_done_ttl_s=topo.redis.group_done_ttl_s)
+                            dedupe_window_s=topo.redis.dedupe_window_s)
         log.warning("stage %s replica %s: no --redis-url, so its state (groups, moments, KL) is private to "
                     "this process: run one replica per stage or pass --redis-url", args.name, args.replica_id)
     module = STAGES[args.name]

@@ -93,12 +93,13 @@ class RunConfig:
 @dataclass
 class RedisConfig:
     group_ttl_s: int = 86400  # an unsettled group buffer (an abandoned run's) expires this long after its last write
-    group_done_ttl_s: int = 3600  # a settled group's "done" marker is kept this long (docs/async.md "What Redis keeps")
+    # ids of applied statistics and "done" markers of freed groups are kept this long (docs/async.md "What Redis keeps")
+    dedupe_window_s: int = 600
 
     def __post_init__(self) -> None:
         _check(self.group_ttl_s >= 0, "redis.group_ttl_s", "must be >= 0 seconds (0: buffers never expire)")
-        _check(self.group_done_ttl_s >= 1, "redis.group_done_ttl_s",
-               "must be >= 1 second (how long a rewound record of a freed group is still known as a duplicate)")
+        _check(self.dedupe_window_s >= 1, "redis.dedupe_window_s",
+               "must be >= 1 second (how long a record read again is still known as applied)")
 
 
 @dataclass

@@ -13,7 +13,7 @@
   (and, in the continuous loop, records their samples lost for generate's admission control).
 * Optionally, the seed's cross-batch normalisation over a window or running moments (ctx.state).
 * Once the records that carried a group's members are committed (the runner's ``committed`` hook),
-  the group's buffer is freed; a "done" marker stays for ``redis.group_done_ttl_s`` so that a record
+  the group's buffer is freed; a "done" marker stays for ``redis.dedupe_window_s`` so that a record
   of it read again (a rewind) is a duplicate (docs/async.md "What Redis keeps").
 """
 

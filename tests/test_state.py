@@ -172,9 +172,9 @@ def test_redis_settle_deletes_the_group_keys_and_keeps_one_done_set(redis_state)
     assert 0 < redis_state.client.ttl(redis_state.key("groups", "done")) <= redis_state.group_ttl_s
 
 
-def test_done_markers_are_dropped_after_group_done_ttl_s(state_handles):
+def test_done_markers_are_dropped_after_dedupe_window_s(state_handles):
     state = state_handles()
-    state.group_done_ttl_s = 1
+    state.dedupe_window_s = 1
     state.park_group("old", 1, "r0", {0: b"a"})
     assert state.settle_groups("r0", {"old": [0]}) == ["old"]
     assert state.group_done("old")
@@ -307,6 +307,28 @@ def test_record_batch_counts_time_and_flow_once_per_batch_in_one_call(state):
                              "reward": {"in": 16, "out": 8, "dead": 8}}
     (newest,) = state.stage_recent("reward")
     assert newest[1:] == (0.5, 8)
+
+
+def test_counted_ids_are_kept_for_the_dedupe_window_then_dropped(state_handles):
+    """Issue 21 item 6: the ids of counted statistics were kept for the whole run (sets growing by every
+    record of every stage). They are kept one to two windows of dedupe_window_s: a redelivery within
+    them counts nothing twice; after them the id is forgotten (and counted again if it ever came back)."""
+    state = state_handles()
+    state.dedupe_window_s = 1
+    time.sleep(1 - time.time() % 1 + 0.05)  # at the start of a window: the next call falls in the same one
+    state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)
+    state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)  # same window: once
+    time.sleep(1)
+    state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)  # the next window still knows it
+    assert state.flows() == {"reward": {"in": 8, "out": 8}}
+    assert state.stage_stats()["reward"]["batches"] == 1
+    time.sleep(2)
+    state.record_batch("reward", "b1", {"in": 4, "out": 4}, 0.25, 4)
+    state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)  # two windows later: forgotten
+    assert state.flows() == {"reward": {"in": 20, "out": 20}}
+    if hasattr(state, "_r"):  # on Redis only the sets of the last two windows exist, each with a TTL
+        sets = [k for k in state.client.scan_iter(match=state.key("*applied*"))]
+        assert 1 <= len(sets) <= 4 and all(0 < state.client.ttl(k) <= 2 for k in sets), sets
 
 
 def test_record_batch_is_one_script_call_and_survives_a_script_flush(redis_state):

@@ -16,7 +16,7 @@ The rules that make Kafka's at-least-once delivery exactly-once in effect hold f
 * a prompt group is handed out once, to the call that completed it (and again to a redelivery of
   that same call), never to anyone else; once every record that carried one of its members is
   committed (:meth:`State.settle_groups`, called by the runner after the commit) its buffer is
-  freed and only a "done" marker stays, for ``group_done_ttl_s``: a record of that group read
+  freed and only a "done" marker stays, for ``dedupe_window_s``: a record of that group read
   again (a rewind) is a duplicate, parks nothing and gets nothing;
 * a normalisation window is handed out once, to the call that filled it (or to ``flush_window``).
 """
@@ -37,7 +37,7 @@ __all__ = [
     "Moments",
     "WindowTaken",
     "DEFAULT_GROUP_TTL_S",
-    "DEFAULT_GROUP_DONE_TTL_S",
+    "DEFAULT_DEDUPE_WINDOW_S",
     "check_group_members",
     "check_settle",
     "check_admission",
@@ -46,12 +46,15 @@ __all__ = [
 # Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
 # only garbage-collects groups of an abandoned run (a settled group is freed at once). 0 disables expiry.
 DEFAULT_GROUP_TTL_S = 86400
-# Why 1 h: the "done" marker of a freed group is needed only when a record of the group is read again
-# after every one of them was committed: a rewind (or a consumer-offset reset) of advantage or of a
-# stage upstream. An hour covers rewinding an incident while it is looked at; the markers cost ~80 bytes
-# per group (one sorted set), so an hour of a fast run (~10 groups/s) is ~3 MB. Older rewinds re-form
-# the group (re-emitted with the same ids, which readers dedupe). docs/async.md "What Redis keeps".
-DEFAULT_GROUP_DONE_TTL_S = 3600
+# Why 10 minutes: what Redis keeps to recognise a record applied already, beyond the record's commit:
+# the ids of counted statistics and the "done" marker of a freed group. A record is read again after
+# its commit only by a rewind (or a consumer-offset reset); before its commit, by a redelivery after a
+# crash or a rebalance, which comes within minutes (max_poll_interval 60 s, a stage gives up a retry
+# after 300 s and is restarted). What stays is bounded by (records per second) x the window: ~5 MB
+# for the built-in tiny models at ~4 steps/s, far less for real models. A rewind further back
+# recounts statistics and re-forms groups (re-emitted with the same ids; readers dedupe).
+# docs/async.md "What Redis keeps".
+DEFAULT_DEDUPE_WINDOW_S = 600
 
 #: ``(window_id, member payloads)`` handed to the call that closed a normalisation window.
 WindowTaken = tuple[str, list[bytes]]
@@ -99,7 +102,7 @@ class State(Protocol):
     run_id: str
     group_ttl_s: int
     #: how long the "done" marker of a freed group is kept (see :meth:`settle_groups`)
-    group_done_ttl_s: int
+    dedupe_window_s: int
     #: True when other processes (replicas) read and write the same state (RedisState). A stage may
     #: skip a round trip that only matters between processes when it is False (MemoryState).
     shared: bool

@@ -8,7 +8,7 @@ split across micro-batches completes here exactly as it does across Redis.
 
 What it does not do: share anything between processes (each process has its own), or expire
 buffers (``group_ttl_s`` is kept for the contract; the state lives as long as the object). A settled
-group is freed and its "done" marker kept ``group_done_ttl_s`` here too, as on Redis.
+group is freed and its "done" marker kept ``dedupe_window_s`` here too, as on Redis.
 Thread-safe: one lock around every call (a stage runner heartbeats from a second thread).
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from expstream.running import adaptive_kl_update, batch_moments, check_kl_update, merge_batch_moments
 from expstream.state.base import (
-    DEFAULT_GROUP_DONE_TTL_S,
+    DEFAULT_DEDUPE_WINDOW_S,
     DEFAULT_GROUP_TTL_S,
     RECENT_BATCHES,
     Moments,
@@ -49,6 +49,23 @@ class _Group:
 
 
 @dataclass
+class _Applied:
+    """Ids counted in the current and the previous window of ``dedupe_window_s`` (RedisState's per-window sets)."""
+
+    windows: dict[int, set[str]] = field(default_factory=dict)
+
+    def add(self, id: str, width: int, now: float) -> bool:
+        """True (and remembered) the first time ``id`` is seen within the last one to two windows."""
+        w = int(now) // width
+        for old in [k for k in self.windows if k < w - 1]:
+            del self.windows[old]
+        if id in self.windows.get(w, ()) or id in self.windows.get(w - 1, ()):
+            return False
+        self.windows.setdefault(w, set()).add(id)
+        return True
+
+
+@dataclass
 class _Window:
     members: dict[str, bytes] = field(default_factory=dict)  # batch_id -> payload, arrival order
     samples: int = 0
@@ -69,10 +86,10 @@ class MemoryState:
     """Run state in this process's memory (see the module docstring)."""
 
     def __init__(self, run_id: str = "local", *, group_ttl_s: int = DEFAULT_GROUP_TTL_S,
-                 group_done_ttl_s: int = DEFAULT_GROUP_DONE_TTL_S) -> None:
+                 dedupe_window_s: int = DEFAULT_DEDUPE_WINDOW_S) -> None:
         self.run_id = run_id
         self.group_ttl_s = int(group_ttl_s)
-        self.group_done_ttl_s = int(group_done_ttl_s)
+        self.dedupe_window_s = int(dedupe_window_s)
         self.shared = False  # one process: no other replica reads these buffers
         self._lock = threading.RLock()
         self._moments: dict[str, tuple[int, float, float]] = {}
@@ -83,14 +100,14 @@ class MemoryState:
         self._kl: float | None = None
         self._kl_applied: dict[str, float] = {}
         self._stages: dict[str, dict[str, float]] = {}
-        self._stage_applied: dict[str, set[str]] = {}
+        self._stage_applied: dict[str, _Applied] = {}
         self._heartbeats: dict[tuple[str, str], float] = {}
         self._rewind: dict[str, tuple[str, float]] = {}  # stage -> (request id, monotonic expiry)
         self._rewind_acks: dict[str, dict[str, tuple[str, float]]] = {}  # stage -> replica -> (request id, expiry)
         self._policy_version = 0
         self._recent: dict[str, list[tuple[float, float, int]]] = {}
         self._flows: dict[str, dict[str, int]] = {}
-        self._flow_applied: dict[str, set[str]] = {}
+        self._flow_applied: dict[str, _Applied] = {}
         self._once: dict[str, set[str]] = {}
         self._counters: dict[str, float] = {}
         self._counter_applied: dict[str, set[str]] = {}
@@ -178,7 +195,7 @@ class MemoryState:
                     self._done[group_id] = now
                     freed.append(group_id)
             if freed:
-                cutoff = now - self.group_done_ttl_s
+                cutoff = now - self.dedupe_window_s
                 for gid in [g for g, t in self._done.items() if t < cutoff]:
                     del self._done[gid]
         return freed
@@ -190,7 +207,7 @@ class MemoryState:
 
     def _is_done(self, group_id: str, now: float) -> bool:
         freed = self._done.get(group_id)
-        return freed is not None and freed >= now - self.group_done_ttl_s
+        return freed is not None and freed >= now - self.dedupe_window_s
 
     # --- normalisation windows -----------------------------------------------------------------
     def park_window(self, name: str, batch_id: str, payload: bytes, n_samples: int,
@@ -259,10 +276,8 @@ class MemoryState:
     # --- stage statistics, heartbeats ----------------------------------------------------------
     def record_stage_time(self, stage: str, seconds: float, samples: int, batch_id: str) -> bool:
         with self._lock:
-            applied = self._stage_applied.setdefault(stage, set())
-            if batch_id in applied:
+            if not self._stage_applied.setdefault(stage, _Applied()).add(batch_id, self.dedupe_window_s, time.time()):
                 return False
-            applied.add(batch_id)
             row = self._stages.setdefault(stage, {"batches": 0, "samples": 0, "seconds": 0.0})
             row["batches"] += 1
             row["samples"] += int(samples)
@@ -278,10 +293,8 @@ class MemoryState:
 
     def record_flow(self, stage: str, batch_id: str, counts: dict[str, int]) -> bool:
         with self._lock:
-            applied = self._flow_applied.setdefault(stage, set())
-            if batch_id in applied:
+            if not self._flow_applied.setdefault(stage, _Applied()).add(batch_id, self.dedupe_window_s, time.time()):
                 return False
-            applied.add(batch_id)
             row = self._flows.setdefault(stage, {})
             for k, v in counts.items():
                 row[k] = row.get(k, 0) + int(v)

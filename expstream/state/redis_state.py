@@ -23,17 +23,19 @@ Keys (``P`` = prefix):
 ``P moments:<name>:applied``    hash    batch_id -> post-merge snapshot "count mean m2"
 ``P group:<group_id>``          hash    sample_index -> payload bytes (TTL ``group_ttl_s``; freed when settled)
 ``P group:<group_id>:meta``     hash    n, completer, c<i> per committed member, settled (TTL, freed alike)
-``P groups:done``               zset    settled (freed) group id -> unix ms freed; kept ``group_done_ttl_s``
+``P groups:done``               zset    settled (freed) group id -> unix ms freed; kept ``dedupe_window_s``
 ``P kl_coef``                   string  current KL coefficient
 ``P kl_coef:applied``           hash    step_id -> coefficient after that step
 ``P stage:<stage>``             hash    batches, samples, seconds
-``P stage:<stage>:applied``     set     batch ids already counted for this stage
+``P stage:<stage>:applied:<w>`` set     batch ids counted for this stage in window w (TTL two windows)
 ``P stages``                    set     stage names seen
 ``P heartbeats``                hash    "<stage>/<replica>" -> unix time
 ``P policy_version``            string  int, never decreases
 ``P once:<namespace>``          set     ids seen by mark_once
 ``P counters``                  hash    name -> float
 ``P counters:applied:<name>``   set     once_ids applied to that counter
+``P flow:<stage>``              hash    in, out, dead, dropped (sample accounting)
+``P flow:<stage>:applied:<w>``  set     batch ids accounted in window w (TTL two windows)
 ``P window:<name>:of``          hash    batch_id -> window number k it joined
 ``P window:<name>:cur``         string  the open window's k
 ``P window:<name>:<k>:members`` hash    batch_id -> payload bytes (TTL ``group_ttl_s``)
@@ -65,7 +67,7 @@ from expstream.retry import Attempt, Policy, retry
 from expstream.running import batch_moments, check_kl_update
 from expstream.secrets import redact_url
 from expstream.state.base import (
-    DEFAULT_GROUP_DONE_TTL_S,
+    DEFAULT_DEDUPE_WINDOW_S,
     DEFAULT_GROUP_TTL_S,
     RECENT_BATCHES,
     Moments,
@@ -244,24 +246,32 @@ redis.call('HSET', KEYS[2], ARGV[1], s)
 return s
 """
 
+# The ids of statistics already counted live in windows of ``dedupe_window_s`` seconds: a set per window
+# (``...:applied:<w>``, w = unix time // window), the current one written, it and the previous one
+# read, each expiring two windows after it opens. So an id is known for at least one window (a
+# redelivery, a rewind within it counts nothing twice) and the sets stop growing (issue 21 item 6).
+
 _STAGE_TIME = """
--- KEYS[1] stage hash, KEYS[2] applied set, KEYS[3] stages set; ARGV batch_id, seconds, samples, stage
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+-- KEYS[1] stage hash, KEYS[2] applied set (this window), KEYS[3] stages set, KEYS[4] recent list,
+-- KEYS[5] applied set (the previous window)
+-- ARGV batch_id, seconds, samples, stage, recent entry, recent max, applied ttl
+if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[2], ARGV[7])
 redis.call('SADD', KEYS[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'batches', 1)
 redis.call('HINCRBY', KEYS[1], 'samples', ARGV[3])
 redis.call('HINCRBYFLOAT', KEYS[1], 'seconds', ARGV[2])
-if KEYS[4] then
-  redis.call('LPUSH', KEYS[4], ARGV[5])
-  redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
-end
+redis.call('LPUSH', KEYS[4], ARGV[5])
+redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
 return 1
 """
 
 _FLOW = """
--- KEYS[1] flow hash, KEYS[2] applied set; ARGV batch_id, then (field, count) pairs
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+-- KEYS[1] flow hash, KEYS[2] applied set (this window), KEYS[3] applied set (the previous window)
+-- ARGV batch_id, applied ttl, then (field, count) pairs
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -269,19 +279,24 @@ _RECORD_BATCH = """
 -- One record's stage time (when ARGV[2] == '1') and sample accounting: _STAGE_TIME and _FLOW in one
 -- script, so the runner's per-record statistics are one EVALSHA (a pipeline of two scripts made
 -- redis-py send SCRIPT EXISTS first: two round trips).
--- KEYS[1] flow hash, KEYS[2] flow applied set, then with a time: KEYS[3] stage hash, KEYS[4] stage
--- applied set, KEYS[5] stages set, KEYS[6] recent list
--- ARGV batch_id, has_time, seconds, samples, stage, recent entry, recent max, then (field, count) pairs
-if ARGV[2] == '1' and redis.call('SADD', KEYS[4], ARGV[1]) == 1 then
-  redis.call('SADD', KEYS[5], ARGV[5])
-  redis.call('HINCRBY', KEYS[3], 'batches', 1)
-  redis.call('HINCRBY', KEYS[3], 'samples', ARGV[4])
-  redis.call('HINCRBYFLOAT', KEYS[3], 'seconds', ARGV[3])
-  redis.call('LPUSH', KEYS[6], ARGV[6])
-  redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[7]) - 1)
+-- KEYS[1] flow hash, KEYS[2] flow applied set (this window), KEYS[3] flow applied set (previous window),
+-- then with a time: KEYS[4] stage hash, KEYS[5] stage applied set (this window), KEYS[6] stages set,
+-- KEYS[7] recent list, KEYS[8] stage applied set (previous window)
+-- ARGV batch_id, has_time, seconds, samples, stage, recent entry, recent max, applied ttl,
+--      then (field, count) pairs
+if ARGV[2] == '1' and redis.call('SISMEMBER', KEYS[8], ARGV[1]) == 0
+    and redis.call('SADD', KEYS[5], ARGV[1]) == 1 then
+  redis.call('EXPIRE', KEYS[5], ARGV[8])
+  redis.call('SADD', KEYS[6], ARGV[5])
+  redis.call('HINCRBY', KEYS[4], 'batches', 1)
+  redis.call('HINCRBY', KEYS[4], 'samples', ARGV[4])
+  redis.call('HINCRBYFLOAT', KEYS[4], 'seconds', ARGV[3])
+  redis.call('LPUSH', KEYS[7], ARGV[6])
+  redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[7]) - 1)
 end
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[2], ARGV[8])
+for i = 9, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -407,7 +422,7 @@ class RedisState:
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
         retry_deadline_s: float = RETRY_DEADLINE_S,
         group_ttl_s: int = DEFAULT_GROUP_TTL_S,
-        group_done_ttl_s: int = DEFAULT_GROUP_DONE_TTL_S,
+        dedupe_window_s: int = DEFAULT_DEDUPE_WINDOW_S,
     ) -> None:
         if not run_id or any(c in run_id for c in "{}") or any(c.isspace() for c in run_id):
             raise ConfigError(
@@ -421,7 +436,7 @@ class RedisState:
         self.prefix = f"expstream:{{{run_id}}}:"
         self.retry_deadline_s = float(retry_deadline_s)
         self.group_ttl_s = int(group_ttl_s)
-        self.group_done_ttl_s = int(group_done_ttl_s)
+        self.dedupe_window_s = int(dedupe_window_s)
         # redis-py's own retry is switched off: this class owns the policy (see _call).
         self._r = redis.Redis.from_url(
             url,
@@ -548,11 +563,11 @@ class RedisState:
         *completer* and gets all ``n`` payloads ordered by sample_index; a later call with the same
         ``batch_id`` (a redelivery of the completing record) gets them again; anyone else gets None.
         A buffer is kept until :meth:`settle_groups` frees it (or it expires after ``group_ttl_s``), so
-        that redeliveries stay answerable; a call for a group settled within ``group_done_ttl_s`` parks
+        that redeliveries stay answerable; a call for a group settled within ``dedupe_window_s`` parks
         nothing and gets None (a record read again after every record of the group was committed).
         """
         args: list = [str(n), batch_id, str(self.group_ttl_s), group_id, str(int(time.time() * 1000)),
-                      str(self.group_done_ttl_s * 1000)]
+                      str(self.dedupe_window_s * 1000)]
         for i, payload in check_group_members(group_id, n, members).items():
             args += [str(i), payload]
         try:
@@ -575,14 +590,14 @@ class RedisState:
         when ``batch_id`` is the completer (or the record its split sub-batch came from). A complete
         group whose completing record and n members' records are all committed can never be
         redelivered (only read again by a rewind): its two keys are deleted and its id goes into the
-        ``groups:done`` sorted set, where :meth:`park_group` finds it for ``group_done_ttl_s``.
+        ``groups:done`` sorted set, where :meth:`park_group` finds it for ``dedupe_window_s``.
         Returns the group ids freed by this call. Idempotent: a repeated call frees nothing more.
         """
         checked = check_settle(batch_id, members)
         if not checked:
             return []
         keys = [self.key("groups", "done")]
-        args: list[str] = [batch_id, str(int(time.time() * 1000)), str(self.group_done_ttl_s * 1000),
+        args: list[str] = [batch_id, str(int(time.time() * 1000)), str(self.dedupe_window_s * 1000),
                            str(self.group_ttl_s)]
         for group_id, indices in checked.items():
             keys += [self.key("group", group_id), self.key("group", group_id, "meta")]
@@ -590,9 +605,9 @@ class RedisState:
         return [g.decode() for g in self._script("settle", keys, args)]
 
     def group_done(self, group_id: str) -> bool:
-        """True while the "done" marker of a settled group is kept (``group_done_ttl_s``)."""
+        """True while the "done" marker of a settled group is kept (``dedupe_window_s``)."""
         freed = self._call("group_done", self._r.zscore, self.key("groups", "done"), group_id)
-        return freed is not None and freed >= time.time() * 1000 - self.group_done_ttl_s * 1000
+        return freed is not None and freed >= time.time() * 1000 - self.dedupe_window_s * 1000
 
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         """(members parked, group size n or None if unknown, completer batch_id or None)."""
@@ -686,12 +701,19 @@ class RedisState:
         """
         return bool(int(self._script("stage_time", *self._stage_time_call(stage, seconds, samples, batch_id))))
 
+    def _applied_keys(self, *parts: str) -> tuple[str, str]:
+        """(this window's, the previous window's) applied-id set of ``parts`` (see the scripts' comment)."""
+        w = int(time.time()) // self.dedupe_window_s
+        base = self.key(*parts, "applied")
+        return f"{base}:{w}", f"{base}:{w - 1}"
+
     def _stage_time_call(self, stage: str, seconds: float, samples: int, batch_id: str) -> tuple[list[str], list[str]]:
         """(keys, args) of the ``stage_time`` script for one batch."""
-        return ([self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages"),
-                 self.key("stage", stage, "recent")],
+        cur, prev = self._applied_keys("stage", stage)
+        return ([self.key("stage", stage), cur, self.key("stages"), self.key("stage", stage, "recent"), prev],
                 [batch_id, repr(float(seconds)), str(int(samples)), stage,
-                 f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES)])
+                 f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES),
+                 str(2 * self.dedupe_window_s)])
 
     def stage_recent(self, stage: str) -> list[tuple[float, float, int]]:
         """The last RECENT_BATCHES micro-batches of ``stage``, newest first: (unix time, seconds, samples)."""
@@ -704,10 +726,10 @@ class RedisState:
 
     def _flow_call(self, stage: str, batch_id: str, counts: dict[str, int]) -> tuple[list[str], list[str]]:
         """(keys, args) of the ``flow`` script for one batch."""
-        args: list[str] = [batch_id]
+        args: list[str] = [batch_id, str(2 * self.dedupe_window_s)]
         for k, v in counts.items():
             args += [k, str(int(v))]
-        return [self.key("flow", stage), self.key("flow", stage, "applied")], args
+        return [self.key("flow", stage), *self._applied_keys("flow", stage)], args
 
     def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
                      samples: int = 0) -> None:
@@ -723,8 +745,8 @@ class RedisState:
             time_keys, time_args = self._stage_time_call(stage, seconds, samples, batch_id)
             keys, head = flow_keys + time_keys, ["1", *time_args[1:]]
         else:
-            keys, head = flow_keys, ["0", "", "", "", "", ""]
-        return keys, [batch_id, *head, *flow_args[1:]]
+            keys, head = flow_keys, ["0", "", "", "", "", "", str(2 * self.dedupe_window_s)]
+        return keys, [batch_id, *head, *flow_args[2:]]
 
     def record_batches(self, stage: str, rows: Sequence[tuple[str, dict[str, int], float | None, int]]) -> None:
         """:meth:`record_batch` for each ``(batch_id, counts, seconds, samples)`` row, in one round trip (a
