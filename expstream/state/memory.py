@@ -110,7 +110,7 @@ class MemoryState:
         self._flow_applied: dict[str, _Applied] = {}
         self._once: dict[str, set[str]] = {}
         self._counters: dict[str, float] = {}
-        self._counter_applied: dict[str, set[str]] = {}
+        self._counter_applied: dict[str, _Applied] = {}
         self._admitted_of: dict[str, tuple[int, int]] = {}  # batch_id -> (version, samples)
         self._delivered: set[str] = set()  # admitted batch ids whose generate record is committed
         self._lost_of: dict[str, tuple[int, int]] = {}
@@ -349,11 +349,9 @@ class MemoryState:
 
     def incr_counter(self, name: str, by: float = 1, once_id: str | None = None) -> float:
         with self._lock:
-            if once_id:
-                applied = self._counter_applied.setdefault(name, set())
-                if once_id in applied:
-                    return self._counters.get(name, 0.0)
-                applied.add(once_id)
+            if once_id and not self._counter_applied.setdefault(name, _Applied()).add(
+                    once_id, self.dedupe_window_s, time.time()):
+                return self._counters.get(name, 0.0)
             self._counters[name] = self._counters.get(name, 0.0) + float(by)
             return self._counters[name]
 

@@ -33,7 +33,7 @@ Keys (``P`` = prefix):
 ``P policy_version``            string  int, never decreases
 ``P once:<namespace>``          set     ids seen by mark_once
 ``P counters``                  hash    name -> float
-``P counters:applied:<name>``   set     once_ids applied to that counter
+``P counters:<name>:applied:<w>`` set   once_ids applied to that counter in window w (TTL two windows)
 ``P flow:<stage>``              hash    in, out, dead, dropped (sample accounting)
 ``P flow:<stage>:applied:<w>``  set     batch ids accounted in window w (TTL two windows)
 ``P window:<name>:of``          hash    batch_id -> window number k it joined
@@ -308,9 +308,13 @@ return tostring(cur)
 """
 
 _INCR_COUNTER = """
--- KEYS[1] counters hash, KEYS[2] applied set; ARGV name, by, once_id ('' = always)
-if ARGV[3] ~= '' and redis.call('SADD', KEYS[2], ARGV[3]) == 0 then
-  return redis.call('HGET', KEYS[1], ARGV[1]) or '0'
+-- KEYS[1] counters hash, KEYS[2] applied set (this window), KEYS[3] applied set (the previous window)
+-- ARGV name, by, once_id ('' = always), applied ttl
+if ARGV[3] ~= '' then
+  if redis.call('SISMEMBER', KEYS[3], ARGV[3]) == 1 or redis.call('SADD', KEYS[2], ARGV[3]) == 0 then
+    return redis.call('HGET', KEYS[1], ARGV[1]) or '0'
+  end
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
 return redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
 """
@@ -832,8 +836,9 @@ class RedisState:
         """Add ``by`` to counter ``name`` (once per ``once_id`` when given); returns the new value."""
         res = self._script(
             "incr",
-            [self.key("counters"), self.key("counters", "applied", name)],
-            [name, repr(float(by)) if isinstance(by, float) else str(int(by)), once_id or ""],
+            [self.key("counters"), *self._applied_keys("counters", name)],
+            [name, repr(float(by)) if isinstance(by, float) else str(int(by)), once_id or "",
+             str(2 * self.dedupe_window_s)],
         )
         return float(res)
 
