@@ -93,7 +93,7 @@ class RunConfig:
 @dataclass
 class RedisConfig:
     group_ttl_s: int = 86400  # an unsettled group buffer (an abandoned run's) expires this long after its last write
-    # ids of applied statistics and "done" markers of freed groups are kept this long (docs/async.md "What Redis keeps")
+    # ids of applied statistics and "done" markers of freed groups are kept this long (docs/async.md "What a long run keeps")
     dedupe_window_s: int = 600
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@
 * Optionally, the seed's cross-batch normalisation over a window or running moments (ctx.state).
 * Once the records that carried a group's members are committed (the runner's ``committed`` hook),
   the group's buffer is freed; a "done" marker stays for ``redis.dedupe_window_s`` so that a record
-  of it read again (a rewind) is a duplicate (docs/async.md "What Redis keeps").
+  of it read again (a rewind) is a duplicate (docs/async.md "What a long run keeps").
 """
 
 from __future__ import annotations

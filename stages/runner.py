@@ -20,13 +20,13 @@ per record):
    still owns the partition. Nothing is committed before every output of every record up to it is
    acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
    group at most (downstream is idempotent by batch id).
+   Rebalance listeners run on kafka-python's IO thread, so they only record revocations; the
+   loop acts on them.
 5. The stage's optional ``committed(batches, ctx)`` hook gets the decoded batches of the records
    now committed (a record whose partition's commit failed waits for the next commit that
    succeeds on its partition): run state that only a redelivery could still need is released
    there (advantage frees settled group buffers, generate marks its admissions delivered). A crash
    between 4 and 5 leaves that state to its TTL; nothing is lost or doubled.
-   Rebalance listeners run on kafka-python's IO thread, so they only record revocations; the
-   loop acts on them.
 
 Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
 that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while

@@ -53,7 +53,7 @@ DEFAULT_GROUP_TTL_S = 86400
 # after 300 s and is restarted). What stays is bounded by (records per second) x the window: ~5 MB
 # for the built-in tiny models at ~4 steps/s, far less for real models. A rewind further back
 # recounts statistics and re-forms groups (re-emitted with the same ids; readers dedupe).
-# docs/async.md "What Redis keeps".
+# docs/async.md "What a long run keeps".
 DEFAULT_DEDUPE_WINDOW_S = 600
 
 #: ``(window_id, member payloads)`` handed to the call that closed a normalisation window.
