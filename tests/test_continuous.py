@@ -388,12 +388,14 @@ def test_a_long_continuous_run_keeps_redis_and_the_weight_store_bounded(tmp_path
     assert sorted(p.name for p in (out / "weights").iterdir() if p.name.startswith("v")) == \
         [f"v{v:06d}" for v in range(steps - 2, steps + 1)]
     assert (out / "final").is_dir()
-    # Redis: group buffers only for the groups in flight (a step's worth), not one per group ever made
-    assert at_2n["group_keys"] <= 2 * 4 * 3, at_2n  # 2 keys per group, 4 groups per step, ~3 steps in flight
-    assert at_2n["keys"] - at_n["keys"] < n, (at_n, at_2n)  # before: +8 keys per step
+    # Redis: group buffers only for the groups in flight, not one per group ever made. Measured before
+    # the fix: 291 -> 531 keys (488 of them group buffers), used_memory 2.38 -> 2.97 MB from step 30 to 60
+    assert at_2n["group_keys"] <= 2 * 4 * 3, at_2n  # 2 keys per group, 4 groups per step, <= 3 steps in flight
     assert at_2n["group_bytes"] < 64 * 1024, at_2n
+    # what may differ between two samples: groups in flight and the dedupe window's sets changing hands
+    assert at_2n["keys"] - at_n["keys"] < 2 * n, (at_n, at_2n)
     # memory: ids of counted records and freed groups are kept for redis.dedupe_window_s (3 s here): flat
-    assert at_2n["used_memory"] - at_n["used_memory"] < 64 * 1024, (at_n, at_2n)
+    assert at_2n["used_memory"] - at_n["used_memory"] < 200 * 1024, (at_n, at_2n)
 
 
 @pytest.mark.e2e
