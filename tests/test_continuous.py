@@ -418,6 +418,7 @@ def test_rewinding_generate_on_a_continuous_run_keeps_the_trainer_stepping(tmp_p
         assert rewind.returncode == 0, rewind.stdout + rewind.stderr
         reprocessed = sum(int(x) for x in re.findall(r"(\d+) record\(s\) reprocessed", rewind.stdout.split("rewound")[-1]))
         assert reprocessed >= 6, rewind.stdout  # at least the records of the first steps are read again
+        assert "not admitted again" in rewind.stdout  # the plan says what a rewind of generate means here
         _, err = proc.communicate(timeout=360)
     finally:
         if proc.poll() is None:
