@@ -331,7 +331,13 @@ def redis_of(out: Path, run_id: str):  # noqa: ANN201 - (client, key prefix)
 
 
 def store_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except FileNotFoundError:  # a version being deleted by the trainer meanwhile
+            pass
+    return total
 
 
 def growth_sample(out: Path, run_id: str) -> dict:
@@ -381,12 +387,13 @@ def test_a_long_continuous_run_keeps_redis_and_the_weight_store_bounded(tmp_path
             proc.kill()
     assert proc.returncode == 0, err[-4000:]
     steps = 2 * n + 10
-    # the weight store: the staleness window (k + 1 = 3 newest versions; the checkpoint's is the newest)
+    # the weight store: the staleness window (k + 1 = 3 newest versions; the checkpoint's is the newest),
+    # one more between a publish and its prune; nothing else piles up (before: 31 and 61 versions)
+    assert sorted(p.name for p in (out / "weights").iterdir()) == [f"v{v:06d}" for v in range(steps - 2, steps + 1)]
+    per_version = store_bytes(out / "weights") / 3
     for sample in (at_n, at_2n):
-        assert len(sample["versions"]) == 3, sample["versions"]
-    assert at_2n["store_bytes"] <= at_n["store_bytes"] * 1.05
-    assert sorted(p.name for p in (out / "weights").iterdir() if p.name.startswith("v")) == \
-        [f"v{v:06d}" for v in range(steps - 2, steps + 1)]
+        assert 3 <= len(sample["versions"]) <= 4, sample["versions"]
+        assert sample["store_bytes"] <= len(sample["versions"]) * per_version * 1.05, sample
     assert (out / "final").is_dir()
     # Redis: group buffers only for the groups in flight, not one per group ever made. Measured before
     # the fix: 291 -> 531 keys (488 of them group buffers), used_memory 2.38 -> 2.97 MB from step 30 to 60
