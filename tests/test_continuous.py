@@ -7,6 +7,7 @@ The feeder and the supervisor are tested on their own (no broker); the whole-run
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -332,11 +333,12 @@ def redis_of(out: Path, run_id: str):  # noqa: ANN201 - (client, key prefix)
 
 def store_bytes(path: Path) -> int:
     total = 0
-    for f in path.rglob("*"):
-        try:
-            total += f.stat().st_size if f.is_file() else 0
-        except FileNotFoundError:  # a version being deleted by the trainer meanwhile
-            pass
+    for root, _, files in os.walk(path):  # os.walk skips a directory deleted meanwhile (a version pruned)
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except FileNotFoundError:
+                pass
     return total
 
 
