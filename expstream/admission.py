@@ -54,11 +54,29 @@ Idempotence and crashes
 * Losses are recorded once per lost batch id (runner: dead letters of admitted work; advantage:
   dynamic-sampling drops, ``g/<group_id>``), before the input record is committed.
 
+Rewinds
+-------
+Once generate's record is committed, its id is marked *delivered* (generate's ``committed`` hook,
+``State.mark_delivered``, after the runner's commit). Only a rewind of generate, or a reset of its
+consumer offsets, reads a committed record again; ``admit`` then grants it at once and counts
+nothing: its samples were counted when it was first admitted, under that version, and have arrived
+or been lost there. The regenerated copies carry the same sample ids: advantage drops them as
+records of settled groups (within ``redis.dedupe_window_s``), the trainer as duplicates. (Moving
+the count to the version of the copies, as for a crash's redelivery, made the trainer wait for
+copies that never arrive: ``async.straggler_timeout_s`` at every step, issue 21 item 3.) Copies
+that do reach the trainer are counted by its gate as arrivals of their version, so for such a
+version it may stop waiting for a genuine straggler early; that straggler is then trained if still
+within k, else dropped as stale: never waited for in vain, never trained stale.
+
 Cases that break the counts (and what then happens):
 
 * a record produced under version ``v1`` whose commit was lost, regenerated under ``v2``: the
   count moved to ``v2``, the ``v1`` copies arrive as extra (id, version) pairs (the trainer
-  dedupes by sample id; a late ``v1`` copy is simply stale and dropped);
+  dedupes by sample id; a late ``v1`` copy is simply stale and dropped). With a group estimator the
+  ``v2`` copies may never arrive (advantage answers the group's completing record with the parked
+  ``v1`` payloads, or drops them once the group is settled): a straggler wait, as below;
+* a committed record rewound after the crash between its commit and its delivered mark: counted
+  like a crash's redelivery (moved);
 * a split at generate whose sub-batches see different versions, a dead letter that cannot be
   decoded (no batch id, so no loss recorded), a group that never completes in the advantage
   stage because one member was dead-lettered upstream: admitted samples that never arrive, so the

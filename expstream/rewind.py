@@ -365,6 +365,9 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
                   "the rest read from the topic)")
         for pp in plan:
             print(pp.line(topic))
+        note = rewind_note(topo, stage.name)
+        if note:
+            print(note)
         if args.dry_run:
             print("dry run: nothing changed")
             return EXIT_OK
@@ -390,6 +393,17 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         admin.close()
+
+
+def rewind_note(topo: Topology, stage: str) -> str | None:
+    """What a rewind of ``stage`` means beyond reprocessing, for the plan (None: nothing to add)."""
+    from expstream.admission import backpressure_on
+
+    if stage == "generate" and backpressure_on(topo):
+        return ("  note: the continuous loop's generate: records already committed are regenerated with the current "
+                "weights but not admitted again (their samples were counted when first admitted); their sample ids are "
+                "trained already, so advantage and the trainer drop the copies (docs/replay.md \"Rewind\")")
+    return None
 
 
 def live_replicas(state: Any, stage: str, now: float | None = None) -> set[str]:

@@ -66,16 +66,18 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
 
     state: State
     if args.redis_url:
-        state = RedisState(args.redis_url, args.run_id)
+        state = RedisState(args.redis_url, args.run_id, group_ttl_s=topo.redis.group_ttl_s,
+                           dedupe_window_s=topo.redis.dedupe_window_s)
     else:
-        state = MemoryState(args.run_id)
+        state = MemoryState(args.run_id, group_ttl_s=topo.redis.group_ttl_s,
+                            dedupe_window_s=topo.redis.dedupe_window_s)
         log.warning("stage %s replica %s: no --redis-url, so its state (groups, moments, KL) is private to "
                     "this process: run one replica per stage or pass --redis-url", args.name, args.replica_id)
     module = STAGES[args.name]
     ctx = StageContext(topology=topo, stage=topo.stages[args.name], state=state,
                        log=logging.getLogger(f"expstream.stage.{args.name}"), run_id=args.run_id,
                        replica_id=args.replica_id)
-    runner = StageRunner(ctx, module.process, args.bootstrap_servers)
+    runner = StageRunner(ctx, module.process, args.bootstrap_servers, committed=getattr(module, "committed", None))
     ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
     runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
     started = time.monotonic()

@@ -99,7 +99,14 @@ class RunConfig:
 
 @dataclass
 class RedisConfig:
-    group_ttl_s: int = 86400
+    group_ttl_s: int = 86400  # an unsettled group buffer (an abandoned run's) expires this long after its last write
+    # ids of applied statistics and "done" markers of freed groups are kept this long (docs/async.md "What a long run keeps")
+    dedupe_window_s: int = 600
+
+    def __post_init__(self) -> None:
+        _check(self.group_ttl_s >= 0, "redis.group_ttl_s", "must be >= 0 seconds (0: buffers never expire)")
+        _check(self.dedupe_window_s >= 1, "redis.dedupe_window_s",
+               "must be >= 1 second (how long a record read again is still known as applied)")
 
 
 @dataclass
@@ -227,6 +234,9 @@ class TrainConfig:
     critic_lr: float = 1e-3
     checkpoint_every: int = 1  # steps between checkpoints (offsets are committed only after one)
     weight_store: str | None = None  # a directory; null = <run output>/weights
+    # versions the weight store keeps: null = async.max_staleness + 1 (the staleness window); N = the N
+    # newest (never fewer than max_staleness + 1); 0 = every version. The latest checkpoint's is always kept.
+    keep_versions: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "train.max_steps", "must be >= 1")
@@ -242,6 +252,8 @@ class TrainConfig:
                f"got {self.old_log_probs!r}; use recompute (the trainer's current weights) or stage (actor-logprob's)")
         _check(self.is_cap >= 1, "train.is_cap", "must be >= 1 (the importance-weight cap C)")
         _check(self.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+        _check(self.keep_versions is None or self.keep_versions >= 0, "train.keep_versions",
+               "must be null (the staleness window: async.max_staleness + 1), N >= 1 (the N newest) or 0 (all)")
 
 
 @dataclass

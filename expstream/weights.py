@@ -15,6 +15,16 @@ Directory layout (one version = one directory, renamed into place complete)::
     <root>/v000001/manifest.json              Manifest.to_dict(): version, step, sha256, dtype, offsets...
     <root>/critic/v000001/...                 every other role in a folder of its own
     <root>/.tmp-<uuid>/                       a publication in progress (ignored by readers)
+    <root>/.trash-<uuid>/                     a version being deleted (ignored by readers)
+
+Retention (:func:`prune_versions`, called by the trainer after each announcement): only the versions
+that can still be needed are kept -- the newest ``train.keep_versions`` (default and minimum
+``async.max_staleness + 1``: the staleness window), the latest checkpoint's version (a resumed trainer
+announces it again) and, as the newest, the final one. Followers only ever load the announced
+(newest) version; one that finds its version deleted under it (:class:`VersionGoneError`) loads the
+newest announced version instead. A deletion unlists the version first (the directory is renamed
+away; in an object store the manifest object goes first), then removes its files, so a reader sees
+a whole version or none.
 """
 
 from __future__ import annotations
@@ -47,6 +57,9 @@ __all__ = [
     "DirectoryWeightStore",
     "WeightStoreError",
     "CorruptWeightsError",
+    "VersionGoneError",
+    "retained_versions",
+    "prune_versions",
     "open_store",
     "announce",
     "read_policy_log",
@@ -62,6 +75,9 @@ MANIFEST_FILE = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+# Why 3: a follower whose version was deleted by retention retries with the newest announced one; the
+# trainer would have to publish keep_versions more versions during each single load to exhaust three.
+GONE_RETRIES = 3
 # Why 1 MiB: hashing reads the file in chunks so that a large model is not held twice in memory.
 _HASH_CHUNK = 1024 * 1024
 
@@ -78,6 +94,11 @@ class WeightStoreError(ExpstreamError):
 
 class CorruptWeightsError(WeightStoreError):
     """A stored version is missing, half written, or does not match its manifest's sha256."""
+
+
+class VersionGoneError(CorruptWeightsError):
+    """The version is not in the store (any more): deleted by retention (``train.keep_versions``) while
+    a reader wanted it, or never published here. A follower then loads the newest announced version."""
 
 
 # --- the manifest ----------------------------------------------------------------------------------
@@ -124,7 +145,13 @@ class Manifest:
 
 # --- the store -------------------------------------------------------------------------------------
 class WeightStore(Protocol):
-    """Where published versions live. Each (role, version) is written once, atomically."""
+    """Where published versions live. Each (role, version) is written once, atomically.
+
+    ``delete`` is the retention primitive (:func:`prune_versions`): the version first stops being
+    listed by ``versions`` (a directory renamed away; in an object store, the manifest object deleted
+    first), then its files go; ``manifest``/``load`` of a version not there raise
+    :class:`VersionGoneError`. Idempotent: deleting a version not there returns False.
+    """
 
     def publish(self, role: str, version: int, state_dict: Mapping[str, torch.Tensor], *, step: int,
                 offsets: Mapping[str, list[int]], run_id: str) -> Manifest: ...
@@ -133,6 +160,7 @@ class WeightStore(Protocol):
     def latest(self, role: str) -> int | None: ...
     def versions(self, role: str) -> list[int]: ...
     def discard_after(self, role: str, version: int) -> list[int]: ...
+    def delete(self, role: str, version: int) -> bool: ...
     def describe(self, role: str, version: int) -> str: ...
 
 
@@ -249,6 +277,10 @@ class DirectoryWeightStore:
     def manifest(self, role: str, version: int) -> Manifest:
         _check_role(role)
         path = self.path(role, version) / MANIFEST_FILE
+        if not self.path(role, version).is_dir():
+            raise VersionGoneError(f"{role} v{version}: {self.path(role, version)} is missing: deleted by retention "
+                                   "(train.keep_versions keeps the newest versions), or never published here "
+                                   "(check train.weight_store points at the trainer's store)")
         if not path.is_file():
             raise CorruptWeightsError(f"{role} v{version}: {path} is missing; the version was never published "
                                       "completely here (check train.weight_store points at the trainer's store)")
@@ -279,6 +311,9 @@ class DirectoryWeightStore:
         path = self.path(role, version) / WEIGHTS_FILE
         try:
             data = path.read_bytes()
+        except FileNotFoundError as exc:  # deleted between the manifest and the weights
+            raise VersionGoneError(f"{role} v{version}: {path} was deleted while it was being loaded (retention: "
+                                   "train.keep_versions)") from exc
         except OSError as exc:
             raise CorruptWeightsError(f"{role} v{version}: cannot read {path} ({exc}); fix: {_REPUBLISH_FIX}") from exc
         digest = hashlib.sha256(data).hexdigest()
@@ -320,17 +355,40 @@ class DirectoryWeightStore:
         base = self.role_dir(role)
         if not base.is_dir():
             return []
-        removed = []
-        for v in self.versions(role):
-            if v > version:
-                trash = base / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
-                os.rename(self.path(role, v), trash)
-                shutil.rmtree(trash, ignore_errors=True)
-                removed.append(v)
+        removed = [v for v in self.versions(role) if v > version and self.delete(role, v)]
         for entry in base.iterdir():
             if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
                 shutil.rmtree(entry, ignore_errors=True)
         return removed
+
+    def delete(self, role: str, version: int) -> bool:
+        """Delete one version: renamed out of its name (atomic: readers stop listing it), then removed.
+        False when it is not there. Call it only from the (one) trainer."""
+        _check_role(role)
+        trash = self.role_dir(role) / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
+        try:
+            os.rename(self.path(role, version), trash)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
+
+def retained_versions(versions: list[int], *, keep: int, checkpoint: int | None) -> set[int]:
+    """The versions retention keeps out of ``versions``: the newest ``keep`` (``keep`` <= 0: every
+    one) and ``checkpoint`` (the latest checkpoint's version: a resumed trainer announces it again)."""
+    ordered = sorted(set(versions))
+    kept = set(ordered if keep <= 0 else ordered[-keep:])
+    if checkpoint is not None and checkpoint in ordered:
+        kept.add(checkpoint)
+    return kept
+
+
+def prune_versions(store: WeightStore, role: str, *, keep: int, checkpoint: int | None) -> list[int]:
+    """Delete every version of ``role`` that :func:`retained_versions` does not keep; returns them."""
+    versions = store.versions(role)
+    kept = retained_versions(versions, keep=keep, checkpoint=checkpoint)
+    return [v for v in versions if v not in kept and store.delete(role, v)]
 
 
 def open_store(path_or_url: str) -> WeightStore:
@@ -423,7 +481,12 @@ class PolicyFollower:
         return have[-1] if have else None
 
     def refresh(self) -> int:
-        """Load the announced version if it is newer; returns the version now loaded."""
+        """Load the announced version if it is newer; returns the version now loaded.
+
+        A version deleted by retention before it could be read (:class:`VersionGoneError`: the trainer
+        ran ``train.keep_versions`` versions ahead meanwhile) is not an error: the newest announced
+        version is loaded instead (up to :data:`GONE_RETRIES` times, then it is refused like a corrupt one).
+        """
         announced = int(self.state.policy_version())
         if announced <= self.version or (self.refused is not None and announced <= self.refused):
             return self.version
@@ -432,7 +495,18 @@ class PolicyFollower:
             return self.version
         t0 = time.perf_counter()
         try:
-            tensors = self.store.load(self.role, target)
+            for attempt in range(GONE_RETRIES + 1):
+                try:
+                    tensors = self.store.load(self.role, target)
+                    break
+                except VersionGoneError as exc:
+                    newer = int(self.state.policy_version())
+                    retarget = self._target(newer)
+                    if attempt == GONE_RETRIES or retarget is None or retarget <= target:
+                        raise
+                    self.log.info("weights: %s v%d was deleted before it could be loaded (%s); loading v%d, the "
+                                  "newest announced", self.role, target, exc, retarget)
+                    announced, target = newer, retarget
             _check_fits(self.model, tensors)  # before load_state_dict, which may copy some tensors then raise
             self.model.load_state_dict(tensors, strict=True)
         except (CorruptWeightsError, RuntimeError) as exc:

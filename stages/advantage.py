@@ -17,6 +17,9 @@ reward clip → token rewards −β·kl + R at t* → the estimator.
 * Dynamic sampling drops groups whose processed rewards are all equal and counts them in ctx.state
   (and, in the continuous loop, records their samples lost for generate's admission control).
 * Optionally, the seed's cross-batch normalisation over a window or running moments (ctx.state).
+* Once the records that carried a group's members are committed (the runner's ``committed`` hook),
+  the group's buffer is freed; a "done" marker stays for ``redis.dedupe_window_s`` so that a record
+  of it read again (a rewind) is a duplicate (docs/async.md "What a long run keeps").
 """
 
 from __future__ import annotations
@@ -154,6 +157,19 @@ def end_of_input(ctx: StageContext) -> list[SampleBatch]:
         return []
     taken = ctx.state.flush_window(WINDOW_NAME)
     return normalize_window(taken[1]) if taken is not None else []
+
+
+def committed(batches: list, ctx: StageContext) -> None:
+    """Stage hook (stages/runner.py step 5): these records are committed; settle their groups' members
+    in ctx.state, which frees every group whose completing record and members' records are all committed."""
+    if not ctx.topology.is_group_estimator:
+        return
+    for batch in batches:
+        if isinstance(batch, SampleBatch):
+            members: dict[str, list[int]] = {}
+            for g, i in zip(batch.group_id, batch.sample_index, strict=True):
+                members.setdefault(g, []).append(int(i))
+            ctx.state.settle_groups(batch.batch_id, members)
 
 
 def _groups(batch: SampleBatch) -> dict[str, list[int]]:

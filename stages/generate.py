@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 
-from expstream.admission import wait_for_admission
+from expstream.admission import admission_id, backpressure_on, wait_for_admission
 from expstream.errors import PoisonRecordError
 from expstream.resolve import model_dir
 from expstream.vl import vision_for
@@ -49,6 +49,14 @@ def teardown(ctx: StageContext) -> None:
     if close is not None:
         close()
         ctx.log.info("generate: vLLM engine shut down")
+
+
+def committed(batches: list, ctx: StageContext) -> None:
+    """Stage hook (stages/runner.py step 5): these prompt records are committed, so their samples are on
+    their way; a rewind that reads one again regenerates it without counting it for admission again
+    (expstream/admission.py "Rewinds")."""
+    if backpressure_on(ctx.topology):
+        ctx.state.mark_delivered([admission_id(b.batch_id) for b in batches if isinstance(b, PromptBatch)])
 
 
 def batch_seed(run_seed: int, batch_id: str) -> int:

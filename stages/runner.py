@@ -22,6 +22,11 @@ per record):
    group at most (downstream is idempotent by batch id).
    Rebalance listeners run on kafka-python's IO thread, so they only record revocations; the
    loop acts on them.
+5. The stage's optional ``committed(batches, ctx)`` hook gets the decoded batches of the records
+   now committed (a record whose partition's commit failed waits for the next commit that
+   succeeds on its partition): run state that only a redelivery could still need is released
+   there (advantage frees settled group buffers, generate marks its admissions delivered). A crash
+   between 4 and 5 leaves that state to its TTL; nothing is lost or doubled.
 
 Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
 that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while
@@ -154,6 +159,7 @@ REWIND_ACK_TTL_S = 30.0
 UNASSIGNED_LOG_INTERVAL_S = 30.0
 
 ProcessFn = Callable[[Any, StageContext], list]
+CommittedFn = Callable[[list, StageContext], None]
 T = TypeVar("T")
 # Fault injection for crash tests: EXPSTREAM_FAULT="<stage>:<point>:<k>" makes the k-th record this
 # process handles SIGKILL the process at <point> (before_produce | after_produce | after_commit).
@@ -256,9 +262,13 @@ class StageRunner:
     """Runs ``process`` for one stage replica against Kafka until stopped."""
 
     def __init__(self, ctx: StageContext, process: ProcessFn, bootstrap: str,
-                 max_records: int | None = None, max_record_bytes: int | None = None) -> None:
+                 max_records: int | None = None, max_record_bytes: int | None = None,
+                 committed: CommittedFn | None = None) -> None:
         self.ctx = ctx
         self.process = process
+        self.committed = committed  # the stage's hook after a commit (step 5 of the module docstring)
+        # batches handled but not known committed yet, per partition (only kept with a hook)
+        self._uncommitted: dict[TopicPartition, list[Any]] = {}
         self.bootstrap = bootstrap
         self.max_records = max_records
         self.max_record_bytes = int(max_record_bytes or ctx.topology.kafka.max_request_size)
@@ -681,9 +691,12 @@ class StageRunner:
         last: dict[TopicPartition, _Pending] = {}
         for p in items:  # offsets rise within a partition: the last one of each is the highest
             last[p.tp] = p
-        for tp, p in last.items():
-            self._commit(tp, p.record.offset, p.where, p.batch_id)
+            if self.committed is not None and p.batch is not None:
+                self._uncommitted.setdefault(p.tp, []).append(p.batch)
+        committed = [tp for tp, p in last.items() if self._commit(tp, p.record.offset, p.where, p.batch_id)]
         self._maybe_fault("after_commit")
+        if self.committed is not None:
+            self._after_commit([b for tp in committed for b in self._uncommitted.pop(tp, [])], items[-1].where)
         for p, done in zip(items, dones, strict=True):
             self.handled += 1
             if self.metrics is not None:
@@ -692,6 +705,26 @@ class StageRunner:
                 self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
                               self.stage.name, p.where, done.batch_id, done.samples, done.outputs, done.letters,
                               done.seconds)
+
+    def _after_commit(self, batches: list, where: str) -> None:
+        """Step 5: the stage's ``committed`` hook on the confirm thread (the main thread keeps polling).
+        A failure is logged and dropped: what the hook would release stays until its TTL."""
+        if not batches:
+            return
+
+        def run() -> None:
+            try:
+                self.committed(batches, self.ctx)
+            except ExpstreamError as exc:
+                self.log.warning("stage %s %s: after the commit of %d records (batches %s..%s), releasing their "
+                                 "run state failed (%s: %s); it stays until it expires", self.stage.name, where,
+                                 len(batches), batches[0].batch_id, batches[-1].batch_id, type(exc).__name__,
+                                 _first_line(exc))
+            except Exception:  # a bug in the hook: loud, but it never costs a record
+                self.log.exception("stage %s %s: the committed hook failed after the commit of %d records",
+                                   self.stage.name, where, len(batches))
+
+        self.pausing.wait(self._confirmer.submit(run), where)
 
     def _observe(self, done: _Done, tp: TopicPartition) -> None:
         """Per-record metrics after the commit; the lag reads the consumer's own fetch metadata (no round trip)."""

@@ -367,7 +367,9 @@ def redis_checks(run: PipelineRun, *, running_norm: bool, group_buffers: bool) -
             problems.append(f"kl_coef {raw_kl!r}, expected {INIT_KL_COEF} (no adaptive controller configured)")
         if group_buffers:
             for pid in run.prompt_ids:
-                have, n, completer = st.group_status(pid)
+                if st.group_done(pid):  # freed once every record carrying it was committed (the usual end)
+                    continue
+                have, n, completer = st.group_status(pid)  # or complete, left by a kill before its release
                 if (have, n) != (N, N) or completer is None:
                     problems.append(f"group {pid}: buffer {have}/{n}, completer {completer}")
     return problems

@@ -718,3 +718,47 @@ def test_a_record_is_committed_while_its_successor_is_still_in_work(broker):
         release.set()
         running.stop()
     assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}
+
+
+class FirstCommitRefused(StageRunner):
+    """A StageRunner whose first commit is refused, as one refused in a rebalance (nothing committed)."""
+
+    refused = 0
+
+    def _commit(self, tp, offset, where, batch_id):  # noqa: ANN001, ANN202 - same signature
+        if not self.refused:
+            self.refused = offset + 1
+            return False
+        return super()._commit(tp, offset, where, batch_id)
+
+
+def test_the_committed_hook_gets_each_record_once_and_only_after_its_offset_is_committed(broker):
+    """Step 5 (issue 21 item 6): the stage's committed hook is what frees a group's buffer, so it
+    must never see a record whose offset is not committed yet -- a crash would redeliver that record
+    to a freed group -- and must see every record once (else the buffer stays until its TTL). The
+    records of a refused commit are handed over with the next commit that succeeds on the partition."""
+    topo = stage_topology(broker, "shard-preprocess", "kafka.max_poll_records=16")
+    src = topo.stages["shard-preprocess"].input
+    n = 40
+    names = [f"b{i:02d}" for i in range(n)]
+    produce(broker, src, [encode(PromptBatch(batch_id=b, prompt_id=[b], prompt=["x"], label=[""], reference=[""]))
+                          for b in names])
+    calls: list[tuple[list[str], int]] = []
+
+    def committed(batches, ctx):
+        lag = topic_lag(broker, topo.kafka, runner.group_id, src)[0]
+        calls.append(([b.batch_id for b in batches], n - lag))  # (batches, committed offset now)
+
+    runner = FirstCommitRefused(make_context(topo, "shard-preprocess", run_id=f"h{uuid.uuid4().hex[:6]}"),
+                                lambda batch, ctx: [batch], broker, committed=committed)
+    running = Running(runner)
+    try:
+        running.wait(lambda: runner.handled == n and sum(len(c[0]) for c in calls) == n, 60, "every record")
+    finally:
+        running.stop()
+    seen = [b for batch_ids, _ in calls for b in batch_ids]
+    assert sorted(seen) == names, "every record handed to the hook once"
+    for batch_ids, committed_offset in calls:  # batch b<i> is at offset i
+        assert max(int(b[1:]) for b in batch_ids) < committed_offset, (batch_ids, committed_offset)
+    assert runner.refused >= 1
+    assert set(names[:runner.refused]) < set(calls[0][0]), "the refused records came with the next commit"

@@ -119,6 +119,75 @@ def test_redis_group_buffers_expire_after_the_ttl(redis_state):
     assert 0 < ttl <= redis_state.group_ttl_s
 
 
+def test_a_group_is_freed_once_its_completer_and_every_members_record_are_committed(state):
+    g = "prompt-9"
+    assert state.park_group(g, 4, "r0", {0: b"s0", 1: b"s1"}) is None
+    done = state.park_group(g, 4, "r1", {2: b"s2", 3: b"s3"})
+    assert done == [b"s0", b"s1", b"s2", b"s3"]
+    # the completer r1 committed first: r0 may still be redelivered, so the buffer stays
+    assert state.settle_groups("r1", {g: [2, 3]}) == []
+    assert state.group_status(g) == (4, 4, "r1")
+    assert state.park_group(g, 4, "r1", {2: b"s2", 3: b"s3"}) == done  # a redelivery still answered
+    # r0 committed too: nothing can be redelivered any more, the buffer goes
+    assert state.settle_groups("r0", {g: [0, 1]}) == [g]
+    assert state.group_status(g) == (0, None, None)
+    assert state.group_done(g)
+    # a record of the group read again (a rewind) is a duplicate: nothing parked, nothing handed out
+    assert state.park_group(g, 4, "r1", {2: b"s2", 3: b"s3"}) is None
+    assert state.park_group(g, 4, "r0", {0: b"s0", 1: b"s1"}) is None
+    assert state.group_status(g) == (0, None, None)
+    assert state.settle_groups("r0", {g: [0, 1]}) == []  # idempotent: nothing more to free
+
+
+def test_a_group_waits_for_its_completing_record_itself_not_only_for_its_members(state):
+    g = "prompt-10"
+    state.park_group(g, 2, "r0", {0: b"a"})
+    assert state.park_group(g, 2, "r1~0-1", {1: b"b"}) == [b"a", b"b"]  # completed by a split sub-batch of r1
+    # every member is committed by another record (r0 carried both, e.g. a duplicate upstream),
+    # but the completing record r1 is not: its redelivery must still get the group
+    assert state.settle_groups("r0", {g: [0, 1]}) == []
+    assert state.park_group(g, 2, "r1~0-1", {1: b"b"}) == [b"a", b"b"]
+    assert state.settle_groups("r1", {g: [1]}) == [g]  # the sub-batch's record: r1
+    assert not state.settle_groups("r2", {"never-parked": [0]})  # unknown groups are skipped, nothing created
+    assert state.group_status("never-parked") == (0, None, None)
+
+
+def test_a_partly_parked_group_is_not_freed_by_its_committed_members(state):
+    g = "prompt-11"
+    state.park_group(g, 3, "r0", {0: b"a", 1: b"b"})
+    assert state.settle_groups("r0", {g: [0, 1]}) == []
+    assert state.group_status(g) == (2, 3, None)  # member 2 is still to come: kept
+    assert state.park_group(g, 3, "r1", {2: b"c"}) == [b"a", b"b", b"c"]
+    assert state.settle_groups("r1", {g: [2]}) == [g]
+
+
+@pytest.mark.integration
+def test_redis_settle_deletes_the_group_keys_and_keeps_one_done_set(redis_state):
+    for i in range(20):
+        redis_state.park_group(f"g{i}", 2, f"r{i}", {0: b"x" * 1000, 1: b"y" * 1000})
+        redis_state.settle_groups(f"r{i}", {f"g{i}": [0, 1]})
+    keys = sorted(k.decode() for k in redis_state.client.scan_iter(match=redis_state.key("*")))
+    assert keys == [redis_state.key("groups", "done")]
+    assert redis_state.client.zcard(redis_state.key("groups", "done")) == 20
+    assert 0 < redis_state.client.ttl(redis_state.key("groups", "done")) <= redis_state.group_ttl_s
+
+
+def test_done_markers_are_dropped_after_dedupe_window_s(state_handles):
+    state = state_handles()
+    state.dedupe_window_s = 1
+    state.park_group("old", 1, "r0", {0: b"a"})
+    assert state.settle_groups("r0", {"old": [0]}) == ["old"]
+    assert state.group_done("old")
+    time.sleep(1.2)
+    assert not state.group_done("old")
+    # past the TTL a record of it read again re-forms the group (re-emitted with the same ids; readers dedupe)
+    assert state.park_group("old", 1, "r0", {0: b"a"}) == [b"a"]
+    state.park_group("new", 1, "r1", {0: b"b"})
+    state.settle_groups("r1", {"new": [0]})  # trims the expired marker of "old" (re-added as it settles again)
+    assert state.settle_groups("r0", {"old": [0]}) == ["old"]
+    assert state.group_done("old") and state.group_done("new")
+
+
 def test_park_group_rejects_inconsistent_records(state):
     with pytest.raises(PoisonRecordError, match="sample_index"):
         state.park_group("g", 2, "m0", {2: b"x"})
@@ -249,6 +318,33 @@ def test_a_stage_whose_every_record_was_dead_lettered_is_in_the_flows(state):
     assert state.stage_stats() == {}  # no record was worked on to the end: no time to show
 
 
+def test_counted_ids_are_kept_for_the_dedupe_window_then_dropped(state_handles):
+    """Issue 21 item 6: the ids of counted statistics were kept for the whole run (sets growing by every
+    record of every stage). They are kept one to two windows of dedupe_window_s: a redelivery within
+    them counts nothing twice; after them the id is forgotten (and counted again if it ever came back)."""
+    state = state_handles()
+    state.dedupe_window_s = 1
+    time.sleep(1 - time.time() % 1 + 0.05)  # at the start of a window: the next call falls in the same one
+    for _ in range(2):  # same window: once
+        state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)
+        state.incr_counter("dropped", 1, once_id="g/1")
+    time.sleep(1)
+    state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)  # the next window still knows it
+    state.incr_counter("dropped", 1, once_id="g/1")
+    assert state.flows() == {"reward": {"in": 8, "out": 8}}
+    assert state.stage_stats()["reward"]["batches"] == 1
+    assert state.counters()["dropped"] == 1
+    time.sleep(2)
+    state.record_batch("reward", "b1", {"in": 4, "out": 4}, 0.25, 4)
+    state.record_batch("reward", "b0", {"in": 8, "out": 8}, 0.5, 8)  # two windows later: forgotten
+    state.incr_counter("dropped", 1, once_id="g/1")
+    assert state.flows() == {"reward": {"in": 20, "out": 20}}
+    assert state.counters()["dropped"] == 2
+    if hasattr(state, "_r"):  # on Redis only the sets of the last two windows exist, each with a TTL
+        sets = [k for k in state.client.scan_iter(match=state.key("*applied*"))]
+        assert 1 <= len(sets) <= 6 and all(0 < state.client.ttl(k) <= 2 for k in sets), sets
+
+
 def test_record_batch_is_one_script_call_and_survives_a_script_flush(redis_state):
     """record_batch is one EVALSHA on the hot path (no SCRIPT EXISTS before it) and still works after
     the server forgot its scripts (a restart, SCRIPT FLUSH): redis-py loads the script again."""
@@ -330,6 +426,25 @@ def test_admit_within_the_bound_is_idempotent_and_moves_a_redelivered_record(sta
     # a larger bound (a newer version) lets the refused record in
     assert state.admit("p2", 8, 1, 24) is True
     assert state.admission_counts() == ({0: 8, 1: 16}, {})
+
+
+def test_a_delivered_record_read_again_is_admitted_without_counting_or_moving_anything(state):
+    """Issue 21 item 3: a rewind of generate reads committed prompt records again. Their samples were
+    counted (and have arrived, or will); counting the regenerated copies under the newer version made
+    the trainer wait for samples that never come (the copies are duplicates, swallowed downstream)."""
+    assert state.admit("p0", 8, 0, 16) is True
+    assert state.admit("p1", 8, 0, 16) is True
+    assert state.mark_delivered(["p0", "p0", "never-admitted"]) == 1
+    assert state.mark_delivered(["p0"]) == 0  # idempotent
+    # p0 read again under version 3 (a rewind): admitted at once, counts unchanged, version kept
+    assert state.admit("p0", 8, 3, 0) is True
+    assert state.admission_counts() == ({0: 16}, {})
+    assert state.admitted_version("p0") == 0
+    # p1 was not committed: a redelivery is a crash's, regenerated under newer weights: its count moves
+    assert state.admit("p1", 8, 3, 0) is True
+    assert state.admission_counts() == ({0: 8, 3: 8}, {})
+    assert state.admit("never-admitted", 8, 3, 24) is True  # unknown ids are not marked, admitted normally
+    assert state.admission_counts() == ({0: 8, 3: 16}, {})
 
 
 def test_lost_samples_free_room_once_per_batch_id(state):

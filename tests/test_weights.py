@@ -25,11 +25,14 @@ from expstream.weights import (
     DirectoryWeightStore,
     Manifest,
     PolicyFollower,
+    VersionGoneError,
     WeightStoreError,
     announce,
     open_store,
+    prune_versions,
     read_policy_log,
     refresh_weights,
+    retained_versions,
 )
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages import actor_logprob, critic, generate
@@ -124,6 +127,63 @@ def test_discard_after_removes_unannounced_leftovers(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001"]
     store.publish("actor", 2, small_state_dict(9), step=1, offsets={}, run_id="r")  # republished after a resume
     assert torch.equal(store.load("actor", 2)["lin.bias"], small_state_dict(9)["lin.bias"])
+
+
+# --- retention (issue 21 item 6) -------------------------------------------------------------------
+def test_retention_keeps_the_newest_versions_and_the_checkpoints():
+    assert retained_versions([1, 2, 3, 4, 5, 6], keep=3, checkpoint=2) == {2, 4, 5, 6}
+    assert retained_versions([1, 2, 3, 4, 5, 6], keep=3, checkpoint=6) == {4, 5, 6}
+    assert retained_versions([5, 1, 3], keep=1, checkpoint=None) == {5}
+    assert retained_versions([1, 2], keep=5, checkpoint=None) == {1, 2}
+    assert retained_versions([1, 2, 3], keep=0, checkpoint=1) == {1, 2, 3}  # 0: every version
+    assert retained_versions([3, 4], keep=1, checkpoint=2) == {4}  # a checkpoint version not in the store
+
+
+def test_prune_deletes_whole_versions_and_a_deleted_version_is_gone(tmp_path):
+    store = DirectoryWeightStore(tmp_path)
+    for v in range(1, 7):
+        store.publish("actor", v, small_state_dict(v), step=v - 1, offsets={}, run_id="r")
+        store.publish("critic", v, small_state_dict(10 + v), step=v - 1, offsets={}, run_id="r")
+    assert prune_versions(store, "actor", keep=2, checkpoint=3) == [1, 2, 4]
+    assert store.versions("actor") == [3, 5, 6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["critic", "v000003", "v000005", "v000006"]
+    assert store.versions("critic") == [1, 2, 3, 4, 5, 6]  # per role
+    with pytest.raises(VersionGoneError, match="v1: .* is missing: deleted by retention"):
+        store.load("actor", 1)
+    assert store.delete("actor", 1) is False  # idempotent
+    assert torch.equal(store.load("actor", 5)["lin.bias"], small_state_dict(5)["lin.bias"])
+
+
+class RacingStore(DirectoryWeightStore):
+    """A real directory store in which the trainer runs ahead while a follower loads: the first load of
+    ``version`` first publishes and announces ``newer`` and deletes ``version`` (what retention does)."""
+
+    def __init__(self, root, state, version: int, newer: int) -> None:
+        super().__init__(root)
+        self.state, self.version, self.newer, self.raced = state, version, newer, False
+
+    def load(self, role, version):
+        if version == self.version and not self.raced:
+            self.raced = True
+            self.publish(role, self.newer, small_state_dict(self.newer), step=self.newer - 1, offsets={}, run_id="r")
+            self.state.set_policy_version(self.newer)
+            prune_versions(self, role, keep=1, checkpoint=None)
+        return super().load(role, version)
+
+
+def test_a_follower_whose_version_is_deleted_while_loading_loads_the_newest_instead(tmp_path, redis_state, caplog):
+    store = RacingStore(tmp_path, redis_state, version=2, newer=3)
+    for v in (1, 2):
+        store.publish("actor", v, small_state_dict(v), step=v - 1, offsets={}, run_id="r")
+    redis_state.set_policy_version(2)
+    model = Small()
+    follower = PolicyFollower(store, redis_state, "actor", model, logging.getLogger("test.gone"))
+    with caplog.at_level(logging.INFO, logger="test.gone"):
+        assert follower.refresh() == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("v2 was deleted before it could be loaded" in r.getMessage() for r in caplog.records)
+    assert torch.equal(model.lin.bias.detach(), small_state_dict(3)["lin.bias"])
+    assert store.versions("actor") == [3]
 
 
 def test_open_store(tmp_path):

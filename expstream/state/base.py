@@ -14,7 +14,10 @@ The rules that make Kafka's at-least-once delivery exactly-once in effect hold f
 * every update carries an id (a ``batch_id``, a ``step_id``) and is applied once per id; a
   repeated id gets the answer of the first application and changes nothing;
 * a prompt group is handed out once, to the call that completed it (and again to a redelivery of
-  that same call), never to anyone else;
+  that same call), never to anyone else; once every record that carried one of its members is
+  committed (:meth:`State.settle_groups`, called by the runner after the commit) its buffer is
+  freed and only a "done" marker stays, for ``dedupe_window_s``: a record of that group read
+  again (a rewind) is a duplicate, parks nothing and gets nothing;
 * a normalisation window is handed out once, to the call that filled it (or to ``flush_window``).
 """
 
@@ -34,13 +37,24 @@ __all__ = [
     "Moments",
     "WindowTaken",
     "DEFAULT_GROUP_TTL_S",
+    "DEFAULT_DEDUPE_WINDOW_S",
     "check_group_members",
+    "check_settle",
     "check_admission",
 ]
 
 # Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
-# only garbage-collects groups of an abandoned run. 0 disables expiry.
+# only garbage-collects groups of an abandoned run (a settled group is freed at once). 0 disables expiry.
 DEFAULT_GROUP_TTL_S = 86400
+# Why 10 minutes: what Redis keeps to recognise a record applied already, beyond the record's commit:
+# the ids of counted statistics and the "done" marker of a freed group. A record is read again after
+# its commit only by a rewind (or a consumer-offset reset); before its commit, by a redelivery after a
+# crash or a rebalance, which comes within minutes (max_poll_interval 60 s, a stage gives up a retry
+# after 300 s and is restarted). What stays is bounded by (records per second) x the window: ~5 MB
+# for the built-in tiny models at ~4 steps/s, far less for real models. A rewind further back
+# recounts statistics and re-forms groups (re-emitted with the same ids; readers dedupe).
+# docs/async.md "What a long run keeps".
+DEFAULT_DEDUPE_WINDOW_S = 600
 
 #: ``(window_id, member payloads)`` handed to the call that closed a normalisation window.
 WindowTaken = tuple[str, list[bytes]]
@@ -87,6 +101,8 @@ class State(Protocol):
 
     run_id: str
     group_ttl_s: int
+    #: how long the "done" marker of a freed group is kept (see :meth:`settle_groups`)
+    dedupe_window_s: int
     #: True when other processes (replicas) read and write the same state (RedisState). A stage may
     #: skip a round trip that only matters between processes when it is False (MemoryState).
     shared: bool
@@ -99,6 +115,8 @@ class State(Protocol):
     def park_group(self, group_id: str, n: int, batch_id: str,
                    members: Mapping[int, bytes]) -> list[bytes] | None: ...
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]: ...
+    def settle_groups(self, batch_id: str, members: Mapping[str, Sequence[int]]) -> list[str]: ...
+    def group_done(self, group_id: str) -> bool: ...
 
     # cross-batch normalisation windows
     def park_window(self, name: str, batch_id: str, payload: bytes, n_samples: int,
@@ -134,6 +152,7 @@ class State(Protocol):
     def record_lost(self, batch_id: str, version: int, samples: int) -> bool: ...
     def admission_counts(self) -> tuple[dict[int, int], dict[int, int]]: ...
     def admitted_version(self, batch_id: str) -> int | None: ...
+    def mark_delivered(self, batch_ids: Sequence[str]) -> int: ...
 
     # the rewind handshake (expstream/rewind.py): a request per stage, acknowledged per replica;
     # both expire after ttl_s unless refreshed, so a tool that dies never leaves replicas waiting
@@ -167,6 +186,25 @@ def check_group_members(group_id: str, n: int, members: Mapping[int, bytes]) -> 
             raise PoisonRecordError(f"group {group_id!r}: sample_index {idx} outside [0, {n})")
         out[i] = bytes(payload)
     return out
+
+
+def check_settle(batch_id: str, members: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    """Validate a settle_groups call; ``{group_id: sorted distinct sample indices}`` (empty groups left out)."""
+    if not isinstance(batch_id, str) or not batch_id:
+        raise ValueError(f"settle_groups: batch_id must be a non-empty str, got {batch_id!r}")
+    out: dict[str, list[int]] = {}
+    for group_id, indices in members.items():
+        idx = sorted({int(i) for i in indices})
+        if any(i < 0 for i in idx):
+            raise ValueError(f"settle_groups batch={batch_id}: group {group_id!r}: negative sample_index in {idx}")
+        if idx:
+            out[str(group_id)] = idx
+    return out
+
+
+def settle_root(batch_id: str) -> str:
+    """The record a (sub-)batch id belongs to: the runner's split sub-batch ``<id>~<lo>-<hi>`` is part of ``<id>``."""
+    return batch_id.split("~", 1)[0]
 
 
 def check_admission(what: str, batch_id: str, samples: int, version: int, bound: int | None = None) -> None:

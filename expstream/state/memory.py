@@ -7,7 +7,8 @@ the same group and window hand-out, the same float arithmetic (the merge and KL 
 split across micro-batches completes here exactly as it does across Redis.
 
 What it does not do: share anything between processes (each process has its own), or expire
-buffers (``group_ttl_s`` is kept for the contract; the state lives as long as the object).
+buffers (``group_ttl_s`` is kept for the contract; the state lives as long as the object). A settled
+group is freed and its "done" marker kept ``dedupe_window_s`` here too, as on Redis.
 Thread-safe: one lock around every call (a stage runner heartbeats from a second thread).
 """
 
@@ -22,14 +23,17 @@ import numpy as np
 
 from expstream.running import adaptive_kl_update, batch_moments, check_kl_update, merge_batch_moments
 from expstream.state.base import (
+    DEFAULT_DEDUPE_WINDOW_S,
     DEFAULT_GROUP_TTL_S,
     RECENT_BATCHES,
     Moments,
     WindowTaken,
     check_admission,
     check_group_members,
+    check_settle,
     group_size_error,
     kl_not_initialised,
+    settle_root,
 )
 
 __all__ = ["MemoryState"]
@@ -40,6 +44,25 @@ class _Group:
     n: int
     members: dict[int, bytes] = field(default_factory=dict)
     completer: str | None = None
+    committed: set[int] = field(default_factory=set)  # sample indices whose records are committed
+    completer_committed: bool = False  # the completing record itself is committed
+
+
+@dataclass
+class _Applied:
+    """Ids counted in the current and the previous window of ``dedupe_window_s`` (RedisState's per-window sets)."""
+
+    windows: dict[int, set[str]] = field(default_factory=dict)
+
+    def add(self, id: str, width: int, now: float) -> bool:
+        """True (and remembered) the first time ``id`` is seen within the last one to two windows."""
+        w = int(now) // width
+        for old in [k for k in self.windows if k < w - 1]:
+            del self.windows[old]
+        if id in self.windows.get(w, ()) or id in self.windows.get(w - 1, ()):
+            return False
+        self.windows.setdefault(w, set()).add(id)
+        return True
 
 
 @dataclass
@@ -62,30 +85,34 @@ class _Windows:
 class MemoryState:
     """Run state in this process's memory (see the module docstring)."""
 
-    def __init__(self, run_id: str = "local", *, group_ttl_s: int = DEFAULT_GROUP_TTL_S) -> None:
+    def __init__(self, run_id: str = "local", *, group_ttl_s: int = DEFAULT_GROUP_TTL_S,
+                 dedupe_window_s: int = DEFAULT_DEDUPE_WINDOW_S) -> None:
         self.run_id = run_id
         self.group_ttl_s = int(group_ttl_s)
+        self.dedupe_window_s = int(dedupe_window_s)
         self.shared = False  # one process: no other replica reads these buffers
         self._lock = threading.RLock()
         self._moments: dict[str, tuple[int, float, float]] = {}
         self._moments_applied: dict[str, dict[str, str]] = {}
         self._groups: dict[str, _Group] = {}
+        self._done: dict[str, float] = {}  # freed group id -> unix time it was freed (insertion = time order)
         self._windows: dict[str, _Windows] = {}
         self._kl: float | None = None
         self._kl_applied: dict[str, float] = {}
         self._stages: dict[str, dict[str, float]] = {}
-        self._stage_applied: dict[str, set[str]] = {}
+        self._stage_applied: dict[str, _Applied] = {}
         self._heartbeats: dict[tuple[str, str], float] = {}
         self._rewind: dict[str, tuple[str, float]] = {}  # stage -> (request id, monotonic expiry)
         self._rewind_acks: dict[str, dict[str, tuple[str, float]]] = {}  # stage -> replica -> (request id, expiry)
         self._policy_version = 0
         self._recent: dict[str, list[tuple[float, float, int]]] = {}
         self._flows: dict[str, dict[str, int]] = {}
-        self._flow_applied: dict[str, set[str]] = {}
+        self._flow_applied: dict[str, _Applied] = {}
         self._once: dict[str, set[str]] = {}
         self._counters: dict[str, float] = {}
-        self._counter_applied: dict[str, set[str]] = {}
+        self._counter_applied: dict[str, _Applied] = {}
         self._admitted_of: dict[str, tuple[int, int]] = {}  # batch_id -> (version, samples)
+        self._delivered: set[str] = set()  # admitted batch ids whose generate record is committed
         self._lost_of: dict[str, tuple[int, int]] = {}
         self._admitted: dict[int, int] = {}  # version -> samples
         self._lost: dict[int, int] = {}
@@ -124,6 +151,8 @@ class MemoryState:
         """Park members once each; the completing call (and its redelivery) gets all n, in order."""
         checked = check_group_members(group_id, n, members)
         with self._lock:
+            if self._is_done(group_id, time.time()):
+                return None  # a record of a settled group read again: a duplicate, nothing to park
             group = self._groups.get(group_id)
             if group is None:
                 group = self._groups[group_id] = _Group(n)
@@ -145,6 +174,40 @@ class MemoryState:
             if group is None:
                 return 0, None, None
             return len(group.members), group.n, group.completer
+
+    def settle_groups(self, batch_id: str, members: Mapping[str, Sequence[int]]) -> list[str]:
+        """Record ``batch_id`` committed with ``members`` (group id -> sample indices); free every group
+        now complete whose members' records and completing record are all committed (see RedisState)."""
+        checked = check_settle(batch_id, members)
+        now = time.time()
+        freed = []
+        with self._lock:
+            for group_id, indices in checked.items():
+                group = self._groups.get(group_id)
+                if group is None:
+                    continue
+                group.committed.update(i for i in indices if i < group.n)
+                if group.completer is not None and settle_root(group.completer) == batch_id:
+                    group.completer_committed = True
+                if group.completer_committed and len(group.committed) == group.n:
+                    del self._groups[group_id]
+                    self._done.pop(group_id, None)
+                    self._done[group_id] = now
+                    freed.append(group_id)
+            if freed:
+                cutoff = now - self.dedupe_window_s
+                for gid in [g for g, t in self._done.items() if t < cutoff]:
+                    del self._done[gid]
+        return freed
+
+    def group_done(self, group_id: str) -> bool:
+        """True while the "done" marker of a settled group is kept."""
+        with self._lock:
+            return self._is_done(group_id, time.time())
+
+    def _is_done(self, group_id: str, now: float) -> bool:
+        freed = self._done.get(group_id)
+        return freed is not None and freed >= now - self.dedupe_window_s
 
     # --- normalisation windows -----------------------------------------------------------------
     def park_window(self, name: str, batch_id: str, payload: bytes, n_samples: int,
@@ -213,10 +276,8 @@ class MemoryState:
     # --- stage statistics, heartbeats ----------------------------------------------------------
     def record_stage_time(self, stage: str, seconds: float, samples: int, batch_id: str) -> bool:
         with self._lock:
-            applied = self._stage_applied.setdefault(stage, set())
-            if batch_id in applied:
+            if not self._stage_applied.setdefault(stage, _Applied()).add(batch_id, self.dedupe_window_s, time.time()):
                 return False
-            applied.add(batch_id)
             row = self._stages.setdefault(stage, {"batches": 0, "samples": 0, "seconds": 0.0})
             row["batches"] += 1
             row["samples"] += int(samples)
@@ -232,10 +293,8 @@ class MemoryState:
 
     def record_flow(self, stage: str, batch_id: str, counts: dict[str, int]) -> bool:
         with self._lock:
-            applied = self._flow_applied.setdefault(stage, set())
-            if batch_id in applied:
+            if not self._flow_applied.setdefault(stage, _Applied()).add(batch_id, self.dedupe_window_s, time.time()):
                 return False
-            applied.add(batch_id)
             row = self._flows.setdefault(stage, {})
             for k, v in counts.items():
                 row[k] = row.get(k, 0) + int(v)
@@ -290,11 +349,9 @@ class MemoryState:
 
     def incr_counter(self, name: str, by: float = 1, once_id: str | None = None) -> float:
         with self._lock:
-            if once_id:
-                applied = self._counter_applied.setdefault(name, set())
-                if once_id in applied:
-                    return self._counters.get(name, 0.0)
-                applied.add(once_id)
+            if once_id and not self._counter_applied.setdefault(name, _Applied()).add(
+                    once_id, self.dedupe_window_s, time.time()):
+                return self._counters.get(name, 0.0)
             self._counters[name] = self._counters.get(name, 0.0) + float(by)
             return self._counters[name]
 
@@ -309,6 +366,8 @@ class MemoryState:
         with self._lock:
             prev = self._admitted_of.get(batch_id)
             if prev is not None:
+                if batch_id in self._delivered:  # read again after its commit (a rewind): counted once
+                    return True
                 old_version, n = prev
                 if version < old_version:  # never regenerate with older weights than admitted with
                     return False
@@ -342,6 +401,13 @@ class MemoryState:
         with self._lock:
             prev = self._admitted_of.get(batch_id)
             return prev[0] if prev is not None else None
+
+    def mark_delivered(self, batch_ids: Sequence[str]) -> int:
+        """Admitted records whose generate record is committed (see RedisState); returns how many are new."""
+        with self._lock:
+            new = [b for b in dict.fromkeys(batch_ids) if b in self._admitted_of and b not in self._delivered]
+            self._delivered.update(new)
+            return len(new)
 
     # --- the rewind handshake (expstream/rewind.py) -----------------------------------------------
     def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:

@@ -21,23 +21,26 @@ Keys (``P`` = prefix):
 ==============================  ======  =================================================
 ``P moments:<name>``            hash    count, mean, m2 (``%.17g`` strings: exact doubles)
 ``P moments:<name>:applied``    hash    batch_id -> post-merge snapshot "count mean m2"
-``P group:<group_id>``          hash    sample_index -> payload bytes (TTL ``group_ttl_s``)
-``P group:<group_id>:meta``     hash    n, completer (TTL ``group_ttl_s``)
+``P group:<group_id>``          hash    sample_index -> payload bytes (TTL ``group_ttl_s``; freed when settled)
+``P group:<group_id>:meta``     hash    n, completer, c<i> per committed member, settled (TTL, freed alike)
+``P groups:done``               zset    settled (freed) group id -> unix ms freed; kept ``dedupe_window_s``
 ``P kl_coef``                   string  current KL coefficient
 ``P kl_coef:applied``           hash    step_id -> coefficient after that step
 ``P stage:<stage>``             hash    batches, samples, seconds
-``P stage:<stage>:applied``     set     batch ids already counted for this stage
+``P stage:<stage>:applied:<w>`` set     batch ids counted for this stage in window w (TTL two windows)
 ``P stages``                    set     stage names seen
 ``P heartbeats``                hash    "<stage>/<replica>" -> unix time
 ``P policy_version``            string  int, never decreases
 ``P once:<namespace>``          set     ids seen by mark_once
 ``P counters``                  hash    name -> float
-``P counters:applied:<name>``   set     once_ids applied to that counter
+``P counters:<name>:applied:<w>`` set   once_ids applied to that counter in window w (TTL two windows)
+``P flow:<stage>``              hash    in, out, dead, dropped (sample accounting)
+``P flow:<stage>:applied:<w>``  set     batch ids accounted in window w (TTL two windows)
 ``P window:<name>:of``          hash    batch_id -> window number k it joined
 ``P window:<name>:cur``         string  the open window's k
 ``P window:<name>:<k>:members`` hash    batch_id -> payload bytes (TTL ``group_ttl_s``)
 ``P window:<name>:<k>:meta``    hash    samples, closer (TTL ``group_ttl_s``)
-``P admission:of``              hash    admitted batch_id -> "version samples"
+``P admission:of``              hash    admitted batch_id -> "version samples", + " d" once delivered
 ``P admission:lost_of``         hash    lost batch_id -> "version samples"
 ``P admission:admitted``        hash    version -> samples admitted under it
 ``P admission:lost``            hash    version -> samples lost of it
@@ -64,12 +67,14 @@ from expstream.retry import Attempt, Policy, retry
 from expstream.running import batch_moments, check_kl_update
 from expstream.secrets import redact_url
 from expstream.state.base import (
+    DEFAULT_DEDUPE_WINDOW_S,
     DEFAULT_GROUP_TTL_S,
     RECENT_BATCHES,
     Moments,
     WindowTaken,
     check_admission,
     check_group_members,
+    check_settle,
     kl_not_initialised,
     parse_recent,
 )
@@ -136,7 +141,10 @@ return {1, snap}
 """
 
 _PARK_GROUP = """
--- KEYS[1] members hash, KEYS[2] meta hash; ARGV n, batch_id, ttl, idx1, payload1, idx2, ...
+-- KEYS[1] members hash, KEYS[2] meta hash, KEYS[3] done zset
+-- ARGV n, batch_id, ttl, group_id, now_ms, done_ttl_ms, idx1, payload1, idx2, ...
+local freed = redis.call('ZSCORE', KEYS[3], ARGV[4])
+if freed and tonumber(freed) >= tonumber(ARGV[5]) - tonumber(ARGV[6]) then return {2} end
 local n = tonumber(ARGV[1])
 local stored_n = redis.call('HGET', KEYS[2], 'n')
 if stored_n then
@@ -146,7 +154,7 @@ if stored_n then
 else
   redis.call('HSET', KEYS[2], 'n', ARGV[1])
 end
-for i = 4, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 local ttl = tonumber(ARGV[3])
@@ -166,6 +174,51 @@ for idx = 0, n - 1 do
   out[#out + 1] = redis.call('HGET', KEYS[1], tostring(idx))
 end
 return out
+"""
+
+_SETTLE_GROUPS = """
+-- A record of the advantage stage is committed: mark its members committed; free every group whose
+-- completing record and every member's record are committed, leaving a "done" marker.
+-- KEYS[1] done zset, then per group its members hash and meta hash
+-- ARGV batch_id (the record's, no '~' suffix), now_ms, done_ttl_ms, group_ttl_s,
+--      then per group: group_id, m, m sample indices
+local now = tonumber(ARGV[2])
+local freed = {}
+local a, k = 5, 2
+while a <= #ARGV do
+  local gid, m = ARGV[a], tonumber(ARGV[a + 1])
+  local members, meta = KEYS[k], KEYS[k + 1]
+  local n = tonumber(redis.call('HGET', meta, 'n') or '0')
+  if n > 0 then
+    for i = 1, m do
+      local idx = tonumber(ARGV[a + 1 + i])
+      if idx < n then redis.call('HSET', meta, 'c' .. idx, '1') end
+    end
+    local completer = redis.call('HGET', meta, 'completer')
+    if completer then
+      local cut = string.find(completer, '~', 1, true)
+      if cut then completer = string.sub(completer, 1, cut - 1) end
+      if completer == ARGV[1] then redis.call('HSET', meta, 'settled', '1') end
+      if redis.call('HEXISTS', meta, 'settled') == 1 then
+        local marked = 0
+        for idx = 0, n - 1 do marked = marked + redis.call('HEXISTS', meta, 'c' .. idx) end
+        if marked == n then
+          redis.call('DEL', members, meta)
+          redis.call('ZADD', KEYS[1], now, gid)
+          freed[#freed + 1] = gid
+        end
+      end
+    end
+  end
+  a = a + 2 + m
+  k = k + 2
+end
+if #freed > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. tostring(now - tonumber(ARGV[3])))
+  local ttl = tonumber(ARGV[4])
+  if ttl > 0 then redis.call('EXPIRE', KEYS[1], math.max(ttl, math.ceil(tonumber(ARGV[3]) / 1000))) end
+end
+return freed
 """
 
 _KL_INIT = """
@@ -193,27 +246,35 @@ redis.call('HSET', KEYS[2], ARGV[1], s)
 return s
 """
 
+# The ids of statistics already counted live in windows of ``dedupe_window_s`` seconds: a set per window
+# (``...:applied:<w>``, w = unix time // window), the current one written, it and the previous one
+# read, each expiring two windows after it opens. So an id is known for at least one window (a
+# redelivery, a rewind within it counts nothing twice) and the sets stop growing (issue 21 item 6).
+
 _STAGE_TIME = """
--- KEYS[1] stage hash, KEYS[2] applied set, KEYS[3] stages set; ARGV batch_id, seconds, samples, stage
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+-- KEYS[1] stage hash, KEYS[2] applied set (this window), KEYS[3] stages set, KEYS[4] recent list,
+-- KEYS[5] applied set (the previous window)
+-- ARGV batch_id, seconds, samples, stage, recent entry, recent max, applied ttl
+if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[2], ARGV[7])
 redis.call('SADD', KEYS[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'batches', 1)
 redis.call('HINCRBY', KEYS[1], 'samples', ARGV[3])
 redis.call('HINCRBYFLOAT', KEYS[1], 'seconds', ARGV[2])
-if KEYS[4] then
-  redis.call('LPUSH', KEYS[4], ARGV[5])
-  redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
-end
+redis.call('LPUSH', KEYS[4], ARGV[5])
+redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
 return 1
 """
 
 _FLOW = """
--- KEYS[1] flow hash, KEYS[2] applied set, KEYS[3] flow-stages set; ARGV batch_id, stage, then (field, count)
--- pairs. The flow-stages set lists every stage with an accounting, timed batches or not (one whose
--- every record was dead-lettered has no stage time, and is still counted).
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('SADD', KEYS[3], ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+-- KEYS[1] flow hash, KEYS[2] applied set (this window), KEYS[3] applied set (the previous window),
+-- KEYS[4] flow-stages set; ARGV batch_id, applied ttl, stage, then (field, count) pairs. The
+-- flow-stages set lists every stage with an accounting, timed batches or not (one whose every record
+-- was dead-lettered has no stage time, and is still counted).
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[3])
+for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -221,20 +282,25 @@ _RECORD_BATCH = """
 -- One record's stage time (when ARGV[2] == '1') and sample accounting: _STAGE_TIME and _FLOW in one
 -- script, so the runner's per-record statistics are one EVALSHA (a pipeline of two scripts made
 -- redis-py send SCRIPT EXISTS first: two round trips).
--- KEYS[1] flow hash, KEYS[2] flow applied set, KEYS[3] flow-stages set, then with a time: KEYS[4]
--- stage hash, KEYS[5] stage applied set, KEYS[6] stages set, KEYS[7] recent list
--- ARGV batch_id, has_time, seconds, samples, stage, recent entry, recent max, then (field, count) pairs
-if ARGV[2] == '1' and redis.call('SADD', KEYS[5], ARGV[1]) == 1 then
-  redis.call('SADD', KEYS[6], ARGV[5])
-  redis.call('HINCRBY', KEYS[4], 'batches', 1)
-  redis.call('HINCRBY', KEYS[4], 'samples', ARGV[4])
-  redis.call('HINCRBYFLOAT', KEYS[4], 'seconds', ARGV[3])
-  redis.call('LPUSH', KEYS[7], ARGV[6])
-  redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[7]) - 1)
+-- KEYS[1] flow hash, KEYS[2] flow applied set (this window), KEYS[3] flow applied set (previous window),
+-- KEYS[4] flow-stages set, then with a time: KEYS[5] stage hash, KEYS[6] stage applied set (this
+-- window), KEYS[7] stages set, KEYS[8] recent list, KEYS[9] stage applied set (previous window)
+-- ARGV batch_id, has_time, seconds, samples, stage, recent entry, recent max, applied ttl,
+--      then (field, count) pairs
+if ARGV[2] == '1' and redis.call('SISMEMBER', KEYS[9], ARGV[1]) == 0
+    and redis.call('SADD', KEYS[6], ARGV[1]) == 1 then
+  redis.call('EXPIRE', KEYS[6], ARGV[8])
+  redis.call('SADD', KEYS[7], ARGV[5])
+  redis.call('HINCRBY', KEYS[5], 'batches', 1)
+  redis.call('HINCRBY', KEYS[5], 'samples', ARGV[4])
+  redis.call('HINCRBYFLOAT', KEYS[5], 'seconds', ARGV[3])
+  redis.call('LPUSH', KEYS[8], ARGV[6])
+  redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[7]) - 1)
 end
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('SADD', KEYS[3], ARGV[5])
-for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[2], ARGV[8])
+redis.call('SADD', KEYS[4], ARGV[5])
+for i = 9, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -246,9 +312,13 @@ return tostring(cur)
 """
 
 _INCR_COUNTER = """
--- KEYS[1] counters hash, KEYS[2] applied set; ARGV name, by, once_id ('' = always)
-if ARGV[3] ~= '' and redis.call('SADD', KEYS[2], ARGV[3]) == 0 then
-  return redis.call('HGET', KEYS[1], ARGV[1]) or '0'
+-- KEYS[1] counters hash, KEYS[2] applied set (this window), KEYS[3] applied set (the previous window)
+-- ARGV name, by, once_id ('' = always), applied ttl
+if ARGV[3] ~= '' then
+  if redis.call('SISMEMBER', KEYS[3], ARGV[3]) == 1 or redis.call('SADD', KEYS[2], ARGV[3]) == 0 then
+    return redis.call('HGET', KEYS[1], ARGV[1]) or '0'
+  end
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
 return redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
 """
@@ -303,9 +373,8 @@ _ADMIT = """
 -- ARGV batch_id, samples, version, bound
 local prev = redis.call('HGET', KEYS[1], ARGV[1])
 if prev then
-  local sp = string.find(prev, ' ', 1, true)
-  local pv = string.sub(prev, 1, sp - 1)
-  local pn = string.sub(prev, sp + 1)
+  local pv, pn, delivered = string.match(prev, '^(%d+) (%d+)( ?d?)$')
+  if delivered == ' d' then return 1 end  -- read again after its commit (a rewind): counted once already
   if tonumber(ARGV[3]) < tonumber(pv) then return 0 end
   if pv ~= ARGV[3] then
     redis.call('HINCRBY', KEYS[2], pv, -tonumber(pn))
@@ -321,6 +390,19 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. ARGV[2])
 redis.call('HINCRBY', KEYS[2], ARGV[3], ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'admitted', ARGV[2])
 return 1
+"""
+
+_MARK_DELIVERED = """
+-- KEYS[1] admission:of; ARGV batch ids whose generate record is committed. Returns how many were new.
+local new = 0
+for i = 1, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v and string.sub(v, -2) ~= ' d' then
+    redis.call('HSET', KEYS[1], ARGV[i], v .. ' d')
+    new = new + 1
+  end
+end
+return new
 """
 
 _RECORD_LOST = """
@@ -348,6 +430,7 @@ class RedisState:
         socket_timeout_s: float = SOCKET_TIMEOUT_S,
         retry_deadline_s: float = RETRY_DEADLINE_S,
         group_ttl_s: int = DEFAULT_GROUP_TTL_S,
+        dedupe_window_s: int = DEFAULT_DEDUPE_WINDOW_S,
     ) -> None:
         if not run_id or any(c in run_id for c in "{}") or any(c.isspace() for c in run_id):
             raise ConfigError(
@@ -361,6 +444,7 @@ class RedisState:
         self.prefix = f"expstream:{{{run_id}}}:"
         self.retry_deadline_s = float(retry_deadline_s)
         self.group_ttl_s = int(group_ttl_s)
+        self.dedupe_window_s = int(dedupe_window_s)
         # redis-py's own retry is switched off: this class owns the policy (see _call).
         self._r = redis.Redis.from_url(
             url,
@@ -385,6 +469,8 @@ class RedisState:
                 ("park_window", _PARK_WINDOW),
                 ("flush_window", _FLUSH_WINDOW),
                 ("admit", _ADMIT),
+                ("mark_delivered", _MARK_DELIVERED),
+                ("settle", _SETTLE_GROUPS),
                 ("record_lost", _RECORD_LOST),
             )
         }
@@ -484,22 +570,52 @@ class RedisState:
         group then holds all ``n`` members, the first caller to see that becomes the group's
         *completer* and gets all ``n`` payloads ordered by sample_index; a later call with the same
         ``batch_id`` (a redelivery of the completing record) gets them again; anyone else gets None.
-        Buffers are kept (expire after ``group_ttl_s``) so that redeliveries stay answerable.
+        A buffer is kept until :meth:`settle_groups` frees it (or it expires after ``group_ttl_s``), so
+        that redeliveries stay answerable; a call for a group settled within ``dedupe_window_s`` parks
+        nothing and gets None (a record read again after every record of the group was committed).
         """
-        args: list = [str(n), batch_id, str(self.group_ttl_s)]
+        args: list = [str(n), batch_id, str(self.group_ttl_s), group_id, str(int(time.time() * 1000)),
+                      str(self.dedupe_window_s * 1000)]
         for i, payload in check_group_members(group_id, n, members).items():
             args += [str(i), payload]
         try:
             res = self._script(
-                "park", [self.key("group", group_id), self.key("group", group_id, "meta")], args
-            )
+                "park", [self.key("group", group_id), self.key("group", group_id, "meta"), self.key("groups", "done")],
+                args)
         except redis.ResponseError as exc:
             if "GROUPSIZE" in str(exc):
                 raise PoisonRecordError(f"group {group_id!r}: {exc}") from exc
             raise
-        if int(res[0]) == 0:
+        if int(res[0]) != 1:  # 0: not complete, or not this caller's; 2: settled already
             return None
         return list(res[1:])
+
+    def settle_groups(self, batch_id: str, members: Mapping[str, Sequence[int]]) -> list[str]:
+        """The advantage record ``batch_id`` is committed, carrying ``members`` (group id -> sample indices).
+
+        One Lua script: each member is marked committed in its group's meta hash (groups not parked
+        here, e.g. settled already, are skipped); the group's completing record is marked committed
+        when ``batch_id`` is the completer (or the record its split sub-batch came from). A complete
+        group whose completing record and n members' records are all committed can never be
+        redelivered (only read again by a rewind): its two keys are deleted and its id goes into the
+        ``groups:done`` sorted set, where :meth:`park_group` finds it for ``dedupe_window_s``.
+        Returns the group ids freed by this call. Idempotent: a repeated call frees nothing more.
+        """
+        checked = check_settle(batch_id, members)
+        if not checked:
+            return []
+        keys = [self.key("groups", "done")]
+        args: list[str] = [batch_id, str(int(time.time() * 1000)), str(self.dedupe_window_s * 1000),
+                           str(self.group_ttl_s)]
+        for group_id, indices in checked.items():
+            keys += [self.key("group", group_id), self.key("group", group_id, "meta")]
+            args += [group_id, str(len(indices)), *map(str, indices)]
+        return [g.decode() for g in self._script("settle", keys, args)]
+
+    def group_done(self, group_id: str) -> bool:
+        """True while the "done" marker of a settled group is kept (``dedupe_window_s``)."""
+        freed = self._call("group_done", self._r.zscore, self.key("groups", "done"), group_id)
+        return freed is not None and freed >= time.time() * 1000 - self.dedupe_window_s * 1000
 
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         """(members parked, group size n or None if unknown, completer batch_id or None)."""
@@ -593,12 +709,19 @@ class RedisState:
         """
         return bool(int(self._script("stage_time", *self._stage_time_call(stage, seconds, samples, batch_id))))
 
+    def _applied_keys(self, *parts: str) -> tuple[str, str]:
+        """(this window's, the previous window's) applied-id set of ``parts`` (see the scripts' comment)."""
+        w = int(time.time()) // self.dedupe_window_s
+        base = self.key(*parts, "applied")
+        return f"{base}:{w}", f"{base}:{w - 1}"
+
     def _stage_time_call(self, stage: str, seconds: float, samples: int, batch_id: str) -> tuple[list[str], list[str]]:
         """(keys, args) of the ``stage_time`` script for one batch."""
-        return ([self.key("stage", stage), self.key("stage", stage, "applied"), self.key("stages"),
-                 self.key("stage", stage, "recent")],
+        cur, prev = self._applied_keys("stage", stage)
+        return ([self.key("stage", stage), cur, self.key("stages"), self.key("stage", stage, "recent"), prev],
                 [batch_id, repr(float(seconds)), str(int(samples)), stage,
-                 f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES)])
+                 f"{time.time():.3f},{float(seconds):.6f},{int(samples)}", str(RECENT_BATCHES),
+                 str(2 * self.dedupe_window_s)])
 
     def stage_recent(self, stage: str) -> list[tuple[float, float, int]]:
         """The last RECENT_BATCHES micro-batches of ``stage``, newest first: (unix time, seconds, samples)."""
@@ -611,10 +734,10 @@ class RedisState:
 
     def _flow_call(self, stage: str, batch_id: str, counts: dict[str, int]) -> tuple[list[str], list[str]]:
         """(keys, args) of the ``flow`` script for one batch."""
-        args: list[str] = [batch_id, stage]
+        args: list[str] = [batch_id, str(2 * self.dedupe_window_s), stage]
         for k, v in counts.items():
             args += [k, str(int(v))]
-        return [self.key("flow", stage), self.key("flow", stage, "applied"), self.key("flow_stages")], args
+        return [self.key("flow", stage), *self._applied_keys("flow", stage), self.key("flow_stages")], args
 
     def record_batch(self, stage: str, batch_id: str, counts: dict[str, int], seconds: float | None = None,
                      samples: int = 0) -> None:
@@ -630,8 +753,8 @@ class RedisState:
             time_keys, time_args = self._stage_time_call(stage, seconds, samples, batch_id)
             keys, head = flow_keys + time_keys, ["1", *time_args[1:]]
         else:
-            keys, head = flow_keys, ["0", "", "", stage, "", ""]
-        return keys, [batch_id, *head, *flow_args[2:]]
+            keys, head = flow_keys, ["0", "", "", stage, "", "", str(2 * self.dedupe_window_s)]
+        return keys, [batch_id, *head, *flow_args[3:]]  # flow args: batch id, ttl, stage, then the pairs
 
     def record_batches(self, stage: str, rows: Sequence[tuple[str, dict[str, int], float | None, int]]) -> None:
         """:meth:`record_batch` for each ``(batch_id, counts, seconds, samples)`` row, in one round trip (a
@@ -717,8 +840,9 @@ class RedisState:
         """Add ``by`` to counter ``name`` (once per ``once_id`` when given); returns the new value."""
         res = self._script(
             "incr",
-            [self.key("counters"), self.key("counters", "applied", name)],
-            [name, repr(float(by)) if isinstance(by, float) else str(int(by)), once_id or ""],
+            [self.key("counters"), *self._applied_keys("counters", name)],
+            [name, repr(float(by)) if isinstance(by, float) else str(int(by)), once_id or "",
+             str(2 * self.dedupe_window_s)],
         )
         return float(res)
 
@@ -730,6 +854,8 @@ class RedisState:
     def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
         """Admit a prompt record of ``samples`` samples generated under ``version``; one Lua script.
 
+        0. A ``batch_id`` marked delivered (:meth:`mark_delivered`: its generate record was committed, so
+           it is read again only by a rewind) is admitted (True) and nothing is counted or moved.
         1. A ``batch_id`` admitted before is admitted again (True) at once; when ``version`` is newer
            (the record was redelivered and is generated under newer weights), its count moves from the
            old version to the new one. An older ``version`` is refused (False): a record is never
@@ -767,6 +893,16 @@ class RedisState:
         """The version ``batch_id`` is admitted under, None when it never was."""
         raw = self._call("admitted_version", self._r.hget, self.key("admission", "of"), batch_id)
         return int(raw.split(b" ", 1)[0]) if raw is not None else None
+
+    def mark_delivered(self, batch_ids: Sequence[str]) -> int:
+        """Generate's records ``batch_ids`` are committed (their samples are on their way): from now on an
+        admission of one of them (a rewind reading it again) is granted without counting anything, since
+        the samples it regenerates are duplicates of counted ones. Ids never admitted are skipped.
+        Returns how many were marked now (idempotent)."""
+        ids = list(dict.fromkeys(batch_ids))
+        if not ids:
+            return 0
+        return int(self._script("mark_delivered", [self.key("admission", "of")], ids))
 
     # --- the rewind handshake (expstream/rewind.py) -----------------------------------------------
     def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:

@@ -12,8 +12,10 @@ Per optimisation step u (0-based; trains weights of version u, publishes version
    (``StalenessGate.starved``: losses left a gap, so waiting longer would deadlock);
 5. publish version u+1 to the weight store, write the checkpoint (every ``train.checkpoint_every``
    steps and the last), announce the version (``policy`` topic + Redis), commit the consumed offsets
-   (only after the checkpoint is durable), report the KL to PipelineControl, append the
-   ``train.jsonl`` line and print one progress line.
+   (only after the checkpoint is durable), delete the versions retention no longer keeps
+   (:func:`versions_kept`: the staleness window or ``train.keep_versions``, and the latest
+   checkpoint's), report the KL to PipelineControl, append the ``train.jsonl`` line and print one
+   progress line.
 
 After ``train.max_steps``: ``DIR/final/`` (a loadable HF directory) and ``DIR/train/done.json``.
 Stopped by SIGTERM/SIGINT after at least one step: a checkpoint and ``DIR/final/`` (no done.json).
@@ -44,7 +46,7 @@ from expstream.train.checkpoint import BufferedRecord, Checkpoint, read_checkpoi
 from expstream.train.step import PolicyTrainer, experience_from_records
 from schemas import decode, encode
 
-__all__ = ["BufferedSample", "run_trainer", "experiences_topic", "sample_versions"]
+__all__ = ["BufferedSample", "run_trainer", "experiences_topic", "sample_versions", "versions_kept"]
 
 log = logging.getLogger("expstream.train")
 
@@ -86,6 +88,15 @@ def sample_versions(batch: Any) -> list[int]:
     if versions:
         return [int(v) for v in versions]
     return [int(batch.policy_version)] * len(batch.group_id)
+
+
+def versions_kept(topo: Topology) -> int:
+    """How many of the newest versions the weight store keeps (0: every one): ``train.keep_versions``,
+    never fewer than the staleness window ``async.max_staleness + 1``; null means exactly the window."""
+    keep, window = topo.train.keep_versions, topo.async_.max_staleness + 1
+    if keep is None:
+        return window
+    return 0 if keep == 0 else max(int(keep), window)
 
 
 def _batch_ids(batch: Any) -> list[str]:
@@ -130,6 +141,7 @@ class Trainer:
         self.fault = _fault_plan()
         self._wait_since: float | None = None
         self.record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
+        self.checkpoint_version: int | None = None  # the version of the latest durable checkpoint
 
     # ---- start / resume -------------------------------------------------------------------------
     def restore(self) -> dict[int, int] | None:
@@ -152,6 +164,7 @@ class Trainer:
             if ckpt.critic_optim and self.trainer.critic_optimizer is not None:
                 self.trainer.critic_optimizer.load_state_dict(ckpt.critic_optim)
         self.step = ckpt.step
+        self.checkpoint_version = ckpt.version
         self.counters.update(ckpt.counters)
         self.taken = {sid: v for sid, v in ckpt.taken}
         self.dropped = {sid: v for sid, v in ckpt.dropped}
@@ -310,7 +323,30 @@ class Trainer:
             actor_optim=self.trainer.optimizer.state_dict(), critic=self.trainer.critic_state(),
             critic_optim=self.trainer.critic_optimizer.state_dict() if self.trainer.critic_optimizer else None,
             buffer=buffer, counters=counters, last_line=self.last_line, run_id=self.run_id))
+        self.checkpoint_version = self.step
         return positions
+
+    def prune(self) -> list[int]:
+        """Delete the versions retention no longer keeps (after the announcement: the newest version is
+        announced, the checkpoint durable). A failure is logged, never fatal. Returns the actor versions gone."""
+        from expstream.weights import WeightStoreError, prune_versions
+
+        keep = versions_kept(self.topo)
+        removed: list[int] = []
+        if not keep:
+            return removed
+        for role in ("actor", "critic"):
+            try:
+                gone = prune_versions(self.store, role, keep=keep, checkpoint=self.checkpoint_version)
+            except (OSError, WeightStoreError) as exc:
+                log.warning("trainer: deleting old %s versions from %s failed (%s); they stay", role, self.store, exc)
+                continue
+            if gone:
+                log.info("trainer: deleted %s versions %s (keeping the newest %d and checkpoint v%s)", role,
+                         _span(gone), keep, self.checkpoint_version)
+            if role == "actor":
+                removed = gone
+        return removed
 
     def run(self) -> int:
         from expstream.train.stream import ExperienceStream
@@ -344,6 +380,7 @@ class Trainer:
                 self._maybe_crash("after_announce")
                 if ckpt_positions is not None:
                     self.stream.commit(ckpt_positions)
+                self.prune()
                 self.control.report_kl(f"step-{line['step']}", out["kl"], n_steps=line["samples"])
                 with jsonl.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
@@ -381,6 +418,10 @@ class Trainer:
                 "undecodable": self.stream.undecodable, "time": time.time()}
         (self.output / "train" / "done.json").write_text(json.dumps(done, indent=1))
         log.info("trainer: %d steps done; final weights in %s", self.step, final)
+
+
+def _span(versions: list[int]) -> str:
+    return f"v{versions[0]}" if len(versions) == 1 else f"v{versions[0]}..v{versions[-1]} ({len(versions)})"
 
 
 def _cut_jsonl(path: Path, steps: int, last_line: dict[str, Any] | None) -> None:
