@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from common import fmt, machine, median, progress, ratio, rounded, save, table
 
-from expstream import numerics
-from expstream.topology import Topology, load_topology
+from expstream.config.topology import Topology, load_topology
+from expstream.rl import numerics
 from schemas import Ragged, SampleBatch
 from stages import advantage, postprocess, shard_preprocess
 from stages.context import make_context
@@ -110,7 +110,7 @@ def scored_inputs(args: argparse.Namespace, topo: Topology, with_values: bool) -
 
 def padded_tensors(batches: list[SampleBatch]) -> list[dict[str, torch.Tensor]]:
     """The bare side's inputs: padded (B, A) tensors built once, outside the timing."""
-    from expstream.layout import action_field, padded
+    from expstream.rl.layout import action_field, padded
 
     out = []
     for b in batches:
@@ -213,7 +213,7 @@ def main() -> int:
         raise SystemExit(f"--n {args.n} must divide --mrb {args.mrb} (whole groups per micro-batch)")
     torch.set_num_threads(args.threads)
     info_start = machine()
-    from expstream.localservers import LocalRedis
+    from expstream.launch.localservers import LocalRedis
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-advantage-"))
     redis = LocalRedis(tmp / "redis", appendonly=False)

@@ -22,7 +22,7 @@ both sample the same tokens and the ratio is the stage's own cost (the script ch
 Time to first sample:
 
 * **in a stage process**, per backend: a fresh process that has imported what the fork server preloads
-  (``expstream.forkserver.PRELOAD``, plus ``vllm`` for the vLLM backend as ``expstream run`` does; a
+  (``expstream.launch.forkserver.PRELOAD``, plus ``vllm`` for the vLLM backend as ``expstream run`` does; a
   stage process is forked from it), then the clock runs from the start of ``stages.generate.setup``
   (for vLLM: the in-process engine, the mode the stage uses) to the first ``SampleBatch`` out of
   ``stages.generate.process`` on a default record (2 prompts); the preload's import time is reported
@@ -51,8 +51,8 @@ from typing import Any
 import torch
 from common import ROOT, SMALL_CACHE, TINY_CACHE, fmt, machine, progress, ratio, save, table, write_prompts
 
-from expstream.prompts import prompt_batches, read_prompts
-from expstream.topology import load_topology
+from expstream.config.topology import load_topology
+from expstream.launch.prompts import prompt_batches, read_prompts
 from schemas import SampleBatch
 
 #: The goal of the issue: the stage must not waste the engine.
@@ -60,7 +60,7 @@ GOAL_STAGE_VS_BARE = 0.95
 
 
 def topology(size: str, backend: str, prompt_batch_size: int, max_new_tokens: int, n: int) -> Any:
-    from expstream.models import build_tiny_models
+    from expstream.models.hf import build_tiny_models
 
     sets = [f"generate.backend={backend}", f"run.prompt_batch_size={prompt_batch_size}",
             f"generate.max_new_tokens={max_new_tokens}", f"generate.n_samples_per_prompt={n}",
@@ -115,7 +115,7 @@ def run_bare(ctx: Any, token_batches: list[list[list[int]]], seeds: list[int]) -
             tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)
         return tokens, time.perf_counter() - t0, time.process_time() - c0
 
-    return gen._on_engine_thread(call)  # the engine's own thread (expstream/vllm_backend.py)
+    return gen._on_engine_thread(call)  # the engine's own thread (expstream/models/vllm_generator.py)
 
 
 def stage_overhead_ms(ctx: Any, batch: Any, repeats: int = 20) -> float:
@@ -158,11 +158,11 @@ def first_sample(size: str, backend: str, max_new_tokens: int, n: int) -> dict[s
 def first_sample_child(args: argparse.Namespace) -> int:
     import importlib
 
-    from expstream.forkserver import PRELOAD
+    from expstream.launch.forkserver import PRELOAD
 
     t0 = time.perf_counter()
     # what a stage process has imported when it is forked from the fork server (expstream run adds
-    # vllm to the preload with generate.backend=vllm: expstream/run.py)
+    # vllm to the preload with generate.backend=vllm: expstream/launch/run.py)
     for module in PRELOAD + (["vllm"] if args.first_sample_child == "vllm" else []):
         importlib.import_module(module)
     import_s = time.perf_counter() - t0
@@ -170,7 +170,7 @@ def first_sample_child(args: argparse.Namespace) -> int:
     from stages.context import make_context
 
     topo = topology(args.model_size, args.first_sample_child, 2, args.max_new_tokens, args.n)
-    torch.set_num_threads(topo.run.torch_threads)  # as expstream/stage.py does before setup
+    torch.set_num_threads(topo.run.torch_threads)  # as expstream/launch/replica.py does before setup
     with tempfile.TemporaryDirectory() as tmp:
         record = next(iter(prompt_batches(read_prompts(str(write_prompts(Path(tmp) / "p.jsonl", 8))),
                                           topo.run.prompt_batch_size)))
@@ -293,8 +293,8 @@ def main() -> int:
     results["stage_overhead_ms"] = overhead
 
     progress("weight reload")
-    from expstream.models import load_causal_lm
-    from expstream.resolve import model_dir
+    from expstream.models.hf import load_causal_lm
+    from expstream.models.resolve import model_dir
 
     sd = load_causal_lm(model_dir(topo, "actor")).state_dict()
     gen = ctx.models["generator"]

@@ -46,7 +46,7 @@ import os
 # that shares its cores (the pipeline's other processes, other work) every barrier then waits for a
 # scheduler slice, and 2 threads run 2-10x slower than 1 (bench/README.md, "Noise"). Read once when
 # torch loads libgomp, so it is set before the import below; `expstream run` sets it for its fork
-# server too (expstream/forkserver.py). An explicit OMP_WAIT_POLICY in the environment wins.
+# server too (expstream/launch/forkserver.py). An explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
@@ -78,8 +78,8 @@ from common import (
     write_prompts,
 )
 
-from expstream.prompts import prompt_batches, read_prompts
-from expstream.topology import Topology, load_topology
+from expstream.config.topology import Topology, load_topology
+from expstream.launch.prompts import prompt_batches, read_prompts
 from schemas import decode, encode
 from stages.local import LocalChain
 from stages.runner import MAX_COMMIT_GROUP
@@ -130,7 +130,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_overrides(size: str) -> tuple[list[str], dict[str, Any]]:
     """``--set`` items pointing models.* at the chosen models (built now, outside every timing)."""
-    from expstream.models import build_tiny_models
+    from expstream.models.hf import build_tiny_models
 
     t0 = time.perf_counter()
     if size == "tiny":
@@ -246,9 +246,16 @@ def measure_hops(topo: Topology, hops: list[tuple[str, str, list]], per_hop: int
     from kafka import TopicPartition
     from kafka.structs import OffsetAndMetadata
 
-    from expstream.bus import confirm_all, flush, make_consumer, make_producer, send_all, send_all_and_confirm
-    from expstream.localservers import LocalBroker
-    from expstream.topics import create_topics
+    from expstream.kafka.clients import (
+        confirm_all,
+        flush,
+        make_consumer,
+        make_producer,
+        send_all,
+        send_all_and_confirm,
+    )
+    from expstream.kafka.topics import create_topics
+    from expstream.launch.localservers import LocalBroker
 
     cfg = topo.kafka
     tmp = Path(tempfile.mkdtemp(prefix="bench-hops-"))
@@ -513,9 +520,9 @@ def demo_run(out: Path) -> dict[str, Any]:
 
 def codec_in_stage_env() -> dict[str, Any]:
     """:func:`codec_vs_memcpy` in a fresh process with the stage processes' malloc settings
-    (expstream/forkserver.py MALLOC_ENV: glibc reads them at process start), and, for comparison,
+    (expstream/launch/forkserver.py MALLOC_ENV: glibc reads them at process start), and, for comparison,
     in one with glibc's defaults (``default_malloc``)."""
-    from expstream.forkserver import MALLOC_ENV
+    from expstream.launch.forkserver import MALLOC_ENV
 
     def run(env: dict[str, str]) -> dict[str, Any]:
         code = "import json, pipeline; print(json.dumps(pipeline.codec_vs_memcpy()))"
@@ -707,7 +714,7 @@ def vl_prompts(work: Path, count: int) -> tuple[Path, Path]:
 def hop_bytes(out: Path) -> dict[str, dict[str, float]]:
     """Per recorded topic: records, value bytes, and what the values would weigh with each sample's
     pixel_values inline (float32 patches of 3·2·14·14 values per patch, t·h·w patches per image)."""
-    from expstream.recording import iter_topic, recorded_topics
+    from expstream.tools.recording import iter_topic, recorded_topics
 
     per_topic: dict[str, dict[str, float]] = {}
     for topic in recorded_topics(out):

@@ -16,8 +16,8 @@ import time
 
 import aiohttp
 
-from expstream.reward_http import HttpRewardSource, score_with_session
-from expstream.reward_server import FnScorer, ServerThread
+from expstream.rewards.http_client import HttpRewardSource, score_with_session
+from expstream.rewards.server import FnScorer, ServerThread
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ per replica over the run's wall, and the reward stage's backlog).
 
 Throughput is summary.json's ``steady_samples_per_s`` (first to last experience arrival: start-up
 excluded). A sampler thread in this script reads, every second, the reward group's lag on its input
-topic (``expstream.bus.topic_lag``), the records on the reward stage's output topic, and the
+topic (``expstream.kafka.clients.topic_lag``), the records on the reward stage's output topic, and the
 group's member count (the replicas actually consuming); the autoscaled run's scale events come
 from its summary.json (``scale_events``). Ratios are measured in the same invocation, never
 asserted; the script exits non-zero only when a run fails.
@@ -101,7 +101,7 @@ class Judge:
     """``expstream serve-reward`` on a free loopback port, stopped by its pid."""
 
     def __init__(self, latency_ms: int, log_path: Path) -> None:
-        from expstream.localservers import free_port
+        from expstream.launch.localservers import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -183,8 +183,8 @@ class Sampler:
     def _sample(self) -> None:
         from kafka import TopicPartition
 
-        from expstream.bus import end_offsets, make_admin, topic_lag
-        from expstream.topology import load_topology
+        from expstream.config.topology import load_topology
+        from expstream.kafka.clients import end_offsets, make_admin, topic_lag
 
         services = self.out_dir / "run" / "services.json"
         topo_file = self.out_dir / "run" / "topology.yaml"
@@ -284,7 +284,7 @@ def run_setting(label: str, prompts: Path, sets: list[str], out: Path) -> dict[s
 
 
 def summary_topology(out: Path) -> dict[str, Any]:
-    from expstream.topology import load_topology
+    from expstream.config.topology import load_topology
 
     topo = load_topology(out / "topology.yaml")
     return {"replicas": {st.name: st.replicas for st in topo.enabled_stages()},

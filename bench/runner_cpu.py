@@ -28,11 +28,11 @@ from typing import Any
 
 from common import fmt, machine, median, progress, save, table
 
-from expstream.bus import make_consumer, make_producer, send_all_and_confirm
-from expstream.localservers import LocalBroker, LocalRedis
+from expstream.config.topology import load_topology
+from expstream.kafka.clients import make_consumer, make_producer, send_all_and_confirm
+from expstream.kafka.topics import create_topics
+from expstream.launch.localservers import LocalBroker, LocalRedis
 from expstream.state import RedisState
-from expstream.topics import create_topics
-from expstream.topology import load_topology
 from schemas import PromptBatch, encode
 from stages.context import make_context
 from stages.runner import StageRunner

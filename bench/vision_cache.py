@@ -4,7 +4,7 @@ A vision-language model stage needs ``pixel_values`` for every image of a micro-
 to get them (docs/vision.md, "The claim check"), timed here per image on the same images:
 
 * **recompute**: the blob's bytes decoded (PIL) and run through the model's image processor, what
-  ``expstream.vl.VisionInputs.image`` does on a cache miss;
+  ``expstream.models.vl.VisionInputs.image`` does on a cache miss;
 * **cache hit**: the same call when the image was processed before in this process (the n samples
   of a group share their images, so most lookups hit);
 * **inline**: the alternative to the claim check, the float32 patches travelling in the record:
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from common import TINY_CACHE, fmt, machine, median, progress, save, table
 
-from expstream.blobs import DirectoryBlobStore
+from expstream.models.blobs import DirectoryBlobStore
 from schemas.tensors import encode_tensor
 
 
@@ -51,7 +51,7 @@ def random_pngs(count: int, size: tuple[int, int], seed: int) -> list[bytes]:
 
 def main() -> int:
     args = parse_args()
-    from expstream.vl import VisionInputs, build_tiny_vl
+    from expstream.models.vl import VisionInputs, build_tiny_vl
 
     paths = build_tiny_vl(TINY_CACHE)
     from transformers import AutoTokenizer

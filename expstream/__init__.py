@@ -10,7 +10,7 @@ _LAZY = {"read_experiences", "Experience", "split_experience_batch", "make_exper
 
 def __getattr__(name: str) -> Any:  # lazy: `import expstream` must not import torch
     if name in _LAZY:
-        from expstream import experience
+        from expstream.rl import experience
 
         return getattr(experience, name)
     raise AttributeError(f"module 'expstream' has no attribute {name!r}")

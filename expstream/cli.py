@@ -1,8 +1,8 @@
 """``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay | rewind
 | serve-reward.
 
-Argument parsing and dispatch only; each command's work lives in its module (``expstream.run``,
-``expstream.stage``, ``expstream.topics``, ``expstream.dlq``), imported when the command runs.
+Argument parsing and dispatch only; each command's work lives in its module (``expstream.launch.run``,
+``expstream.launch.replica``, ``expstream.kafka.topics``, ``expstream.tools.dlq``), imported when the command runs.
 
 Exit codes (``expstream.errors``): 0 done, 1 the run failed (a stage could not be kept alive, or a
 timeout; or a service did not answer: one line saying so, never a traceback), 2 a configuration
@@ -19,10 +19,10 @@ import os
 import socket
 import sys
 
+from expstream.config.redaction import REDIS_URL_ENV, env_redis_url
+from expstream.config.topology import Topology, find_topology, load_topology
 from expstream.errors import EXIT_BROKEN_PIPE, EXIT_CONFIG, EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
-from expstream.resolve import check_models, model_dir
-from expstream.secrets import REDIS_URL_ENV, env_redis_url
-from expstream.topology import Topology, find_topology, load_topology
+from expstream.models.resolve import check_models, model_dir
 
 
 def _setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     topics.add_argument("action", choices=["create", "list", "tail"])
     topics.add_argument("topic", nargs="?", help="tail: the topic to print, e.g. experiences or batches.dlq")
     _add_topology_args(topics)
-    from expstream.tail import add_tail_args
+    from expstream.tools.tail import add_tail_args
 
     add_tail_args(topics)
 
@@ -88,31 +88,31 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("action", choices=["build"])
     _add_topology_args(models)
 
-    from expstream.dlq import add_dlq_parser
+    from expstream.tools.dlq import add_dlq_parser
 
     add_dlq_parser(sub, _add_topology_args)
-    from expstream.diff import add_diff_parser
-    from expstream.inspect import add_show_parser
-    from expstream.recorder import add_record_parser
-    from expstream.replay import add_replay_parser
+    from expstream.tools.diff import add_diff_parser
+    from expstream.tools.recorder import add_record_parser
+    from expstream.tools.replay import add_replay_parser
+    from expstream.tools.show import add_show_parser
 
     add_show_parser(sub, _add_topology_args)
     add_diff_parser(sub, _add_topology_args)
     add_replay_parser(sub, _add_topology_args)
     add_record_parser(sub, _add_topology_args)
-    from expstream.rewind import add_rewind_parser
+    from expstream.tools.rewind import add_rewind_parser
 
     add_rewind_parser(sub, _add_topology_args)
-    from expstream.reward_server import add_serve_reward_parser
+    from expstream.rewards.server import add_serve_reward_parser
 
     add_serve_reward_parser(sub)
-    from expstream.scale import add_scale_parser
+    from expstream.launch.scale import add_scale_parser
 
     add_scale_parser(sub)
-    from expstream.status import add_status_parser
+    from expstream.tools.status import add_status_parser
 
     add_status_parser(sub)
-    from expstream.report import add_report_parser
+    from expstream.tools.report import add_report_parser
 
     add_report_parser(sub)
     return parser
@@ -139,32 +139,32 @@ def _main(argv: list[str] | None) -> int:
     _setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
     try:
         if args.command == "show":  # these read a run directory: its recorded topology, not ./topology.yaml
-            from expstream.inspect import show_command
+            from expstream.tools.show import show_command
 
             return show_command(args)
         if args.command == "diff":
-            from expstream.diff import diff_command
+            from expstream.tools.diff import diff_command
 
             return diff_command(args)
         if args.command == "scale":  # talks to a running run through its directory (its own topology)
-            from expstream.scale import scale_command
+            from expstream.launch.scale import scale_command
 
             return scale_command(args)
         if args.command == "status":
-            from expstream.status import status_command
+            from expstream.tools.status import status_command
 
             return status_command(args)
         if args.command == "report":
-            from expstream.report import report_command
+            from expstream.tools.report import report_command
 
             return report_command(args)
         if args.command == "replay":  # reads the recorded configuration, not ./topology.yaml
-            from expstream.replay import replay_command
-            from expstream.replaybroker import broker_replay  # handed in: replaybroker imports replay
+            from expstream.tools.replay import replay_command
+            from expstream.tools.replaybroker import broker_replay  # handed in: replaybroker imports replay
 
             return replay_command(args, broker_replay=broker_replay)
         if args.command == "serve-reward":  # no topology: the flags say everything
-            from expstream.reward_server import serve_reward_command
+            from expstream.rewards.server import serve_reward_command
 
             return serve_reward_command(args)
         if getattr(args, "continuous", False):
@@ -172,29 +172,35 @@ def _main(argv: list[str] | None) -> int:
         topo = load_topology(find_topology(args.topology), args.overrides)
         if args.command == "run":
             if topo.run.spawn == "fork":  # the fork server's seconds of torch imports start now, beside
-                from expstream.forkserver import warm_up_for  # ours and the checks (dies with this process)
+                from expstream.launch.forkserver import (
+                    warm_up_for,  # ours and the checks (dies with this process)
+                )
 
                 warm_up_for(topo)
             check_models(topo)
-            from expstream.run import run_pipeline
+            from expstream.launch.run import run_pipeline
 
             return run_pipeline(topo, args)
         if args.command in ("stage", "train"):
             return _run_process(topo, args)
+        if args.command == "topics" and args.action == "tail":
+            from expstream.tools.tail import tail_command
+
+            return tail_command(topo, args)
         if args.command == "topics":
-            from expstream.topics import topics_command
+            from expstream.kafka.topics import topics_command
 
             return topics_command(topo, args)
         if args.command == "dlq":
-            from expstream.dlq import dlq_command
+            from expstream.tools.dlq import dlq_command
 
             return dlq_command(topo, args)
         if args.command == "rewind":
-            from expstream.rewind import rewind_command
+            from expstream.tools.rewind import rewind_command
 
             return rewind_command(topo, args)
         if args.command == "record":
-            from expstream.recorder import record_command
+            from expstream.tools.recorder import record_command
 
             return record_command(topo, args)
         if args.command == "models":
@@ -215,10 +221,10 @@ def _main(argv: list[str] | None) -> int:
 def _run_process(topo: Topology, args: argparse.Namespace) -> int:
     """``stage`` and ``train``: the process a supervisor starts. Code that cannot be imported (a syntax
     error, a missing module) is reported as one line and exit 2, which the supervisor does not restart:
-    the same import fails again however often it is retried (expstream/supervisor.py)."""
+    the same import fails again however often it is retried (expstream/launch/supervisor.py)."""
     try:
         if args.command == "stage":
-            from expstream.stage import run_stage
+            from expstream.launch.replica import run_stage
 
             return run_stage(topo, args)
         from expstream.train import run_trainer

@@ -26,10 +26,13 @@ import time
 from collections.abc import Callable
 
 __all__ = [
-    "PR_SET_PDEATHSIG", "ORPHAN_EXIT_CODE", "PARENT_CHECK_S", "set_death_signal", "die_with_parent", "die_with",
+    "EXIT_WITH_PARENT_ENV", "PR_SET_PDEATHSIG", "ORPHAN_EXIT_CODE", "PARENT_CHECK_S", "set_death_signal", "die_with_parent", "die_with",
     "watch_parent", "stage_title", "prepare_title", "set_stage_title",
 ]
 
+#: Set to "1" by the supervisor for every child: a stage replica, the trainer and the recorder then
+#: stop when their parent is gone (expstream/launch/replica.py, train/trainer.py, tools/recorder.py).
+EXIT_WITH_PARENT_ENV = "EXPSTREAM_EXIT_WITH_PARENT"
 #: From <sys/prctl.h>.
 PR_SET_PDEATHSIG = 1
 #: Exit code of a process that found its parent gone at start (before doing any work).
@@ -108,7 +111,7 @@ def prepare_title() -> None:
     setproctitle finds the argv memory it overwrites through the C ``environ`` (which lies right
     after it) and only looks on its first call; once ``os.environ.clear()`` has moved ``environ``
     to the heap, the title can no longer be set. A forked child that swaps its environment (the
-    fork server's, see expstream/forkserver.py) calls this first.
+    fork server's, see expstream/launch/forkserver.py) calls this first.
     """
     from setproctitle import getproctitle
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from schemas.errors import ValidationError
-from schemas.tensors import Ragged, _normalise_indices, _short, as_dtype
+from schemas.tensors import Ragged, as_dtype, normalise_indices, short_repr
 
 __all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS", "V3_FIELDS", "PROMPT_V2_FIELDS"]
 
@@ -57,7 +57,7 @@ def _err(msg: Any, name: str, text: str) -> ValidationError:
 
 def _ids_text(ids: list[str], rows: np.ndarray) -> str:
     """Sample ids of ``rows`` for an error message (row numbers when ids are unavailable)."""
-    return _short([ids[i] if i < len(ids) else f"row {i}" for i in rows.tolist()], limit=5)
+    return short_repr([ids[i] if i < len(ids) else f"row {i}" for i in rows.tolist()], limit=5)
 
 
 class _Message:
@@ -135,7 +135,7 @@ class _Message:
                 raise _err(self, name, f"entry {i} is {type(row).__name__}, expected a list of blob references")
             for ref in row:
                 if not isinstance(ref, str) or not ref.startswith("sha256:") or len(ref) != 71:
-                    raise _err(self, name, f"entry {i} holds {_short([ref], 1)}, not a blob reference "
+                    raise _err(self, name, f"entry {i} holds {short_repr([ref], 1)}, not a blob reference "
                                            "('sha256:' + 64 hex digits, written by the feeder's blob store)")
         setattr(self, name, v)
 
@@ -181,8 +181,8 @@ class PromptBatch(_Message):
     prompt: list[str] = field(default_factory=list)  # (G,) prompt text
     label: list[str] = field(default_factory=list)  # (G,) label for reward functions ("" when none)
     reference: list[str] = field(default_factory=list)  # (G,) reference answer ("" when none)
-    # v2: visual inputs by claim check (expstream/blobs.py). [] when no prompt has any; else (G; k_g)
-    # blob references: images are image files' bytes, videos are frame-list manifests (expstream/vision.py)
+    # v2: visual inputs by claim check (expstream/models/blobs.py). [] when no prompt has any; else (G; k_g)
+    # blob references: images are image files' bytes, videos are frame-list manifests (expstream/models/media.py)
     images: list[list[str]] = field(default_factory=list)
     videos: list[list[str]] = field(default_factory=list)
 
@@ -280,8 +280,8 @@ class SampleBatch(_Message):
         ref = ref_field.lengths
         if not np.array_equal(r.lengths, ref):
             row = int(np.flatnonzero(r.lengths != ref)[0])
-            raise _err(self, name, f"ragged lengths {_short(r.lengths)} disagree with {ref_name} lengths "
-                                   f"{_short(ref)} (first at sample {ids[row]}); {why}")  # fmt: skip
+            raise _err(self, name, f"ragged lengths {short_repr(r.lengths)} disagree with {ref_name} lengths "
+                                   f"{short_repr(ref)} (first at sample {ids[row]}); {why}")  # fmt: skip
 
     def validate(self) -> None:
         """Check every field against the contract (types, B, dtypes, lengths, finiteness)."""
@@ -300,8 +300,8 @@ class SampleBatch(_Message):
             self._versions(name, B)
         bad = [i for i, s in enumerate(self.sample_index) if not 0 <= s < n]
         if bad:
-            raise _err(self, "sample_index", f"values {_short([self.sample_index[i] for i in bad], 5)} at rows "
-                                             f"{_short(bad, 5)} are outside [0, n_samples_per_prompt={n}); "
+            raise _err(self, "sample_index", f"values {short_repr([self.sample_index[i] for i in bad], 5)} at rows "
+                                             f"{short_repr(bad, 5)} are outside [0, n_samples_per_prompt={n}); "
                                              "sample_index must be 0..n-1 within its group")  # fmt: skip
         ids = self.sample_ids()
         self._str("layout")
@@ -356,8 +356,8 @@ class SampleBatch(_Message):
                                    "sample, or none at all")  # fmt: skip
         bad = [i for i, x in enumerate(v) if x < 0]
         if bad:
-            raise _err(self, name, f"negative policy versions {_short([v[i] for i in bad], 5)} at rows "
-                                   f"{_short(bad, 5)}; versions start at 0 (the initial weights)")  # fmt: skip
+            raise _err(self, name, f"negative policy versions {short_repr([v[i] for i in bad], 5)} at rows "
+                                   f"{short_repr(bad, 5)}; versions start at 0 (the initial weights)")  # fmt: skip
 
     def _ragged(self, name: str, dtype: str, B: int, ids: list[str]) -> None:
         r = getattr(self, name)
@@ -391,7 +391,7 @@ class SampleBatch(_Message):
 
         ``batch_id`` replaces the batch id (kept when None).
         """
-        idx = _normalise_indices(indices, len(self))
+        idx = normalise_indices(indices, len(self))
         changes: dict[str, Any] = {} if batch_id is None else {"batch_id": batch_id}
         for name, kind in self.FIELDS.items():
             v = getattr(self, name)
@@ -426,7 +426,7 @@ class SampleBatch(_Message):
             seen = [getattr(b, name) for b in batches]
             if any(s != seen[0] for s in seen):
                 raise ValidationError(
-                    f"SampleBatch.{name}: batches to concat disagree ({_short(seen, 5)}); only batches "
+                    f"SampleBatch.{name}: batches to concat disagree ({short_repr(seen, 5)}); only batches "
                     "of one run and one layout can be joined", field=f"SampleBatch.{name}")  # fmt: skip
             kwargs[name] = seen[0]
         kwargs["kl_coef"] = first.kl_coef if all(b.kl_coef is not None for b in batches) else None

@@ -52,7 +52,7 @@ def _same(a: np.dtype, b: np.dtype) -> bool:
     return a.kind == b.kind and a.itemsize == b.itemsize
 
 
-def _short(xs: Any, limit: int = 8) -> str:
+def short_repr(xs: Any, limit: int = 8) -> str:
     """``[1, 2, 3]`` rendering of a sequence, cut after ``limit`` items."""
     xs = list(np.asarray(xs).tolist()) if not isinstance(xs, list) else xs
     body = ", ".join(repr(x) for x in xs[:limit])
@@ -233,7 +233,7 @@ class Ragged:
                 f"Ragged: lengths must be a 1-D integer array (B,), got {lengths.dtype} {lengths.shape}"
             )
         if lengths.size and int(lengths.min()) < 0:
-            raise ValidationError(f"Ragged: lengths must be non-negative, got {_short(lengths)}")
+            raise ValidationError(f"Ragged: lengths must be non-negative, got {short_repr(lengths)}")
         if lengths.dtype != np.int32:
             lengths = as_dtype(lengths, "int32", field="Ragged.lengths")
         total = int(lengths.sum(dtype=np.int64))
@@ -300,7 +300,7 @@ class Ragged:
 
     def select(self, indices: Sequence[int] | np.ndarray) -> Ragged:
         """New Ragged with rows ``indices`` (ints, negatives allowed, or a bool mask of B)."""
-        idx = _normalise_indices(indices, len(self))
+        idx = normalise_indices(indices, len(self))
         sel = self.lengths[idx]
         total = int(sel.sum(dtype=np.int64))
         if total == 0:
@@ -376,10 +376,10 @@ class Ragged:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"Ragged(dtype={self.dtype!r}, rows={len(self)}, total={self.total}, lengths={_short(self.lengths)})"
+        return f"Ragged(dtype={self.dtype!r}, rows={len(self)}, total={self.total}, lengths={short_repr(self.lengths)})"
 
 
-def _normalise_indices(indices: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+def normalise_indices(indices: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
     """int64 row indices in [0, n) from ints (negatives allowed) or a bool mask of length n."""
     idx = np.asarray(indices)
     if idx.dtype.kind == "b":

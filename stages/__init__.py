@@ -9,7 +9,7 @@ Optional hooks, for a stage that holds samples back across calls (in ``ctx.state
 * ``end_of_input(ctx) -> list[SampleBatch]`` — the input is finite and ended: release them.
 
 And one for a stage that holds resources beyond its models: ``teardown(ctx) -> None`` — close them
-(HTTP sessions, thread pools); called once when the stage process ends (expstream/stage.py), safe to
+(HTTP sessions, thread pools); called once when the stage process ends (expstream/launch/replica.py), safe to
 call twice.
 
 ``expstream run`` (a finite prompt file) and LocalChain call :func:`end_of_input` once all input

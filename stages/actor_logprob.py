@@ -7,17 +7,17 @@ Runs in the batch's layout (padded, or packed with ``algo.packing_samples``); th
 
 from __future__ import annotations
 
-from expstream.resolve import model_dir
-from expstream.weights import follower_for, refresh_weights
+from expstream.models.forward import forward_log_probs, vision_inputs_for
+from expstream.models.resolve import model_dir
+from expstream.train.weights import follower_for, refresh_weights
 from schemas import SampleBatch
-from stages.common import forward_log_probs, vision_inputs_for
 from stages.context import StageContext
 
 MODEL_ROLE = "actor"
 
 
 def setup(ctx: StageContext) -> None:
-    from expstream.models import load_causal_lm
+    from expstream.models.hf import load_causal_lm
 
     ctx.models["lm"] = load_causal_lm(model_dir(ctx.topology, MODEL_ROLE), device=ctx.topology.models.device)
     ctx.models["vision"] = vision_inputs_for(ctx, MODEL_ROLE)  # a vision-language actor (None otherwise)

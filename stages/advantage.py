@@ -27,11 +27,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expstream import numerics
-from expstream.estimators import CROSS_BATCH_ESTIMATORS, uses_window
-from expstream.layout import action_field, padded, to_ragged
+from expstream.config.estimators import CROSS_BATCH_ESTIMATORS, uses_window
+from expstream.models.forward import scalar
+from expstream.rl import numerics
+from expstream.rl.layout import action_field, padded, to_ragged
 from schemas import Ragged, SampleBatch, decode, encode
-from stages.common import scalar
 from stages.context import StageContext
 
 WINDOW_NAME = "advantages"
@@ -214,7 +214,7 @@ def complete_group(group: SampleBatch, ctx: StageContext) -> SampleBatch | None:
     r = torch.from_numpy(np.array(group.processed_rewards, dtype=np.float32)).reshape(1, -1)
     if algo.dynamic_sampling and bool(numerics.group_is_constant(r)[0]):
         ctx.state.incr_counter("dynamic_sampling_dropped_groups", 1, once_id=group.batch_id)
-        if ctx.topology.train.enabled:  # never reaches the trainer: lost for admission (expstream/admission.py)
+        if ctx.topology.train.enabled:  # never reaches the trainer: lost for admission (expstream/rl/admission.py)
             ctx.state.record_lost(group.batch_id, int(group.policy_version), len(group))
         ctx.log.info("advantage batch=%s: dropped by dynamic sampling (all rewards equal %.4g)",
                      group.batch_id, float(r[0, 0]))

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from expstream.config.topology import StageConfig, Topology
 from expstream.state import MemoryState, State
-from expstream.topology import StageConfig, Topology
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StageContext:
     # True once the process was asked to stop (SIGTERM): long work (a generation) checks it and
     # raises expstream.errors.ShutdownRequested, abandoning the micro-batch uncommitted.
     should_stop: Callable[[], bool] = lambda: False
-    # expstream.metrics.StageMetrics of a stage process (set by the runner); None in-process (tests, LocalChain)
+    # expstream.observe.metrics.StageMetrics of a stage process (set by the runner); None in-process (tests, LocalChain)
     metrics: Any = None
 
 

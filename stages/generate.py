@@ -7,23 +7,23 @@ import itertools
 
 import numpy as np
 
-from expstream.admission import admission_id, backpressure_on, wait_for_admission
 from expstream.errors import PoisonRecordError
-from expstream.resolve import model_dir
-from expstream.vl import vision_for
-from expstream.weights import follower_for, refresh_weights
+from expstream.models.resolve import model_dir
+from expstream.models.vl import vision_for
+from expstream.rl.admission import admission_id, backpressure_on, wait_for_admission
+from expstream.train.weights import follower_for, refresh_weights
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages.context import StageContext
 
 
 def setup(ctx: StageContext) -> None:
-    from expstream.models import TransformersGenerator, load_causal_lm, load_tokenizer
+    from expstream.models.hf import TransformersGenerator, load_causal_lm, load_tokenizer
 
     topo = ctx.topology
     tok = load_tokenizer(model_dir(topo, "tokenizer"))
     ctx.models["tokenizer"] = tok
     if topo.generate.backend == "vllm":
-        from expstream.vllm_backend import VllmGenerator, VllmWeights, check_generate_config
+        from expstream.models.vllm_generator import VllmGenerator, VllmWeights, check_generate_config
 
         check_generate_config(topo.generate)
         gen = topo.generate
@@ -37,7 +37,7 @@ def setup(ctx: StageContext) -> None:
         return
     model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
     ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
-    # a vision-language actor: images come back from the blob store (expstream/vl.py); None otherwise
+    # a vision-language actor: images come back from the blob store (expstream/models/vl.py); None otherwise
     ctx.models["vision"] = vision_for(topo, model_dir(topo, "actor"), tok)
     # The continuous loop: follow the trainer's published actor versions (None otherwise).
     ctx.models["actor_follower"] = follower_for(ctx, "actor", model)
@@ -54,7 +54,7 @@ def teardown(ctx: StageContext) -> None:
 def committed(batches: list, ctx: StageContext) -> None:
     """Stage hook (stages/runner.py step 5): these prompt records are committed, so their samples are on
     their way; a rewind that reads one again regenerates it without counting it for admission again
-    (expstream/admission.py "Rewinds")."""
+    (expstream/rl/admission.py "Rewinds")."""
     if backpressure_on(ctx.topology):
         ctx.state.mark_delivered([admission_id(b.batch_id) for b in batches if isinstance(b, PromptBatch)])
 
@@ -133,11 +133,11 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
     gen = ctx.topology.generate
     n = gen.n_samples_per_prompt
     tok = ctx.models["tokenizer"]
-    # Bounded staleness (expstream/admission.py): reload newer weights and start only within the admission
+    # Bounded staleness (expstream/rl/admission.py): reload newer weights and start only within the admission
     # bound, waiting otherwise. The version returned is the one loaded, admitted and stamped: the weights
     # are never reloaded again between the admission and the generation.
     version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
-    if ctx.metrics is not None:  # a prompt record has no version: show the one generating it (expstream/metrics.py)
+    if ctx.metrics is not None:  # a prompt record has no version: show the one generating it (expstream/observe/metrics.py)
         ctx.metrics.policy_version.set(version)
     prompts = tokenize_prompts(batch, ctx)
     images = batch.images or [[] for _ in batch.prompt_id]

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from expstream.config.topology import Topology
 from expstream.state import MemoryState, State
-from expstream.topology import Topology
 from schemas import decode, encode
 from stages import STAGES, end_of_input
 from stages.context import StageContext, make_context

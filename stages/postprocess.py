@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expstream import numerics
-from expstream.layout import action_field, padded, to_ragged
+from expstream.models.forward import scalar
+from expstream.rl import numerics
+from expstream.rl.layout import action_field, padded, to_ragged
 from schemas import SampleBatch
-from stages.common import scalar
 from stages.context import StageContext
 
 

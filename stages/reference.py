@@ -3,14 +3,14 @@ batch's layout (padded or packed)."""
 
 from __future__ import annotations
 
-from expstream.resolve import model_dir
+from expstream.models.forward import forward_log_probs, vision_inputs_for
+from expstream.models.resolve import model_dir
 from schemas import SampleBatch
-from stages.common import forward_log_probs, vision_inputs_for
 from stages.context import StageContext
 
 
 def setup(ctx: StageContext) -> None:
-    from expstream.models import load_causal_lm
+    from expstream.models.hf import load_causal_lm
 
     ctx.models["lm"] = load_causal_lm(model_dir(ctx.topology, "reference"), device=ctx.topology.models.device)
     ctx.models["vision"] = vision_inputs_for(ctx, "reference")  # a vision-language reference (None otherwise)

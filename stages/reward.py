@@ -1,4 +1,4 @@
-"""reward: the scalar reward per sample from one or several reward sources (expstream/reward_sources.py).
+"""reward: the scalar reward per sample from one or several reward sources (expstream/rewards/sources.py).
 
 ``rewards.sources: null`` (the default): a reward model (``models.reward``) and/or a Python reward
 function (``models.reward_fn``, ``module:function`` called as ``fn(queries, prompts, labels)``);
@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from expstream.errors import PoisonRecordError
-from expstream.resolve import combine_fn, model_dir
-from expstream.reward_sources import (
+from expstream.models.resolve import combine_fn, model_dir
+from expstream.rewards.sources import (
     ROUTED_INFO_PREFIX,
     build_sources,
     close_sources,
@@ -37,7 +37,7 @@ from stages.context import StageContext
 
 
 def setup(ctx: StageContext) -> None:
-    from expstream.models import load_tokenizer
+    from expstream.models.hf import load_tokenizer
 
     ctx.models["tokenizer"] = load_tokenizer(model_dir(ctx.topology, "tokenizer"))
     sources = build_sources(ctx.topology, ctx)

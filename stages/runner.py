@@ -42,7 +42,7 @@ Bad input goes to ``<input topic>.dlq`` and the partition moves on: a record wit
 tombstone), undecodable bytes, an unknown schema or version, missing/mistyped/inconsistent fields or
 non-finite floats (all ``SchemaError``), a record over ``max_record_bytes``, a ``PoisonRecordError``
 or any other non-retriable exception from ``process``. A letter carries the original bytes and key
-and the headers listed in expstream/letters.py; when the broker refuses it, it is sent again with
+and the headers listed in expstream/kafka/letters.py; when the broker refuses it, it is sent again with
 the record's own headers left out, then without the value (``_deliver``), so no record a stage
 cannot handle stops the partition. ``ShutdownRequested`` is never dead-lettered.
 
@@ -68,7 +68,7 @@ start, polling and committing retry the same way; a commit refused because the g
 is idempotent. SIGTERM/SIGINT finish the micro-batch in hand, commit, and exit 0; a stop during a
 retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
 
-Rewind (expstream/rewind.py has the whole handshake). Between two records, at most every
+Rewind (expstream/tools/rewind.py has the whole handshake). Between two records, at most every
 ``REWIND_CHECK_INTERVAL_S``, the loop reads the stage's rewind request from the run state. When one
 is set: 1. the micro-batch in hand is already done and committed (the check is between records);
 records polled but not handled yet are fetched again (their positions are set back); 2. every
@@ -96,10 +96,17 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
-from expstream.admission import admission_id
-from expstream.bus import confirm_all, flush, make_consumer, make_producer, send_all, send_all_and_confirm
 from expstream.errors import BrokerUnavailableError, ExpstreamError, PoisonRecordError, ShutdownRequested
-from expstream.letters import (
+from expstream.faults import FAULT_ENV, RUNNER_POINTS, fault_plan
+from expstream.kafka.clients import (
+    confirm_all,
+    flush,
+    make_consumer,
+    make_producer,
+    send_all,
+    send_all_and_confirm,
+)
+from expstream.kafka.letters import (
     H_BATCH_ID,
     H_ERROR_CLASS,
     H_ERROR_MESSAGE,
@@ -111,12 +118,13 @@ from expstream.letters import (
     letter_headers,
     value_omitted_headers,
 )
-from expstream.metrics import StageMetrics
-from expstream.metrics import enabled as metrics_on
-from expstream.provenance import provenance_headers, read_provenance
+from expstream.kafka.provenance import provenance_headers, read_provenance
+from expstream.kafka.topics import dlq_topic
+from expstream.observe.metrics import StageMetrics
+from expstream.observe.metrics import enabled as metrics_on
+from expstream.observe.timeline import mark_stage
 from expstream.retry import Attempt, Backoff, Policy, retry
-from expstream.timeline import mark_stage
-from expstream.topics import dlq_topic
+from expstream.rl.admission import admission_id
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.codec import peek_header
 from schemas.errors import SchemaError
@@ -161,9 +169,6 @@ UNASSIGNED_LOG_INTERVAL_S = 30.0
 ProcessFn = Callable[[Any, StageContext], list]
 CommittedFn = Callable[[list, StageContext], None]
 T = TypeVar("T")
-# Fault injection for crash tests: EXPSTREAM_FAULT="<stage>:<point>:<k>" makes the k-th record this
-# process handles SIGKILL the process at <point> (before_produce | after_produce | after_commit).
-FAULT_ENV = "EXPSTREAM_FAULT"
 # Commit errors that mean "the group moved on": retrying cannot succeed, redelivery covers it.
 _REBALANCED = tuple(
     t for t in (getattr(kafka_errors, n, None) for n in (
@@ -171,16 +176,6 @@ _REBALANCED = tuple(
         "FencedMemberEpochError", "StaleMemberEpochError"))
     if isinstance(t, type)
 )  # fmt: skip
-
-
-def _fault_plan(stage: str) -> tuple[str, int] | None:
-    spec = os.environ.get(FAULT_ENV, "")
-    for item in filter(None, spec.split(",")):
-        name, _, rest = item.partition(":")
-        point, _, k = rest.partition(":")
-        if name == stage and point in ("before_produce", "after_produce", "after_commit"):
-            return point, int(k or 1)
-    return None
 
 
 class RecordTooLargeError(PoisonRecordError):
@@ -277,7 +272,7 @@ class StageRunner:
         self.log = logging.getLogger(f"expstream.stage.{self.stage.name}")
         self.group_id = f"expstream.{ctx.run_id}.{self.stage.name}"
         self.dlq_topic = dlq_topic(self.stage.input)
-        self.fault = _fault_plan(self.stage.name)
+        self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
         self.handled = 0
         self.dead_lettered = 0
@@ -294,7 +289,7 @@ class StageRunner:
         self.pausing: PausedPolling | None = None
         self.rewinds = 0  # rewind requests this replica left its group for
         self._next_rewind_check = 0.0
-        # Prometheus metrics (expstream/metrics.py); served from run(); None when switched off
+        # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
         self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
         ctx.metrics = self.metrics
         self._join_thread: threading.Thread | None = None
@@ -307,7 +302,7 @@ class StageRunner:
         self._slow = SlowWatch(SLOW_SEND_WARN_S, name=f"slow-watch-{self.stage.name}")
 
     def _mark(self, event: str) -> None:
-        """A start-up mark of this replica (expstream/timeline.py; summary.json ``startup``)."""
+        """A start-up mark of this replica (expstream/observe/timeline.py; summary.json ``startup``)."""
         mark_stage(event, stage=self.stage.name, replica=self.ctx.replica_id)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -477,7 +472,7 @@ class StageRunner:
             if self.consumer is not None:
                 self.consumer.close(autocommit=False)
 
-    # -- rewind (main thread; expstream/rewind.py drives the handshake) --------------------------------
+    # -- rewind (main thread; expstream/tools/rewind.py drives the handshake) --------------------------------
     def _maybe_rewind(self, pending: dict[TopicPartition, int] | None = None) -> bool:
         """Between records: when the stage has a rewind request, pause, acknowledge, move the owned
         partitions when told, and resume once the request is gone. True when that happened.
@@ -1032,7 +1027,7 @@ class StageRunner:
                            self.dlq_topic, _header(letter, H_ERROR_CLASS), _first_line(_header(letter, H_ERROR_MESSAGE)))
 
     def _record_lost(self, letters: list[_Out], where: str) -> None:
-        """The continuous loop's accounting (expstream/admission.py): samples of admitted work that were
+        """The continuous loop's accounting (expstream/rl/admission.py): samples of admitted work that were
         dead-lettered never reach the trainer; count them lost (idempotent per batch id) before the commit.
         A PromptBatch counts its G x n samples under the version its root record was admitted with (not
         admitted: nothing to count); a SampleBatch counts B under its policy_version, except one read from

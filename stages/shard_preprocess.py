@@ -10,7 +10,7 @@ so the log-probs, values, rewards and everything after them agree between the la
 model forwards differ.
 
 The behaviour log-probs from generate (``rollout_log_probs``, one per generated token) are moved
-onto the repaired actions here (:func:`expstream.layout.align_rollout_log_probs`): a token the
+onto the repaired actions here (:func:`expstream.rl.layout.align_rollout_log_probs`): a token the
 repair wrote or appended gets 0.0.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from expstream.errors import PoisonRecordError
-from expstream.layout import action_lengths, align_rollout_log_probs, padded_layout, rows_of
+from expstream.rl.layout import action_lengths, align_rollout_log_probs, padded_layout, rows_of
 from schemas import Ragged, SampleBatch
 from stages.context import StageContext
 

@@ -17,10 +17,10 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # the project is installed editable later; until then import from the checkout
     sys.path.insert(0, str(_ROOT))
 
-from expstream.bus import KafkaConfig  # noqa: E402
-from expstream.localservers import LocalBroker, LocalRedis  # noqa: E402
+from expstream.config.kafka import KafkaConfig  # noqa: E402
+from expstream.kafka.topics import create_topics  # noqa: E402
+from expstream.launch.localservers import LocalBroker, LocalRedis  # noqa: E402
 from expstream.state import MemoryState, RedisState, State  # noqa: E402
-from expstream.topics import create_topics  # noqa: E402
 
 
 @pytest.fixture(scope="session")

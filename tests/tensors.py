@@ -1,7 +1,7 @@
 """Test-only reference formulas (oracles) that no production code needs.
 
 Production code reads the running std from ``expstream.state.Moments``; these tests check the
-Python merge of :func:`expstream.running.moments_merge` with the plain formula below.
+Python merge of :func:`expstream.rl.moments.moments_merge` with the plain formula below.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bounded staleness by backpressure (expstream/admission.py): the bound, the trainer's gate in a
+"""Bounded staleness by backpressure (expstream/rl/admission.py): the bound, the trainer's gate in a
 randomized simulation against a real MemoryState, wait_for_admission, lost accounting, and the
 generate stage blocked and resumed on the real broker and redis-server."""
 
@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from expstream.admission import (
+from expstream.config.topology import load_topology
+from expstream.errors import ShutdownRequested
+from expstream.kafka.clients import read_topic, topic_lag
+from expstream.rl.admission import (
     StalenessGate,
     admission_bound,
     admission_id,
     blocked_counter,
     wait_for_admission,
 )
-from expstream.bus import read_topic, topic_lag
-from expstream.errors import ShutdownRequested
 from expstream.state import MemoryState, RedisState
-from expstream.topology import load_topology
 from schemas import PromptBatch, decode, encode
 from stages import advantage, generate
 from stages.context import make_context

@@ -16,11 +16,11 @@ import msgpack
 import pytest
 
 from expstream import read_experiences
+from expstream.config.topology import load_topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError
-from expstream.monitor import ExperienceCollector
-from expstream.outcome import RunOutcome, loss_verdict
-from expstream.topics import dlq_topic
-from expstream.topology import load_topology
+from expstream.kafka.topics import dlq_topic
+from expstream.launch.collector import ExperienceCollector
+from expstream.launch.outcome import RunOutcome, loss_verdict
 from schemas import PromptBatch, SampleBatch, encode
 from tests.runners import exp_batch
 
@@ -35,7 +35,7 @@ def prompt_batch(batch_id: str, groups: list[str]) -> PromptBatch:
 @pytest.mark.integration
 def test_collector_counts_and_keeps_aside_what_is_not_an_experience_of_this_run(broker, fresh_topic, kafka_cfg,
                                                                                tmp_path):
-    from expstream.bus import make_producer
+    from expstream.kafka.clients import make_producer
 
     topic = fresh_topic(1, with_dlq=True)
     mixed = SampleBatch.concat([exp_batch("x", "c", [0, 1, 2, 3]), exp_batch("y", "yy", [0])], "mixed")

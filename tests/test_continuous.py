@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from expstream.continuous import TrainLog, feed_limit, records_to_feed, resolve_weight_store, step_line
-from expstream.prompts import EpochFeeder, PromptRow
-from expstream.run import write_resolved_topology
-from expstream.supervisor import Supervisor, SupervisorError
-from expstream.topology import load_topology
+from expstream.config.topology import load_topology
+from expstream.launch.continuous import TrainLog, feed_limit, records_to_feed, resolve_weight_store, step_line
+from expstream.launch.prompts import EpochFeeder, PromptRow
+from expstream.launch.run import write_resolved_topology
+from expstream.launch.supervisor import Supervisor, SupervisorError
 
 ROWS = [PromptRow(f"q{i}", f"Question {i}?", label=str(i)) for i in range(5)]
 
@@ -219,9 +219,9 @@ def continuous_cmd(tmp_path: Path, cache: Path, *sets: str, bootstrap: str | Non
 @pytest.mark.e2e
 @pytest.mark.integration
 def test_a_continuous_run_with_two_generate_replicas_trains_max_steps_within_the_staleness_bound(tmp_path, cache):
-    from expstream.localservers import LocalBroker
-    from expstream.topics import POLICY_TOPIC
-    from expstream.weights import read_policy_log
+    from expstream.kafka.topics import POLICY_TOPIC
+    from expstream.launch.localservers import LocalBroker
+    from expstream.train.weights import read_policy_log
 
     steps, k = 6, 1
     broker = LocalBroker(tmp_path / "broker")  # its own: the policy topic is read after the run
@@ -300,7 +300,8 @@ def leftovers(run_dir: Path, external_broker: bool = False) -> list[str]:
 
 
 def test_the_run_creates_the_topic_the_trainer_announces_on():
-    from expstream import topics, weights
+    from expstream.kafka import topics
+    from expstream.train import weights
 
     assert topics.POLICY_TOPIC == weights.POLICY_TOPIC  # weights.py takes its name from topics.py
     assert topics.loop_topics(load_topology(None, ["train.enabled=true"])) == {topics.POLICY_TOPIC: 1}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_continuous import ROOT, continuous_cmd
 
-from expstream.continuous import YieldWatch
+from expstream.launch.continuous import YieldWatch
 
 FEED, HOLD, BARREN = YieldWatch.FEED, YieldWatch.HOLD, YieldWatch.BARREN
 
@@ -45,7 +45,7 @@ def test_samples_held_without_change_resume_the_feeding_after_the_stall_time():
 
 
 def test_a_forked_process_unlinks_the_semaphores_it_made(tmp_path):
-    from expstream.forkserver import ForkedProcess
+    from expstream.launch.forkserver import ForkedProcess
 
     name_file = tmp_path / "name"
     proc = ForkedProcess("forkentries:make_named_lock", [sys.executable, "-m", "x", str(name_file)],

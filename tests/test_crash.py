@@ -13,7 +13,7 @@ coefficient, stage statistics) can still be inspected.
 * ``test_fault_point_*``: one gae run (all eight stages, critic included); the runner's fault
   injection (EXPSTREAM_FAULT) makes every stage SIGKILL itself once, at before_produce,
   after_produce (between produce and commit) or after_commit; the critic's replacement is then
-  SIGKILLed again by the test (fault injection is one-shot per replica: expstream/supervisor.py
+  SIGKILLed again by the test (fault injection is one-shot per replica: expstream/launch/supervisor.py
   gives a restarted process the variable without its own stage's entry).
 
 Figures (kills, lost, doubled, raw duplicates, kill -> respawn / subscribed / first record of the
@@ -46,8 +46,8 @@ import numpy as np
 import pytest
 
 from expstream import read_experiences
-from expstream.bus import read_topic
-from expstream.localservers import LocalBroker, LocalRedis
+from expstream.kafka.clients import read_topic
+from expstream.launch.localservers import LocalBroker, LocalRedis
 from expstream.procs import die_with_parent
 from expstream.state import RedisState
 from schemas import decode

@@ -13,11 +13,11 @@ import uuid
 
 import pytest
 
-from expstream.bus import read_topic
 from expstream.errors import PoisonRecordError
-from expstream.letters import sample_errors
-from expstream.monitor import ExperienceCollector
-from expstream.status import accounting_block
+from expstream.kafka.clients import read_topic
+from expstream.kafka.letters import sample_errors
+from expstream.launch.collector import ExperienceCollector
+from expstream.tools.status import accounting_block
 from schemas import PromptBatch, encode
 from stages.context import make_context
 from stages.runner import StageRunner

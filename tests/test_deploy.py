@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from expstream.topology import STAGE_ORDER, load_topology
+from expstream.config.topology import STAGE_ORDER, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_STAGES = {"generate", "actor-logprob", "reference", "critic", "reward"}
@@ -210,7 +210,7 @@ def test_redis_command_of_the_compose_file_refuses_clients_without_the_password(
 
     import redis as redis_py
 
-    from expstream.localservers import free_port, wait_for_port
+    from expstream.launch.localservers import free_port, wait_for_port
 
     server = shutil.which("redis-server")
     if server is None:
@@ -236,7 +236,7 @@ SCRAM = {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512
 
 
 def test_sasl_settings_reach_kafka_python_with_the_password_from_env(monkeypatch):
-    from expstream.bus import KafkaConfig
+    from expstream.config.kafka import KafkaConfig
 
     monkeypatch.setenv("EXPSTREAM_KAFKA_USERNAME", "trainer")
     monkeypatch.setenv("EXPSTREAM_KAFKA_PASSWORD", "pw-from-env")
@@ -261,7 +261,7 @@ def test_sasl_settings_reach_kafka_python_with_the_password_from_env(monkeypatch
     ({"sasl_mechanism": "PLAIN"}, "kafka.security_protocol"),
 ])
 def test_bad_sasl_settings_are_config_errors(block, field):
-    from expstream.bus import KafkaConfig
+    from expstream.config.kafka import KafkaConfig
     from expstream.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from expstream.cli import main
-from expstream.recording import RecordFrame, RecordingWriter
+from expstream.tools.recording import RecordFrame, RecordingWriter
 from schemas import PromptBatch, Ragged, SampleBatch, encode
 
 #: group -> action length of each of its 3 samples (ragged on purpose)

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from expstream.bus import make_producer, read_topic
 from expstream.cli import main
-from expstream.dlq import REDRIVE_GROUP
+from expstream.config.topology import load_topology
 from expstream.errors import PoisonRecordError
-from expstream.topics import create_topics
-from expstream.topology import load_topology
+from expstream.kafka.clients import make_producer, read_topic
+from expstream.kafka.topics import create_topics
+from expstream.tools.dlq import REDRIVE_GROUP
 from schemas import PromptBatch, decode, encode
 from stages.context import make_context
 from stages.runner import StageRunner

@@ -1,4 +1,4 @@
-"""expstream.experience: padded Experiences rebuilt from recorded ``experiences`` records (no Kafka).
+"""expstream.rl.experience: padded Experiences rebuilt from recorded ``experiences`` records (no Kafka).
 
 The SampleBatches are typed in by hand (eos=2, pad=0) and the expected padded tensors are
 written out, so a change of layout shows up as a diff of small literal tensors.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from expstream.experience import (
+from expstream.rl.experience import (
     BufferItem,
     Experience,
     iter_experience_batches,

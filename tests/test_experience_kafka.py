@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from expstream import read_experiences
-from expstream.bus import make_producer, send_all_and_confirm
+from expstream.kafka.clients import make_producer, send_all_and_confirm
 from schemas import encode
 from tests.runners import exp_batch
 

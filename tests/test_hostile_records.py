@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from expstream.bus import make_producer, read_topic, topic_lag
+from expstream.config.topology import load_topology
 from expstream.errors import PoisonRecordError
-from expstream.topics import create_topics
-from expstream.topology import load_topology
+from expstream.kafka.clients import make_producer, read_topic, topic_lag
+from expstream.kafka.topics import create_topics
 from schemas import PromptBatch, decode, encode
 from stages.context import make_context
 from stages.runner import StageRunner

@@ -112,3 +112,90 @@ def test_the_import_graph_has_no_cycle():
     assert "expstream.cli" in graph and graph["expstream.cli"], "the graph found no module or no import"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+#: The layers of the code base, lowest first (docs/ARCHITECTURE.md, "Packages and layers"). A module
+#: may import modules of its own layer or of a lower one, never of a higher one. Each entry is a
+#: package (every module under it) or a single top-level module.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("schemas", "expstream.errors", "expstream.retry", "expstream.procs", "expstream.faults"),
+    ("expstream.config",),
+    ("expstream.kafka",),
+    ("expstream.rl", "expstream.state", "expstream.models", "expstream.observe"),
+    ("expstream.rewards", "expstream.train"),
+    ("stages",),
+    ("expstream.launch", "expstream.tools"),
+    ("expstream.cli", "expstream.__main__", "expstream"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The layer index of ``module``: the longest entry of LAYERS that is it or a package above it."""
+    best, best_len = None, -1
+    for i, layer in enumerate(LAYERS):
+        for entry in layer:
+            if (module == entry or module.startswith(entry + ".")) and len(entry) > best_len:
+                best, best_len = i, len(entry)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it (or its package) to LAYERS and to ARCHITECTURE.md")
+    return best
+
+
+def test_layer_of_picks_the_most_specific_entry():
+    assert layer_of("expstream") == len(LAYERS) - 1
+    assert layer_of("expstream.errors") == 0
+    assert layer_of("expstream.config.topology") == 1
+    assert layer_of("stages.runner") == layer_of("stages")
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = sorted(
+        f"{src} (layer {layer_of(src)}) -> {dst} (layer {layer_of(dst)})"
+        for src, targets in import_graph().items()
+        for dst in targets
+        if layer_of(dst) > layer_of(src)
+    )
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def private_reach_ins(root: Path = ROOT, dirs: tuple[str, ...] = (*PACKAGES, "tests", "bench")) -> list[str]:
+    """Every ``from ours import _name`` and ``ours_module._name`` in the Python files under ``dirs``.
+
+    A leading underscore says "not part of this module's interface"; a name another module needs
+    is made public where it belongs instead (issue 22).
+    """
+    found: list[str] = []
+    modules = module_files(root)
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            aliases: set[str] = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in PACKAGES:
+                    for alias in node.names:
+                        if alias.name.startswith("_") and not alias.name.startswith("__"):
+                            found.append(f"{path.relative_to(root)}:{node.lineno}: from {node.module} import {alias.name}")
+                        if f"{node.module}.{alias.name}" in modules:  # a module, not a function or class
+                            aliases.add(alias.asname or alias.name)
+                elif isinstance(node, ast.Import):
+                    aliases.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in PACKAGES)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                        and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_private_reach_ins_are_found(tmp_path):
+    (tmp_path / "expstream").mkdir()
+    for name in ("__init__", "b", "c"):
+        (tmp_path / "expstream" / f"{name}.py").write_text("")
+    (tmp_path / "expstream" / "a.py").write_text(
+        "from expstream.b import _hidden, shown\nfrom expstream import c as C\nC._x()\nshown._y\n")
+    found = private_reach_ins(tmp_path, ("expstream",))
+    assert found == ["expstream/a.py:1: from expstream.b import _hidden", "expstream/a.py:3: C._x"]
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = private_reach_ins()
+    assert not found, "private names used from another module (make them public where they belong):\n" + "\n".join(found)

@@ -12,7 +12,7 @@ from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from expstream import errors
-from expstream.bus import (
+from expstream.kafka.clients import (
     KafkaConfig,
     OutRecord,
     end_offsets,
@@ -24,8 +24,8 @@ from expstream.bus import (
     send_and_confirm,
     topic_lag,
 )
-from expstream.localservers import LocalBroker, LocalRedis, free_port, port_is_open
-from expstream.topics import create_topics
+from expstream.kafka.topics import create_topics
+from expstream.launch.localservers import LocalBroker, LocalRedis, free_port, port_is_open
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The padded and packed layouts (expstream.layout): hand-worked cases and hypothesis properties.
+"""The padded and packed layouts (expstream.rl.layout): hand-worked cases and hypothesis properties.
 
 Every expected value is derived here (arithmetic written out, or by hand-built sequences), never
 by calling the function under test.
@@ -10,7 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from expstream import layout as lo
+from expstream.rl import layout as lo
 from schemas import Ragged, SampleBatch
 from tests.tensors import B, L, t
 

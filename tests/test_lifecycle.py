@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from expstream.supervisor import Supervisor, SupervisorError
+from expstream.launch.supervisor import Supervisor, SupervisorError
 
 ROOT = Path(__file__).resolve().parents[1]
 

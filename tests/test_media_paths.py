@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from expstream.blobs import DirectoryBlobStore, blob_ref
 from expstream.errors import EXIT_CONFIG, ConfigError
-from expstream.prompts import (
+from expstream.kafka.topics import dlq_topic
+from expstream.launch.prompts import (
     PromptRow,
     dead_letter_refused,
     feed_prompts,
@@ -24,8 +24,8 @@ from expstream.prompts import (
     read_prompts,
     store_media,
 )
-from expstream.topics import dlq_topic
-from expstream.vision import RefusedMediaError, item_bytes
+from expstream.models.blobs import DirectoryBlobStore, blob_ref
+from expstream.models.media import RefusedMediaError, item_bytes
 from schemas import PromptBatch, decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,9 +157,9 @@ def test_store_media_refuses_an_oversize_python_image_without_storing_it(tmp_pat
 
 @pytest.mark.integration
 def test_the_feeder_dead_letters_a_refused_prompt_and_feeds_the_others(tree, broker, fresh_topic, kafka_cfg):
-    from expstream.bus import read_topic
-    from expstream.dlq import read_letters
-    from expstream.monitor import ExperienceCollector
+    from expstream.kafka.clients import read_topic
+    from expstream.launch.collector import ExperienceCollector
+    from expstream.tools.dlq import read_letters
 
     (tree / "text.png").write_text("not an image\n")
     rows = read_prompts(write_prompts(tree, ["ok.png"], ["text.png"], []))

@@ -1,4 +1,4 @@
-"""Tests for expstream.models: tiny offline models, loaders, generator and forward passes."""
+"""Tests for expstream.models.hf: tiny offline models, loaders, generator and forward passes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from expstream import models as M  # noqa: E402
+from expstream.models import hf as M  # noqa: E402
 
 TEXTS = [
     "What is 2 + 3? The answer is 5.",
@@ -126,7 +126,7 @@ def test_weights_deterministic_and_rng_untouched(tmp_path, tiny):
 
 
 def test_tokenizer_reload_round_trip(tiny, loaded):
-    original = M._train_tokenizer()
+    original = M.train_tokenizer()
     for src in (tiny["paths"]["tokenizer"], tiny["paths"]["actor"], tiny["paths"]["reward"]):
         tok = M.load_tokenizer(src)
         assert len(tok) == len(original) == 512

@@ -1,4 +1,4 @@
-"""Hand-worked cases for expstream.numerics (spec: docs/numerics.md).
+"""Hand-worked cases for expstream.rl.numerics (spec: docs/numerics.md).
 
 Every expected value is derived here from first principles (arithmetic written out, or numpy),
 never by calling the function under test.
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from expstream import numerics as nx
-from expstream import running
 from expstream.errors import ConfigError
+from expstream.rl import moments as running
+from expstream.rl import numerics as nx
 from tests.tensors import B, moments_std, t
 
 

@@ -1,4 +1,4 @@
-"""Hypothesis property tests for expstream.numerics.
+"""Hypothesis property tests for expstream.rl.numerics.
 
 Expectations are computed here (numpy / plain Python), never by the function under test.
 """
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expstream import numerics as nx
-from expstream import running
+from expstream.rl import moments as running
+from expstream.rl import numerics as nx
 from tests.tensors import moments_std
 
 SETTINGS = settings(max_examples=60, deadline=None)

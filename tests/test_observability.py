@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from expstream.metrics import METRICS, exported_names
-from expstream.provenance import read_provenance
-from expstream.status import accounting, bottleneck, render_status, window_stats
+from expstream.kafka.provenance import read_provenance
+from expstream.observe.metrics import METRICS, exported_names
+from expstream.tools.status import accounting, bottleneck, render_status, window_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- pure ------------------------------------------------------------------------------------------
 def test_provenance_headers_read_back_and_tolerate_other_clients():
-    from expstream.provenance import provenance_headers
+    from expstream.kafka.provenance import provenance_headers
 
     p = read_provenance(provenance_headers("reward", 7, now_ms=1_700_000_000_123) + [("x", b"y")])
     assert (p.producer, p.policy_version, p.produced_at_ms) == ("reward", 7, 1_700_000_000_123)
@@ -110,7 +110,7 @@ def test_the_monitoring_profile_scrapes_the_stages_and_keeps_secrets_out():
     assert "GF_SECURITY_ADMIN_PASSWORD" in " ".join(svcs["grafana"]["entrypoint"])
     prom = yaml.safe_load((ROOT / "deploy/monitoring/prometheus.yml").read_text())
     sd = prom["scrape_configs"][0]["dns_sd_configs"][0]
-    from expstream.topology import STAGE_ORDER
+    from expstream.config.topology import STAGE_ORDER
 
     assert set(sd["names"]) == set(STAGE_ORDER) and sd["port"] == 9400
     assert compose["x-stage"]["environment"]["EXPSTREAM_METRICS_PORT"] == "9400"
@@ -192,7 +192,7 @@ def test_a_live_run_is_visible_in_metrics_status_headers_accounting_and_report(t
     for name, a in acc.items():
         assert a["balanced"] and a["samples_in"] == a["samples_out"] == n_prompts * n, (name, a)
     # every recorded record names its producer, the policy version and a production time in the run
-    from expstream.recording import iter_topic
+    from expstream.tools.recording import iter_topic
 
     producer_of = {"rollouts": "generate", "experiences": "advantage", "prompts": "feeder", "rewarded": "reward"}
     ended_ms = int(time.time() * 1000)
@@ -206,7 +206,7 @@ def test_a_live_run_is_visible_in_metrics_status_headers_accounting_and_report(t
     # the report, written at the end of the run
     html = (out / "report.html").read_text()
     pngs = re.findall(r"src='(report/[^']+\.png)'", html)
-    from expstream.report import MIN_SNAPSHOTS
+    from expstream.tools.report import MIN_SNAPSHOTS
 
     snapshots = (out / "status.jsonl").read_text().count("\n")
     flow = ({"report/samples_per_s.png", "report/lag.png", "report/batch_p95.png"} if snapshots >= MIN_SNAPSHOTS
@@ -220,7 +220,7 @@ def test_a_live_run_is_visible_in_metrics_status_headers_accounting_and_report(t
 def test_the_report_of_a_run_dir_with_only_a_trainer_log_and_no_experiences(tmp_path):
     """Missing inputs leave their section saying so; a continuous run's train.jsonl gives the reward curve
     and the trainer's staleness histogram."""
-    from expstream.report import write_report
+    from expstream.tools.report import write_report
 
     lines = [{"step": i, "reward_mean": 0.1 * i, "staleness_hist": {"0": 4, "1": 2}} for i in range(5)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "{torn")
@@ -240,7 +240,7 @@ def test_expstream_report_command_plots_a_continuous_run_from_its_recorded_exper
     import numpy as np
 
     from expstream.cli import main
-    from expstream.recording import RecordFrame, RecordingWriter
+    from expstream.tools.recording import RecordFrame, RecordingWriter
     from schemas import Ragged, SampleBatch, encode
 
     def batch(group: str, rewards: list[float]) -> SampleBatch:
@@ -265,7 +265,7 @@ def test_expstream_report_command_plots_a_continuous_run_from_its_recorded_exper
     assert "from the recorded experiences topic" in html
     for png in ("reward.png", "advantage.png", "response_length.png", "reward_curve.png"):
         assert f"report/{png}" in html and (tmp_path / "report" / png).read_bytes()[:4] == b"\x89PNG", png
-    from expstream.report import experience_arrays
+    from expstream.tools.report import experience_arrays
 
     arr = experience_arrays(tmp_path)  # the repeated group "a" record is counted once (dedupe by sample id)
     assert sorted(arr["reward"].tolist()) == [0.0, 0.25, 0.5, 1.0]

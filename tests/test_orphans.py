@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from expstream.bus import make_producer
+from expstream.config.topology import load_topology
 from expstream.errors import ShutdownRequested
+from expstream.kafka.clients import make_producer
+from expstream.kafka.topics import create_topics
 from expstream.procs import ORPHAN_EXIT_CODE, die_with
-from expstream.topics import create_topics
-from expstream.topology import load_topology
 from schemas import PromptBatch, encode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def test_watch_parent_notices_that_the_parent_is_gone(tmp_path):
 
 
 def test_the_generator_stops_between_tokens(cache):
-    from expstream.models import TransformersGenerator, build_tiny_models, load_causal_lm, load_tokenizer
+    from expstream.models.hf import TransformersGenerator, build_tiny_models, load_causal_lm, load_tokenizer
 
     paths = build_tiny_models(cache)
     tok = load_tokenizer(paths["tokenizer"])

@@ -181,7 +181,7 @@ def test_redis_state_pipelined_reads_retry_across_a_hang(tmp_path) -> None:
     hung server), so retrying the same pipeline object returned [] instead of the answer."""
     import threading
 
-    from expstream.localservers import LocalRedis
+    from expstream.launch.localservers import LocalRedis
     from expstream.state import RedisState
 
     redis = LocalRedis(tmp_path / "redis", appendonly=True)
@@ -217,7 +217,7 @@ def test_redis_updates_once_per_id_across_a_restart(tmp_path) -> None:
     redelivered id after it changes nothing."""
     import numpy as np
 
-    from expstream.localservers import LocalRedis
+    from expstream.launch.localservers import LocalRedis
     from expstream.state import RedisState
 
     redis = LocalRedis(tmp_path / "redis", appendonly=True)

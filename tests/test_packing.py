@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from expstream.layout import packed, padded
-from expstream.topology import load_topology
+from expstream.config.topology import load_topology
+from expstream.rl.layout import packed, padded
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages import shard_preprocess
 from stages.context import make_context

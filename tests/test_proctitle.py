@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from expstream.forkserver import MALLOC_ENV
-from expstream.localservers import free_port
+from expstream.config.topology import load_topology
+from expstream.launch.forkserver import MALLOC_ENV
+from expstream.launch.localservers import free_port
+from expstream.launch.run import FORK_ENTRY, stage_argv, stage_env, write_resolved_topology
+from expstream.launch.supervisor import Supervisor
 from expstream.procs import stage_title
-from expstream.run import FORK_ENTRY, stage_argv, stage_env, write_resolved_topology
-from expstream.supervisor import Supervisor
-from expstream.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 # Why 120 s: the fork server imports torch and transformers before its first fork (seconds on a
@@ -74,7 +74,7 @@ def test_a_stage_process_shows_its_name(tmp_path, spawn):
         log = (tmp_path / "logs" / "reward-1.log").read_text(errors="replace")[-2000:]
         assert seen == want, f"pid {pid} shows {seen!r}; log:\n{log}"
         # glibc read its malloc settings from this environment when the process (or the fork server
-        # it was forked from) started: multi-MB records reuse warm pages (expstream/forkserver.py)
+        # it was forked from) started: multi-MB records reuse warm pages (expstream/launch/forkserver.py)
         if spawn == "fork":  # the server's start-up environment (an exec'd stage's is overwritten by its title)
             environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0")
                            if "=" in kv)

@@ -1,7 +1,7 @@
-"""The recorder (expstream/recorder.py): positions, export and follow modes, and `expstream run`'s recording.
+"""The recorder (expstream/tools/recorder.py): positions, export and follow modes, and `expstream run`'s recording.
 
 Kafka is the session's real Tansu broker (or the run's own embedded one); expected values come
-from what the test produced or from `expstream.bus.read_topic`, never from the recorder.
+from what the test produced or from `expstream.kafka.clients.read_topic`, never from the recorder.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from expstream.bus import KafkaConfig, make_producer, read_topic
+from expstream.config.kafka import KafkaConfig
+from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
-from expstream.recorder import Position, Recorder, cut_torn_tail, parse_position, record_topics
-from expstream.recording import (
+from expstream.kafka.clients import make_producer, read_topic
+from expstream.kafka.topics import dlq_topic
+from expstream.tools.recorder import Position, Recorder, cut_torn_tail, parse_position, record_topics
+from expstream.tools.recording import (
     MAGIC,
     PartitionReader,
     iter_topic,
@@ -29,8 +32,6 @@ from expstream.recording import (
     recorded_partitions,
     recorded_topics,
 )
-from expstream.topics import dlq_topic
-from expstream.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -324,7 +325,7 @@ def test_killed_run_leaves_a_readable_recording(tmp_path: Path) -> None:
 
 
 def test_supervisor_stops_a_stop_last_child_after_the_others(tmp_path: Path) -> None:
-    from expstream.supervisor import Supervisor
+    from expstream.launch.supervisor import Supervisor
 
     flag = tmp_path / "stage-gone"
     seen = tmp_path / "seen"

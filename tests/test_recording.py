@@ -1,4 +1,4 @@
-"""The recording format (expstream/recording.py): round trip, torn tails, corruption, order."""
+"""The recording format (expstream/tools/recording.py): round trip, torn tails, corruption, order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import zlib
 import msgpack
 import pytest
 
-from expstream.recording import (
+from expstream.tools.recording import (
     MAGIC,
     PartitionReader,
     RecordFrame,

@@ -22,12 +22,18 @@ import numpy as np
 import pytest
 import yaml
 
-from expstream.bus import read_topic
+from expstream.config.topology import KafkaConfig, load_topology
 from expstream.errors import ConfigError
-from expstream.letters import sample_errors
-from expstream.recording import RecordFrame, RecordingWriter, iter_topic, partition_path, recorded_topics
-from expstream.replay import Filters, parse_offsets, replay_run, republish, resolve_span
-from expstream.topology import KafkaConfig, load_topology
+from expstream.kafka.clients import read_topic
+from expstream.kafka.letters import sample_errors
+from expstream.tools.recording import (
+    RecordFrame,
+    RecordingWriter,
+    iter_topic,
+    partition_path,
+    recorded_topics,
+)
+from expstream.tools.replay import Filters, parse_offsets, replay_run, republish, resolve_span
 from schemas import decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +292,7 @@ def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker
 
 
 # ------------------------------------------------------------------------------------------------
-# through a broker (expstream/replaybroker.py): the span as stage processes on fresh topics
+# through a broker (expstream/tools/replaybroker.py): the span as stage processes on fresh topics
 # ------------------------------------------------------------------------------------------------
 
 
@@ -316,7 +322,7 @@ def test_broker_replay_of_reward_is_byte_identical_cli_with_its_own_redis(record
 
 
 def test_broker_replay_postprocess_to_advantage_is_byte_identical(recorded, broker, redis_url, tmp_path):
-    from expstream.replaybroker import broker_replay
+    from expstream.tools.replaybroker import broker_replay
 
     run, prefix = recorded
     out = tmp_path / "b-pa"
@@ -358,8 +364,8 @@ def test_generate_from_a_continuous_configuration_does_not_block_on_admission(re
 
 def test_broker_topology_renames_the_span_and_disables_the_rest():
     """Pure: the --set entries of a broker replay, and which samples a group estimator cannot emit."""
-    from expstream.replay import _Item
-    from expstream.replaybroker import broker_overrides, input_sample_ids, unreachable_samples
+    from expstream.tools.replay import ReplayItem
+    from expstream.tools.replaybroker import broker_overrides, input_sample_ids, unreachable_samples
     from schemas import PromptBatch
 
     topo = load_topology(None)
@@ -368,7 +374,7 @@ def test_broker_topology_renames_the_span_and_disables_the_rest():
     assert [(s.name, s.input, s.output) for s in btopo.enabled_stages()] == [
         ("postprocess", "replay-t1.rewarded", "replay-t1.scored"),
         ("advantage", "replay-t1.scored", "replay-t1.experiences")]
-    prompts = _Item(None, PromptBatch(batch_id="p000000", prompt_id=["a", "b"], prompt=["x", "y"], label=["", ""],
+    prompts = ReplayItem(None, PromptBatch(batch_id="p000000", prompt_id=["a", "b"], prompt=["x", "y"], label=["", ""],
                                       reference=["", ""]))
     assert input_sample_ids([prompts], 2) == ["a#0", "a#1", "b#0", "b#1"]
     ids = ["a#0", "a#1", "a#2", "a#3", "b#0", "b#2"]  # group b cut by a --samples filter
@@ -414,7 +420,7 @@ def test_filters_that_match_nothing_are_refused(tmp_path, capsys):
 
 def test_a_damaged_recording_is_refused_and_a_torn_one_warned_about(tmp_path, capsys, caplog):
     from expstream.cli import main
-    from expstream.replay import prepare_replay
+    from expstream.tools.replay import prepare_replay
 
     run = _prompt_run(tmp_path / "run")
     path = partition_path(run, "prompts", 0)

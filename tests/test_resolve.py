@@ -1,4 +1,4 @@
-"""expstream/resolve.py: model directories and the reward function, checked once, with the field and fix."""
+"""expstream/models/resolve.py: model directories and the reward function, checked once, with the field and fix."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
-from expstream.resolve import build_builtin_models, check_models, model_dir, model_roles, reward_fn
-from expstream.topology import load_topology
+from expstream.models.resolve import build_builtin_models, check_models, model_dir, model_roles, reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_reward_fn_is_imported_and_returned():
 
 def test_checks_do_not_import_torch(tmp_path):
     """The checks run before anything starts, so they must stay cheap (torch takes seconds)."""
-    code = ("import sys; from expstream.topology import load_topology; from expstream.resolve import check_models;"
+    code = ("import sys; from expstream.config.topology import load_topology; from expstream.models.resolve import check_models;"
             "check_models(load_topology()); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

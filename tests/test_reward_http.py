@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from expstream.errors import ConfigError, PoisonRecordError
-from expstream.localservers import free_port, wait_for_port
-from expstream.reward_http import (
+from expstream.launch.localservers import free_port, wait_for_port
+from expstream.rewards.http_client import (
     CircuitBreaker,
     HttpRewardSource,
     RewardRejected,
@@ -30,7 +30,7 @@ from expstream.reward_http import (
     items_from_batch,
     score_url,
 )
-from expstream.reward_server import FnScorer, ServerConfig, ServerThread
+from expstream.rewards.server import FnScorer, ServerConfig, ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -419,13 +419,13 @@ def test_a_deeply_nested_body_is_a_400_not_a_500(fn_server):
 
 @pytest.fixture(scope="module")
 def tiny_rm():
-    from expstream.reward_server import ModelScorer
+    from expstream.rewards.server import ModelScorer
 
     return ModelScorer("builtin:tiny", cache_dir=str(ROOT / ".cache/expstream/models"))
 
 
 def test_a_reward_model_refuses_an_item_longer_than_its_context_with_413_at_once(tiny_rm):
-    from expstream.reward_server import ModelScorer
+    from expstream.rewards.server import ModelScorer
 
     assert tiny_rm.max_len == tiny_rm.model.config.max_position_embeddings  # 4096 for the tiny model
     srv = ServerThread(tiny_rm)
@@ -492,7 +492,7 @@ def test_the_reward_api_takes_an_optional_bearer_token_from_the_environment(fn_s
 
 
 def test_serve_reward_reads_its_token_from_the_environment_and_warns_only_without_one():
-    from expstream.reward_server import bind_warning
+    from expstream.rewards.server import bind_warning
 
     for host in ("0.0.0.0", "::", "10.1.2.3", "reward.example"):
         assert "without a token" in bind_warning(host, None)
@@ -571,9 +571,9 @@ def basic_judge():
 
 def test_url_credentials_are_redacted_in_the_written_topology_and_reach_the_stage_by_environment(
         basic_judge, tmp_path, monkeypatch):
-    from expstream.run import stage_env, write_resolved_topology
-    from expstream.secrets import TOPOLOGY_SECRETS_ENV
-    from expstream.topology import load_topology
+    from expstream.config.redaction import TOPOLOGY_SECRETS_ENV
+    from expstream.config.topology import load_topology
+    from expstream.launch.run import stage_env, write_resolved_topology
 
     monkeypatch.delenv(TOPOLOGY_SECRETS_ENV, raising=False)
     topo = load_topology(None, ["models.reward=null", "rewards.sources.judge.kind=http",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from expstream.topology import load_topology
+from expstream.config.topology import load_topology
 from schemas import Ragged, SampleBatch
 from stages import advantage, postprocess
 from stages.context import make_context

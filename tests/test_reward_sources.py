@@ -1,4 +1,4 @@
-"""Several reward sources, the recipe (label -> sources) and the combine rules (expstream/reward_sources.py,
+"""Several reward sources, the recipe (label -> sources) and the combine rules (expstream/rewards/sources.py,
 stages/reward.py, the ``rewards:`` block). Expected values are worked out by hand, or by calling the
 reward model directly on one routed sample at a time (no padding, no stage code)."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
+from expstream.config.topology import load_topology
 from expstream.errors import ConfigError, PoisonRecordError
-from expstream.resolve import build_builtin_models, check_models
-from expstream.reward_sources import ROUTED_INFO_PREFIX, build_sources
-from expstream.topology import load_topology
+from expstream.models.resolve import build_builtin_models, check_models
+from expstream.rewards.sources import ROUTED_INFO_PREFIX, build_sources
 from schemas import Ragged, SampleBatch, decode, encode
 from stages import reward
 from stages.context import make_context
@@ -77,7 +77,7 @@ class Recorder:
 
 def direct_rm_score(topo, batch, i):
     """The tiny reward model on sample ``i`` alone: its tokens unpadded, the score head at the last token."""
-    from expstream.models import build_tiny_models, load_reward_model
+    from expstream.models.hf import build_tiny_models, load_reward_model
 
     rm = load_reward_model(build_tiny_models(topo.models.cache_dir)["reward"])
     ids = np.concatenate([batch.prompt_ids.row(i), batch.action_ids.row(i)]).astype(np.int64)
@@ -233,10 +233,10 @@ def test_set_reaches_inside_the_rewards_block(cache):
 
 def test_an_http_source_without_the_client_module_is_a_config_error(cache, monkeypatch):
     topo = rewards_topology(cache, {"sources": {"judge": {"kind": "http", "url": "http://127.0.0.1:9"}}})
-    monkeypatch.setitem(sys.modules, "expstream.reward_http", None)  # as if the module were not installed
+    monkeypatch.setitem(sys.modules, "expstream.rewards.http_client", None)  # as if the module were not installed
     with pytest.raises(ConfigError) as err:
         build_sources(topo, make_context(topo, "reward"))
-    assert err.value.field == "rewards.sources.judge.kind" and "reward_http" in str(err.value)
+    assert err.value.field == "rewards.sources.judge.kind" and "rewards.http_client" in str(err.value)
 
 
 def test_the_documented_recipe_example_loads(cache):
@@ -303,7 +303,7 @@ def test_recipe_through_expstream_run_scores_by_route_and_dead_letters_only_the_
 
 def test_an_http_source_in_a_recipe_gets_only_its_rows_from_a_real_server(cache):
     """A real aiohttp server on a loopback port (serve-reward's app, len(label) per item) next to a fn source."""
-    from expstream.reward_server import FnScorer, ServerThread
+    from expstream.rewards.server import FnScorer, ServerThread
 
     srv = ServerThread(FnScorer("tests.rewardfns_http:label_length"))
     url = srv.start()

@@ -28,15 +28,15 @@ import pytest
 import yaml
 from kafka import TopicPartition
 
-from expstream.bus import make_admin, make_producer, read_topic
 from expstream.cli import main
+from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
-from expstream.recorder import Position
-from expstream.recording import RecordFrame, RecordingWriter
-from expstream.rewind import Entry, group_id_of, parse_rewind_position, resolve_targets
+from expstream.kafka.clients import make_admin, make_producer, read_topic
+from expstream.kafka.topics import create_topics
 from expstream.state import RedisState
-from expstream.topics import create_topics
-from expstream.topology import load_topology
+from expstream.tools.recorder import Position
+from expstream.tools.recording import RecordFrame, RecordingWriter
+from expstream.tools.rewind import Entry, group_id_of, parse_rewind_position, resolve_targets
 from schemas import PromptBatch, decode, encode
 from schemas.codec import peek_header
 from stages.context import make_context

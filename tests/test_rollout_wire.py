@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from expstream.experience import (
+from expstream.config.topology import load_topology
+from expstream.rl.experience import (
     Experience,
     make_experience_batch,
     remove_padding_in_sequences,
     split_experience_batch,
 )
-from expstream.layout import align_rollout_log_probs
-from expstream.topology import load_topology
+from expstream.rl.layout import align_rollout_log_probs
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from stages import shard_preprocess
 from stages.context import make_context

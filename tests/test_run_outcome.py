@@ -18,9 +18,9 @@ import msgpack
 import pytest
 
 from expstream import read_experiences
-from expstream.bus import make_producer
-from expstream.localservers import LocalBroker
-from expstream.topics import create_topics
+from expstream.kafka.clients import make_producer
+from expstream.kafka.topics import create_topics
+from expstream.launch.localservers import LocalBroker
 from schemas import encode
 from tests.runners import exp_batch
 from tests.test_collector import GARBAGE, prompt_batch

@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from expstream.errors import ConfigError
-from expstream.localservers import LocalRedis
-from expstream.rundir import LOCK_NAME, claim_run_dir, lock_run_dir
+from expstream.launch.localservers import LocalRedis
+from expstream.launch.rundir import LOCK_NAME, claim_run_dir, lock_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 # Why 30 s: a refused run exits before building models or starting servers (~1-2 s of imports on
@@ -50,7 +50,7 @@ def test_a_second_claim_on_a_dir_in_use_fails_and_touches_nothing(tmp_path):
 
 
 def test_the_lock_dies_with_its_process(tmp_path):
-    code = f"from expstream.rundir import lock_run_dir; l = lock_run_dir({str(tmp_path)!r}); print('locked', flush=True); " \
+    code = f"from expstream.launch.rundir import lock_run_dir; l = lock_run_dir({str(tmp_path)!r}); print('locked', flush=True); " \
            "import time; time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

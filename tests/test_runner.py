@@ -25,15 +25,15 @@ import numpy as np
 import pytest
 from kafka import TopicPartition
 
-from expstream.bus import (
+from expstream.config.topology import load_topology
+from expstream.errors import StateUnavailableError
+from expstream.kafka.clients import (
     make_consumer,
     make_producer,
     read_topic,
     topic_lag,
 )
-from expstream.errors import StateUnavailableError
-from expstream.topics import create_topics
-from expstream.topology import load_topology
+from expstream.kafka.topics import create_topics
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from schemas.codec import peek_header
 from schemas.tensors import encode_tensor
@@ -415,7 +415,7 @@ def test_slow_batch_keeps_membership_and_a_rebalance_meanwhile_loses_and_doubles
 # ---------------------------------------------------------------------------------------------
 STAGE_SCRIPT = textwrap.dedent("""
     import json, logging, sys, time
-    from expstream.topology import load_topology
+    from expstream.config.topology import load_topology
     from stages.context import make_context
     from stages.runner import StageRunner
 
@@ -487,7 +487,7 @@ OUTAGE_S = 4.0
 
 
 def test_broker_outage_is_retried_with_backoff_logged_and_survived(tmp_path):
-    from expstream.localservers import LocalBroker
+    from expstream.launch.localservers import LocalBroker
 
     log = LogCapture()
     stage_log = logging.getLogger("expstream.stage")
@@ -545,7 +545,7 @@ def test_stop_request_mid_record_leaves_it_uncommitted_and_never_dead_letters_it
     must stay uncommitted for the next replica, and must not go to the dead-letter topic as a
     ``ShutdownRequested`` "bad record" (the broker is back by the time a letter would be sent)."""
     from expstream.errors import ShutdownRequested
-    from expstream.localservers import LocalBroker
+    from expstream.launch.localservers import LocalBroker
 
     with contextlib.ExitStack() as stack:
         if where == "send":  # not the session broker: this one gets SIGSTOPped

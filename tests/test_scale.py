@@ -1,10 +1,10 @@
 """Live replica counts: the autoscale policy, the supervisor's add/retire, `expstream scale`, and two runs.
 
-* Pure: :func:`expstream.scale.desired_replicas` (no broker), the topology's autoscale block and
+* Pure: :func:`expstream.launch.scale.desired_replicas` (no broker), the topology's autoscale block and
   partition sizing, the refusals of ``expstream scale`` (exit 2 naming the STAGE=N item).
 * Real processes: the supervisor scales a stage of sleeping children up and down (retired ones
   are not restarted and not failures); ``expstream scale`` (a subprocess) is answered by a
-  :class:`~expstream.scale.Scaler` ticking in this process (the file protocol, no broker).
+  :class:`~expstream.launch.scale.Scaler` ticking in this process (the file protocol, no broker).
 * Real runs (own Tansu broker and redis-server, as tests/test_crash.py): ``expstream scale``
   reward 1 -> 3 -> 1 during a run; the autoscaler 1 -> 3 under a slow reward's backlog and back
   to 1 once it drained. Every group comes out exactly once, counted on the raw experiences topic.
@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from test_crash import ROOT, PipelineRun, model_cache  # noqa: F401 - model_cache is a fixture
 
+from expstream.config.topology import AutoscaleConfig, load_topology
 from expstream.errors import EXIT_CONFIG, ConfigError
-from expstream.run import write_resolved_topology
-from expstream.rundir import lock_run_dir
-from expstream.scale import AutoscaleMemory, Scaler, desired_replicas, parse_counts, scale_dir
-from expstream.supervisor import Supervisor
-from expstream.topology import AutoscaleConfig, load_topology
+from expstream.launch.run import write_resolved_topology
+from expstream.launch.rundir import lock_run_dir
+from expstream.launch.scale import AutoscaleMemory, Scaler, desired_replicas, parse_counts, scale_dir
+from expstream.launch.supervisor import Supervisor
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -178,7 +178,7 @@ def test_scale_command_is_answered_by_the_run_loop(tmp_path: Path) -> None:
 
     def scale(*items: str) -> subprocess.CompletedProcess:
         # the loop runs here, in the main thread: a child's PDEATHSIG fires when the thread that
-        # forked it ends, so the run loop (expstream/run.py) starts replicas from its main thread too
+        # forked it ends, so the run loop (expstream/launch/run.py) starts replicas from its main thread too
         proc = subprocess.Popen([PY, "-m", "expstream", "scale", "--run-dir", str(out), *items], env=ENV, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_for(lambda: proc.poll() is not None, 60, "expstream scale to exit", scaler.tick)

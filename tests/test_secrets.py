@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from expstream.config.redaction import REDIS_URL_ENV, redact_url, url_password, write_private
 from expstream.errors import StateUnavailableError
-from expstream.localservers import LocalRedis, free_port
-from expstream.secrets import REDIS_URL_ENV, redact_url, url_password, write_private
+from expstream.launch.localservers import LocalRedis, free_port
 from expstream.state import RedisState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_a_run_against_a_password_protected_redis_shows_it_nowhere(tmp_path, sec
     ("http://judge:8000", "http://judge:8000"),
 ])
 def test_an_http_reward_url_is_redacted_and_its_secrets_split_off_the_topology(url, shown):
-    from expstream.secrets import apply_secrets, is_redacted, split_secrets
+    from expstream.config.redaction import apply_secrets, is_redacted, split_secrets
 
     assert redact_url(url) == shown and is_redacted(shown) == (shown != url)
     raw = {"rewards": {"sources": {"judge": {"kind": "http", "url": url}}}, "run": {"seed": 3}}

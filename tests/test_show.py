@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from expstream.cli import main
+from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
-from expstream.inspect import show
-from expstream.models import build_tiny_models, load_tokenizer
-from expstream.recording import RecordFrame, RecordingWriter
-from expstream.topology import load_topology
+from expstream.models.hf import build_tiny_models, load_tokenizer
+from expstream.tools.recording import RecordFrame, RecordingWriter
+from expstream.tools.show import show
 from schemas import PromptBatch, encode
 from stages import end_of_input
 from stages.local import LocalChain

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from expstream.topology import load_topology
+from expstream.config.topology import load_topology
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from stages import advantage, generate, postprocess, reward, shard_preprocess
 from stages.context import make_context

@@ -132,13 +132,13 @@ def _settable_fields() -> list[tuple[str, object]]:
     import dataclasses
     import typing
 
-    from expstream.topology import BLOCK_ATTRS, StageConfig, Topology, _valid_tree
+    from expstream.config.topology import BLOCK_ATTRS, StageConfig, Topology, valid_tree
 
     hints_topo = typing.get_type_hints(Topology)
-    blocks: dict[str, type] = {name: hints_topo[BLOCK_ATTRS.get(name, name)] for name in _valid_tree()
+    blocks: dict[str, type] = {name: hints_topo[BLOCK_ATTRS.get(name, name)] for name in valid_tree()
                                if name != "stages"}
     blocks["stages.reward"] = StageConfig
-    assert {b.split(".")[0] for b in blocks} == set(_valid_tree())  # every block of the loader is covered
+    assert {b.split(".")[0] for b in blocks} == set(valid_tree())  # every block of the loader is covered
     out = []
     for block, cls in blocks.items():
         hints = typing.get_type_hints(cls)
@@ -155,8 +155,8 @@ def _settable_fields() -> list[tuple[str, object]]:
 def test_every_field_refuses_a_wrong_type_from_set_and_yaml(tmp_path, key, bad):
     import yaml
 
+    from expstream.config.topology import load_topology
     from expstream.errors import ConfigError
-    from expstream.topology import load_topology
 
     with pytest.raises(ConfigError) as info:
         load_topology(None, [f"{key}={yaml.safe_dump(bad, default_flow_style=True).strip().removesuffix('...')}"])
@@ -173,7 +173,7 @@ def test_every_field_refuses_a_wrong_type_from_set_and_yaml(tmp_path, key, bad):
 
 
 def test_right_types_still_load_and_ints_become_floats():
-    from expstream.topology import load_topology
+    from expstream.config.topology import load_topology
 
     topo = load_topology(None, ["algo.gamma=1", "run.timeout_s=30", "run.target_groups=", "models.reward_fn=",
                                 "kafka.acks=1", "stages.reward.replicas=2"])
@@ -183,8 +183,8 @@ def test_right_types_still_load_and_ints_become_floats():
 
 
 def test_a_block_that_is_not_a_mapping_names_the_block():
+    from expstream.config.topology import load_topology
     from expstream.errors import ConfigError
-    from expstream.topology import load_topology
 
     for item, field in (("run=5", "run"), ("stages.reward=5", "stages.reward"), ("kafka=[1]", "kafka")):
         with pytest.raises(ConfigError, match=f"^{field}: expected a mapping"):
@@ -192,7 +192,7 @@ def test_a_block_that_is_not_a_mapping_names_the_block():
 
 
 def test_prompt_numbers_become_their_text_and_missing_ids_the_line_number(tmp_path):
-    from expstream.prompts import read_prompts
+    from expstream.launch.prompts import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "label": 0, "reference": 1.50, "id": 7}\n\n'
@@ -206,7 +206,7 @@ def test_prompt_numbers_become_their_text_and_missing_ids_the_line_number(tmp_pa
                                   b'{"prompt": "\xff"}'])
 def test_prompt_values_of_the_wrong_type_are_refused_with_the_line(tmp_path, line):
     from expstream.errors import ConfigError
-    from expstream.prompts import read_prompts
+    from expstream.launch.prompts import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"prompt": "ok"}\n' + line + b"\n")
@@ -218,7 +218,7 @@ def test_output_dir_checks(tmp_path):
     import os
 
     from expstream.errors import ConfigError
-    from expstream.preflight import check_output_dir
+    from expstream.launch.preflight import check_output_dir
 
     check_output_dir(tmp_path / "new" / "deeper")  # creatable: fine, and nothing is created
     assert not (tmp_path / "new").exists()
@@ -236,7 +236,7 @@ def test_output_dir_checks(tmp_path):
 
 @pytest.fixture(scope="module")
 def password_redis(tmp_path_factory):  # noqa: ANN201
-    from expstream.localservers import LocalRedis
+    from expstream.launch.localservers import LocalRedis
 
     r = LocalRedis(tmp_path_factory.mktemp("redis-auth"), appendonly=False, password="right-pw")
     r.start()
@@ -245,7 +245,7 @@ def password_redis(tmp_path_factory):  # noqa: ANN201
 
 
 def closed_port() -> int:
-    from expstream.localservers import free_port
+    from expstream.launch.localservers import free_port
 
     return free_port("127.0.0.1")  # free: nothing listens there
 
@@ -302,7 +302,7 @@ def test_redis_state_raises_auth_error_at_once_not_after_the_retry_deadline(pass
 
 
 def test_preflight_passes_for_reachable_services(broker, password_redis):
-    from expstream.bus import KafkaConfig
-    from expstream.preflight import check_services
+    from expstream.config.kafka import KafkaConfig
+    from expstream.launch.preflight import check_services
 
     check_services(broker, password_redis.url, KafkaConfig())

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from expstream.errors import ConfigError, PoisonRecordError, StateUnavailableError
-from expstream.localservers import LocalRedis
+from expstream.launch.localservers import LocalRedis
 from expstream.state import MemoryState, Moments, RedisState
 
 
@@ -403,7 +403,7 @@ def test_stage_stats_heartbeats_versions_counters(state):
     assert state.counters() == {"stale": 3.0}
 
 
-# --- admission control (expstream/admission.py) -------------------------------------------------
+# --- admission control (expstream/rl/admission.py) -------------------------------------------------
 
 
 def test_admit_within_the_bound_is_idempotent_and_moves_a_redelivered_record(state):

@@ -1,8 +1,8 @@
-"""The Lua scripts of RedisState against their Python reference functions in expstream.running.
+"""The Lua scripts of RedisState against their Python reference functions in expstream.rl.moments.
 
 Production updates the running reward/advantage moments and the adaptive KL coefficient inside
-Redis (Lua, atomic and once per id); :func:`expstream.running.moments_merge` and
-:func:`expstream.running.adaptive_kl_update` are the same formulas in Python (MemoryState calls
+Redis (Lua, atomic and once per id); :func:`expstream.rl.moments.moments_merge` and
+:func:`expstream.rl.moments.adaptive_kl_update` are the same formulas in Python (MemoryState calls
 them). Here both run on the same inputs (a real redis-server, no mock) and must agree to float
 tolerance, so the Lua is the formula the docs and the numerics tests describe.
 """
@@ -20,8 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expstream import running
 from expstream.errors import ConfigError
+from expstream.rl import moments as running
 from expstream.state import MemoryState, RedisState, State
 from tests.tensors import moments_std
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from expstream.metrics import StageMetrics, discovery_name, forget_replica
-from expstream.status import render_status, scrape_run, window_stats
-from expstream.supervisor import Supervisor
-from expstream.topology import load_topology
+from expstream.config.topology import load_topology
+from expstream.launch.supervisor import Supervisor
+from expstream.observe.metrics import StageMetrics, discovery_name, forget_replica
+from expstream.tools.status import render_status, scrape_run, window_stats
 from schemas import PromptBatch
 from stages import generate
 from stages.context import make_context

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from expstream.control import PipelineControl
-from expstream.topology import load_topology
+from expstream.config.topology import load_topology
+from expstream.train.control import PipelineControl
 from schemas import Ragged, SampleBatch, encode
 from stages import advantage, end_of_input, held_samples, postprocess
 from stages.context import make_context

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from expstream.bus import make_producer, send_and_confirm
 from expstream.cli import main
-from expstream.letters import encode_headers
-from expstream.tail import tail
+from expstream.kafka.clients import make_producer, send_and_confirm
+from expstream.kafka.letters import encode_headers
+from expstream.tools.tail import tail
 from schemas.codec import encode
 from schemas.messages import PromptBatch
 
@@ -75,7 +75,7 @@ def test_json_tensor_summary_has_no_data():
 
     import numpy as np
 
-    from expstream.tail import record_json
+    from expstream.tools.tail import record_json
     from schemas.messages import SampleBatch
     from schemas.tensors import Ragged
 

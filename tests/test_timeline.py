@@ -1,4 +1,4 @@
-"""expstream/timeline.py: when a process was created, read from /proc, to a clock tick."""
+"""expstream/observe/timeline.py: when a process was created, read from /proc, to a clock tick."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from expstream.timeline import process_started_at
+from expstream.observe.timeline import process_started_at
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/stat")
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from expstream.bus import KafkaConfig
-from expstream.errors import ConfigError, unknown_key_error
-from expstream.topology import (
+from expstream.config.kafka import KafkaConfig
+from expstream.config.topology import (
     PACKAGED_SOURCE,
     STAGE_ORDER,
     default_topology_text,
     find_topology,
     load_topology,
 )
+from expstream.errors import ConfigError, unknown_key_error
 
 
 def test_default_topology_links_the_enabled_stages_in_order():
@@ -160,8 +160,8 @@ def test_far_keys_get_the_list_not_a_guess():
 
 
 def test_train_batch_size_must_take_whole_prompt_records_when_the_loop_is_on():
+    from expstream.config.topology import load_topology
     from expstream.errors import ConfigError
-    from expstream.topology import load_topology
 
     # off: the trainer's batch size is not used, so it is not checked
     assert load_topology(None, ["train.batch_size=12"]).train.batch_size == 12

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from expstream.config.topology import load_topology
 from expstream.errors import EXIT_BROKEN_PIPE, EXIT_CONFIG
-from expstream.localservers import LocalRedis, free_port
-from expstream.report import write_report
-from expstream.run import write_resolved_topology
-from expstream.rundir import lock_run_dir
-from expstream.topology import load_topology
+from expstream.launch.localservers import LocalRedis, free_port
+from expstream.launch.run import write_resolved_topology
+from expstream.launch.rundir import lock_run_dir
+from expstream.tools.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

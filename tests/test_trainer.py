@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from expstream.models import load_causal_lm
-from expstream.resolve import model_dir
-from expstream.topology import find_topology, load_topology
+from expstream.config.topology import find_topology, load_topology
+from expstream.models.hf import load_causal_lm
+from expstream.models.resolve import model_dir
 from expstream.train import PolicyTrainer, experience_from_records
 from schemas import PromptBatch, encode
 from stages.local import LocalChain
@@ -73,7 +73,7 @@ def test_reward_rises_within_30_steps(overrides, margin):
 
 
 def _produce_experiences(broker: str, topic: str, records: int) -> set[str]:
-    from expstream.bus import make_producer, send_and_confirm
+    from expstream.kafka.clients import make_producer, send_and_confirm
 
     topo = load_topology(find_topology(None), ["run.seed=2"])
     exps = LocalChain(topo).setup().run(_prompt_batches(topo, "k", records))
@@ -102,8 +102,8 @@ def _lines(path: Path) -> list[dict]:
 @pytest.mark.integration
 @pytest.mark.parametrize("fault", ["after_publish:3", "after_checkpoint:3"])
 def test_kill_and_resume_trains_every_sample_exactly_once(broker, redis_url, run_id, fresh_topic, tmp_path, fault):
-    from expstream.topics import create_topics
-    from expstream.weights import DirectoryWeightStore
+    from expstream.kafka.topics import create_topics
+    from expstream.train.weights import DirectoryWeightStore
 
     create_topics(broker, {"policy": 1}, with_dlq=False)
     topic = fresh_topic(2)
@@ -149,8 +149,8 @@ def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_
     """async.on_stale=drop, k=1. First 8 samples of version 0 and 8 of version 1: steps 0 and 1 train
     them. Then, once step 1 is logged, 8 late samples of version 0 (two versions old at step 2:
     dropped, counted, one log line each) and 8 of version 2, which step 2 trains."""
-    from expstream.bus import make_producer, send_and_confirm
-    from expstream.topics import create_topics
+    from expstream.kafka.clients import make_producer, send_and_confirm
+    from expstream.kafka.topics import create_topics
 
     create_topics(broker, {"policy": 1}, with_dlq=False)
     topic = fresh_topic(1)
@@ -236,7 +236,7 @@ def test_the_custom_trainer_of_docs_async_runs_and_publishes(broker, redis_url, 
     import re
 
     from expstream.state import RedisState
-    from expstream.weights import open_store
+    from expstream.train.weights import open_store
 
     doc = (ROOT / "docs" / "async.md").read_text()
     section = doc[doc.index("## Writing your own trainer"):]

@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-from expstream.blobs import DirectoryBlobStore, MissingBlobError, blob_ref
 from expstream.errors import ConfigError, PoisonRecordError
-from expstream.prompts import prompt_batches, read_prompts, store_media
-from expstream.vision import BadImageError, MediaPolicy, item_bytes, load_image
+from expstream.launch.prompts import prompt_batches, read_prompts, store_media
+from expstream.models.blobs import DirectoryBlobStore, MissingBlobError, blob_ref
+from expstream.models.media import BadImageError, MediaPolicy, item_bytes, load_image
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
 from schemas.errors import ValidationError, VersionError
 from tests.vlstages import png, vl_stage_contexts
@@ -164,9 +164,9 @@ def _through(vl, batch: PromptBatch) -> SampleBatch:
 def test_image_log_probs_equal_a_direct_model_forward(vl):
     """Mixed text / one-image / two-image prompts in one micro-batch: the actor stage's log-probs of
     every sample equal an unpadded forward of that sample alone, pixels from the original bytes."""
-    from expstream.models import load_causal_lm
-    from expstream.resolve import model_dir
-    from expstream.vl import image_processor
+    from expstream.models.hf import load_causal_lm
+    from expstream.models.resolve import model_dir
+    from expstream.models.vl import image_processor
 
     topo, store, ctxs = vl
     a, b = png((64, 64), (250, 0, 0)), png((100, 70), (0, 0, 250))
@@ -279,7 +279,7 @@ def dataclasses_replace_topo(topo, **generate):
 # -- end to end ------------------------------------------------------------------------------------
 @pytest.mark.e2e
 def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead_lettered(tmp_path):
-    from expstream.experience import read_experiences
+    from expstream.rl.experience import read_experiences
 
     (tmp_path / "ok.png").write_bytes(png((80, 60)))
     (tmp_path / "empty.png").write_bytes(b"")
@@ -308,7 +308,7 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     assert "p.jsonl:7: images[0]: not a readable image" in reasons and "root:x" not in reasons
     # the feeder refused the three bad images: the blob store holds the good ones only (issue 21)
     ok_ref = blob_ref(png((80, 60)))
-    from expstream.vision import video_manifest
+    from expstream.models.media import video_manifest
 
     want = {ok_ref, blob_ref(png()), blob_ref(video_manifest([ok_ref] * 3))}
     assert {f.name for f in (out / "blobs").rglob("*") if f.is_file()} == {r.split(":")[1] for r in want}
@@ -343,16 +343,16 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
 def _image_log_probs_equal_a_direct_forward(run: Path, cache_dir: Path) -> None:
     """The actor log-probs the run recorded for its image samples equal an unpadded forward of the
     tiny VL actor on the same tokens and the pixels of the stored bytes (the run's own blob store)."""
-    from expstream.inspect import read_samples
-    from expstream.models import load_causal_lm
-    from expstream.vl import image_processor
+    from expstream.models.hf import load_causal_lm
+    from expstream.models.vl import image_processor
+    from expstream.tools.show import read_samples
 
     store = DirectoryBlobStore(run / "blobs")
     samples = read_samples(run, "actor").samples
     imaged = [s for s in samples.values() if s.fields.get("images")]
     assert {s.sample_id.split("#")[0] for s in imaged} == {"one", "two"}, sorted(samples)
-    from expstream.inspect import load_run_topology
-    from expstream.resolve import model_dir
+    from expstream.models.resolve import model_dir
+    from expstream.tools.show import load_run_topology
 
     actor_dir = model_dir(load_run_topology(run), "actor")
     assert str(actor_dir).startswith(str(cache_dir)), actor_dir
@@ -377,7 +377,7 @@ def _image_log_probs_equal_a_direct_forward(run: Path, cache_dir: Path) -> None:
 def test_prompt_rows_from_python_take_pil_images_and_a_missing_short_path_is_not_base64(tmp_path):
     """A Python caller's PromptRow may hold PIL images (stored as PNG); "pics/cat" is valid base64
     alphabet but no image, so it is reported as a missing file, not stored as 6 garbage bytes."""
-    from expstream.prompts import PromptRow
+    from expstream.launch.prompts import PromptRow
 
     store = DirectoryBlobStore(tmp_path / "blobs")
     pil = Image.new("RGB", (30, 20), (9, 8, 7))
@@ -393,9 +393,9 @@ def test_prompt_rows_from_python_take_pil_images_and_a_missing_short_path_is_not
 
 def test_a_video_prompt_goes_through_generate_and_the_actor_like_an_unpadded_forward(vl):
     """A video (3 frames: padded to 4 = 2 temporal patches) beside a text prompt in one micro-batch."""
-    from expstream.models import load_causal_lm
-    from expstream.resolve import model_dir
-    from expstream.vision import store_video
+    from expstream.models.hf import load_causal_lm
+    from expstream.models.media import store_video
+    from expstream.models.resolve import model_dir
 
     topo, store, ctxs = vl
     vref = store_video(store, [png((64, 64), (10 * i, 0, 0)) for i in range(3)])

@@ -38,8 +38,8 @@ def _cut(vl, batch: PromptBatch) -> SampleBatch:
 def _direct(vl, cut: SampleBatch, i: int, raw: dict[str, bytes], role: str, pixels: bool = True) -> torch.Tensor:
     """An unpadded forward of sample ``i`` alone through the ``role`` model's backbone + head, on the
     processor's inputs for the original image bytes: the head output (L,) at every position."""
-    from expstream.resolve import model_dir
-    from expstream.vl import image_processor, load_critic, load_reward_model
+    from expstream.models.resolve import model_dir
+    from expstream.models.vl import image_processor, load_critic, load_reward_model
 
     topo, _, ctxs = vl
     path = model_dir(topo, role)
@@ -70,10 +70,10 @@ def _image_batch(store) -> tuple[PromptBatch, dict[str, bytes]]:
 
 
 def test_builtin_tiny_vl_critic_and_reward_are_vision_language_models_and_text_runs_keep_text_ones(vl, monkeypatch):
-    from expstream import models as M
-    from expstream.resolve import model_dir
-    from expstream.topology import load_topology
-    from expstream.vl import VALUE_HEAD_FILE, VisionValueModel, is_vl_scoring_dir
+    from expstream.config.topology import load_topology
+    from expstream.models import hf as M
+    from expstream.models.resolve import model_dir
+    from expstream.models.vl import VALUE_HEAD_FILE, VisionValueModel, is_vl_scoring_dir
 
     topo, _, ctxs = vl
     for role in ("critic", "reward"):
@@ -121,8 +121,8 @@ def test_mixed_text_and_image_micro_batches_through_critic_and_reward_with_vl_an
     critic and reward model; then a text critic / reward model on the same tokenizer (tokens only)."""
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    from expstream import models as M
-    from expstream.resolve import model_dir
+    from expstream.models import hf as M
+    from expstream.models.resolve import model_dir
     from stages import STAGES
     from stages.context import make_context
 
@@ -157,7 +157,7 @@ def test_mixed_text_and_image_micro_batches_through_critic_and_reward_with_vl_an
     # text critic / reward model on the tiny-vl tokenizer with an image run: tokens only, as before
     tok = M.load_tokenizer(model_dir(topo, "tokenizer"))
     for key, cls in (("critic", AutoModelForTokenClassification), ("reward", AutoModelForSequenceClassification)):
-        cls.from_config(M._tiny_config(tok, 64, 2, num_labels=1)).save_pretrained(tmp_path / key)
+        cls.from_config(M.tiny_config(tok, 64, 2, num_labels=1)).save_pretrained(tmp_path / key)
         tok.save_pretrained(tmp_path / key)
     text_topo = copy.copy(topo)
     text_topo.models = dataclasses.replace(topo.models, critic=str(tmp_path / "critic"),
@@ -175,10 +175,10 @@ def test_mixed_text_and_image_micro_batches_through_critic_and_reward_with_vl_an
 
 
 def test_value_head_save_load_round_trip_and_missing_or_wrong_heads(vl, tmp_path):
-    from expstream import models as text_models
-    from expstream.models import ModelNotFoundError
-    from expstream.resolve import model_dir
-    from expstream.vl import (
+    from expstream.models import hf as text_models
+    from expstream.models.hf import ModelNotFoundError
+    from expstream.models.resolve import model_dir
+    from expstream.models.vl import (
         VALUE_HEAD_FILE,
         image_processor,
         load_critic,
@@ -194,7 +194,7 @@ def test_value_head_save_load_round_trip_and_missing_or_wrong_heads(vl, tmp_path
     out = tmp_path / "critic"
     save_value_model(critic, out)
     image_processor(model_dir(topo, "critic")).save_pretrained(out)
-    with pytest.raises(ModelNotFoundError, match="vision-language model; load it with expstream.vl.load_critic"):
+    with pytest.raises(ModelNotFoundError, match="vision-language model; load it with expstream.models.vl.load_critic"):
         text_models.load_critic(out)  # the text loader refuses a VL directory and says which loader to use
     back = load_critic(out)
     own, got = critic.state_dict(), back.state_dict()
@@ -223,10 +223,10 @@ def test_value_head_save_load_round_trip_and_missing_or_wrong_heads(vl, tmp_path
 def test_a_vl_reward_directory_without_its_head_is_refused_before_the_run_starts(vl, tmp_path):
     import shutil
 
+    from expstream.config.topology import load_topology
     from expstream.errors import ConfigError
-    from expstream.resolve import check_models, model_dir
-    from expstream.topology import load_topology
-    from expstream.vl import VALUE_HEAD_FILE
+    from expstream.models.resolve import check_models, model_dir
+    from expstream.models.vl import VALUE_HEAD_FILE
 
     topo, _, _ = vl
     headless = tmp_path / "rm"

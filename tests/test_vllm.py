@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expstream.vllm_backend import vllm_available
+from expstream.models.vllm_generator import vllm_available
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm,
@@ -30,15 +30,15 @@ TOL = 1e-4
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from expstream.models import build_tiny_models
+    from expstream.models.hf import build_tiny_models
 
     return build_tiny_models(tmp_path_factory.mktemp("vllm-models"))
 
 
 @pytest.fixture(scope="session")
 def engine(tiny):
-    from expstream.models import load_tokenizer
-    from expstream.vllm_backend import VllmGenerator
+    from expstream.models.hf import load_tokenizer
+    from expstream.models.vllm_generator import VllmGenerator
 
     gen = VllmGenerator(tiny["actor"], load_tokenizer(tiny["tokenizer"]), seed=0, max_model_len=256)
     yield gen
@@ -47,7 +47,7 @@ def engine(tiny):
 
 @pytest.fixture(scope="session")
 def hf(tiny):
-    from expstream.models import TransformersGenerator, load_causal_lm, load_tokenizer
+    from expstream.models.hf import TransformersGenerator, load_causal_lm, load_tokenizer
 
     return TransformersGenerator(load_causal_lm(tiny["actor"]), load_tokenizer(tiny["tokenizer"]))
 
@@ -58,7 +58,7 @@ def prompts(tok) -> list[list[int]]:
 
 def recompute(model, rows: list[list[int]], outs: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
     """The actor-logprob stage's computation (forward_action_log_probs) on left-padded prompt + response."""
-    from expstream.models import forward_action_log_probs
+    from expstream.models.hf import forward_action_log_probs
 
     a = len(outs[0])
     assert all(len(o) == a for o in outs), "equal lengths (ignore_eos) keep the layout simple"
@@ -120,10 +120,10 @@ def test_a_published_version_reloads_in_place(engine, hf, tiny, tmp_path):
     A 200-token prompt is generated before and after the update: its first KV block is in the prefix
     cache under the old weights, so without the prefix-cache reset the second generation would reuse
     it and its log-probs would be off by whole nats."""
-    from expstream.models import TransformersGenerator, load_causal_lm
+    from expstream.models.hf import TransformersGenerator, load_causal_lm
+    from expstream.models.vllm_generator import VllmWeights
     from expstream.state import MemoryState
-    from expstream.vllm_backend import VllmWeights
-    from expstream.weights import DirectoryWeightStore, PolicyFollower
+    from expstream.train.weights import DirectoryWeightStore, PolicyFollower
 
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
     ps = [*prompts(hf.tokenizer), long_prompt(hf.tokenizer)]
@@ -243,7 +243,7 @@ def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["groups_complete"] == 6 and summary["samples"] == 24, summary
     assert summary["stage_restarts"].get("generate[0]", 0) >= 1, summary["stage_restarts"]
-    from expstream.experience import read_experiences
+    from expstream.rl.experience import read_experiences
 
     ids = [sid for e in read_experiences(out / "experiences.msgpack", dedupe=False) for sid in e.sample_ids]
     assert len(ids) == len(set(ids)) == 24, "every sample out once"

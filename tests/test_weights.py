@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
-from expstream.models import load_causal_lm, load_critic
-from expstream.resolve import model_dir
-from expstream.topology import load_topology
-from expstream.weights import (
+from expstream.models.hf import load_causal_lm, load_critic
+from expstream.models.resolve import model_dir
+from expstream.train.weights import (
     POLICY_TOPIC,
     CorruptWeightsError,
     DirectoryWeightStore,

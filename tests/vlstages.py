@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from expstream.blobs import DirectoryBlobStore
+from expstream.models.blobs import DirectoryBlobStore
 
 
 def png(size=(64, 64), colour=(200, 30, 30)) -> bytes:
@@ -21,8 +21,8 @@ def vl_stage_contexts(tmp: Path, sets: list[str], stages: tuple[str, ...]):
     """``(topology, blob store, {stage: context})``: ``models.actor=builtin:tiny-vl`` with its models
     cached and its blobs stored under ``tmp``, 6 new tokens, 2 samples per prompt, plus ``sets``; each
     of ``stages`` set up, in order, on one shared state."""
-    from expstream.resolve import build_builtin_models
-    from expstream.topology import load_topology
+    from expstream.config.topology import load_topology
+    from expstream.models.resolve import build_builtin_models
     from stages import STAGES
     from stages.context import make_context
 

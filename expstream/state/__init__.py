@@ -4,7 +4,7 @@
 * :class:`MemoryState` (``memory.py``) — one process, dicts; LocalChain, tests, bench, replay.
 
 ``base.py`` holds the contract, :class:`Moments` and the checks both use; the merge and KL
-formulas are in :mod:`expstream.running`.
+formulas are in :mod:`expstream.rl.moments`.
 """
 
 from expstream.state.base import DEFAULT_GROUP_TTL_S, Moments, State, WindowTaken

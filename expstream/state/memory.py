@@ -3,7 +3,7 @@
 For everything that runs stages without Redis: LocalChain, tests, the synchronous bench, replay
 of a recorded topic. It gives the answers RedisState gives — the same apply-once-per-id rules,
 the same group and window hand-out, the same float arithmetic (the merge and KL formulas of
-:mod:`expstream.running`, which the Lua mirrors operation for operation) — so a group
+:mod:`expstream.rl.moments`, which the Lua mirrors operation for operation) — so a group
 split across micro-batches completes here exactly as it does across Redis.
 
 What it does not do: share anything between processes (each process has its own), or expire
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from expstream.running import adaptive_kl_update, batch_moments, check_kl_update, merge_batch_moments
+from expstream.rl.moments import adaptive_kl_update, batch_moments, check_kl_update, merge_batch_moments
 from expstream.state.base import (
     DEFAULT_DEDUPE_WINDOW_S,
     DEFAULT_GROUP_TTL_S,
@@ -359,7 +359,7 @@ class MemoryState:
         with self._lock:
             return dict(self._counters)
 
-    # --- admission control (expstream/admission.py) ------------------------------------------
+    # --- admission control (expstream/rl/admission.py) ------------------------------------------
     def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
         """Admit ``samples`` under ``version`` iff admitted - lost + samples <= ``bound`` (see RedisState)."""
         check_admission("admit", batch_id, samples, version, bound)
@@ -409,7 +409,7 @@ class MemoryState:
             self._delivered.update(new)
             return len(new)
 
-    # --- the rewind handshake (expstream/rewind.py) -----------------------------------------------
+    # --- the rewind handshake (expstream/tools/rewind.py) -----------------------------------------------
     def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:
         with self._lock:
             self._rewind[stage] = (request_id, time.monotonic() + ttl_s)

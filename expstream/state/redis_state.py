@@ -62,10 +62,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from expstream.config.redaction import redact_url
 from expstream.errors import AuthError, ConfigError, PoisonRecordError, StateUnavailableError
 from expstream.retry import Attempt, Policy, retry
-from expstream.running import batch_moments, check_kl_update
-from expstream.secrets import redact_url
+from expstream.rl.moments import batch_moments, check_kl_update
 from expstream.state.base import (
     DEFAULT_DEDUPE_WINDOW_S,
     DEFAULT_GROUP_TTL_S,
@@ -850,7 +850,7 @@ class RedisState:
         raw = self._call("counters", self._r.hgetall, self.key("counters"))
         return {k.decode(): float(v) for k, v in raw.items()}
 
-    # --- admission control (expstream/admission.py) ------------------------------------------
+    # --- admission control (expstream/rl/admission.py) ------------------------------------------
     def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
         """Admit a prompt record of ``samples`` samples generated under ``version``; one Lua script.
 
@@ -904,7 +904,7 @@ class RedisState:
             return 0
         return int(self._script("mark_delivered", [self.key("admission", "of")], ids))
 
-    # --- the rewind handshake (expstream/rewind.py) -----------------------------------------------
+    # --- the rewind handshake (expstream/tools/rewind.py) -----------------------------------------------
     def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:
         """Set (or refresh) ``stage``'s rewind request; it expires after ``ttl_s`` unless refreshed."""
         self._call("set_rewind_request", self._r.set, self.key("rewind", stage), request_id,

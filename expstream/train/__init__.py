@@ -3,7 +3,7 @@
 Public API for a trainer of one's own: :class:`ExperienceStream` (the ``experiences`` topic with
 positions under the trainer's control), the losses, :class:`PolicyTrainer` (one optimisation step),
 the checkpoint, and :func:`run_trainer` (the whole loop). Weights are published with
-``expstream.weights`` (``open_store``, ``announce``); KL is reported with ``expstream.control``.
+``expstream.train.weights`` (``open_store``, ``announce``); KL is reported with ``expstream.train.control``.
 """
 
 from expstream.train.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from expstream.numerics import kl_of_log_ratio
+from expstream.rl.numerics import kl_of_log_ratio
 
 __all__ = [
     "KL_LOSS_ESTIMATORS",

@@ -1,7 +1,7 @@
 """One optimisation step of the reference trainer, independent of Kafka (tests drive it in-process).
 
 :class:`PolicyTrainer` holds the actor (and critic) being trained and their Adam optimisers;
-:meth:`PolicyTrainer.train_step` takes one padded :class:`~expstream.experience.Experience` (the
+:meth:`PolicyTrainer.train_step` takes one padded :class:`~expstream.rl.experience.Experience` (the
 seed's trainer layout: left-padded, responses right-aligned, as ``make_experience_batch`` builds it)
 and does one optimisation step with the losses of ``expstream/train/loss.py``.
 :func:`experience_from_records` turns chosen rows of decoded ``SampleBatch`` records into that batch.
@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from expstream.experience import (
+from expstream.config.topology import Topology
+from expstream.rl.experience import (
     Experience,
     make_experience_batch,
     remove_padding_in_sequences,
     split_experience_batch,
 )
-from expstream.layout import position_ids_from_attention
-from expstream.topology import Topology
+from expstream.rl.layout import position_ids_from_attention
 from expstream.train.loss import policy_loss, value_loss
 
 __all__ = ["PolicyTrainer", "StepResult", "experience_from_records", "action_log_probs_with_grad",

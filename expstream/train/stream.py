@@ -16,8 +16,9 @@ from typing import Any
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from expstream.bus import KafkaConfig, make_consumer
+from expstream.config.kafka import KafkaConfig
 from expstream.errors import BrokerUnavailableError
+from expstream.kafka.clients import make_consumer
 from schemas import decode
 from schemas.errors import SchemaError
 

@@ -38,10 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from expstream.config.topology import Topology
 from expstream.errors import EXIT_OK, ConfigError
-from expstream.experience import sample_id
-from expstream.supervisor import EXIT_WITH_PARENT_ENV
-from expstream.topology import Topology
+from expstream.faults import TRAINER_POINTS, fault_plan
+from expstream.procs import EXIT_WITH_PARENT_ENV
+from expstream.rl.experience import sample_id
 from expstream.train.checkpoint import BufferedRecord, Checkpoint, read_checkpoint, write_checkpoint
 from expstream.train.step import PolicyTrainer, experience_from_records
 from schemas import decode, encode
@@ -53,22 +54,6 @@ log = logging.getLogger("expstream.train")
 # Why 0.5 s: the poll wait; short enough to notice a stop request and stragglers promptly.
 POLL_MS = 500
 TRAIN_JSONL = "train.jsonl"
-#: Crash points of the trainer for tests, set as ``EXPSTREAM_FAULT="trainer:<point>:<k>"`` (the
-#: runner's variable): SIGKILL itself in step k (1-based) right after that point.
-FAULT_POINTS = ("after_publish", "after_checkpoint", "after_announce")
-
-
-def _fault_plan() -> tuple[str, int] | None:
-    from stages.runner import FAULT_ENV
-
-    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-        name, _, rest = item.partition(":")
-        point, _, k = rest.partition(":")
-        if name == "trainer" and point in FAULT_POINTS:
-            return point, int(k or 1)
-    return None
-
-
 @dataclass
 class BufferedSample:
     sid: str  # f"{group_id}#{sample_index}"
@@ -107,13 +92,13 @@ class Trainer:
     """The loop's state; :func:`run_trainer` builds one and runs it."""
 
     def __init__(self, topo: Topology, args: Any, output: Path) -> None:
-        from expstream.admission import StalenessGate
-        from expstream.control import PipelineControl
-        from expstream.models import load_causal_lm, load_tokenizer
-        from expstream.resolve import model_dir
+        from expstream.models.hf import load_causal_lm, load_tokenizer
+        from expstream.models.resolve import model_dir
+        from expstream.models.vl import load_critic
+        from expstream.rl.admission import StalenessGate
         from expstream.state import RedisState
-        from expstream.vl import load_critic
-        from expstream.weights import open_store
+        from expstream.train.control import PipelineControl
+        from expstream.train.weights import open_store
 
         self.topo, self.args, self.output = topo, args, output
         self.run_id = args.run_id
@@ -138,7 +123,7 @@ class Trainer:
         self.stop = False
         self.last_line: dict[str, Any] | None = None
         self.stream: Any = None
-        self.fault = _fault_plan()
+        self.fault = fault_plan("trainer", TRAINER_POINTS)  # SIGKILL in step k right after a point
         self._wait_since: float | None = None
         self.record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
         self.checkpoint_version: int | None = None  # the version of the latest durable checkpoint
@@ -187,7 +172,7 @@ class Trainer:
         return ckpt.positions
 
     def _announce(self, manifest: Any) -> None:
-        from expstream.weights import announce
+        from expstream.train.weights import announce
 
         announce(manifest, bootstrap=self.args.bootstrap_servers, kafka_config=self.topo.kafka, state=self.state)
 
@@ -329,7 +314,7 @@ class Trainer:
     def prune(self) -> list[int]:
         """Delete the versions retention no longer keeps (after the announcement: the newest version is
         announced, the checkpoint durable). A failure is logged, never fatal. Returns the actor versions gone."""
-        from expstream.weights import WeightStoreError, prune_versions
+        from expstream.train.weights import WeightStoreError, prune_versions
 
         keep = versions_kept(self.topo)
         removed: list[int] = []
@@ -478,7 +463,7 @@ def run_trainer(topo: Topology, args: Any) -> int:
 
 
 def _stop_when_orphaned(trainers: list[Trainer]) -> None:
-    """The belt and braces behind PDEATHSIG (as expstream/stage.py does for a stage): once the parent
+    """The belt and braces behind PDEATHSIG (as expstream/launch/replica.py does for a stage): once the parent
     is gone, the trainer (``trainers[0]`` once it exists) stops after the step in hand and writes a
     checkpoint on the way out; gone during the loads, it stops before its first poll."""
     from expstream.procs import watch_parent

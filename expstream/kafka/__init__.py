@@ -1,0 +1,1 @@
+"""Kafka plumbing: client factories, topics, dead-letter headers, record provenance."""

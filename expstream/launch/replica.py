@@ -1,0 +1,99 @@
+"""``expstream stage NAME``: one stage replica process (what ``expstream run`` starts per replica,
+and what docker-compose runs per container).
+
+It names itself in ``ps`` first (``expstream stage reward[1] run=<id>``), installs the SIGTERM
+handler before the slow model load, then hands the stage's ``process`` to the shared runner.
+
+Stopping. SIGTERM/SIGINT finish the micro-batch in hand and commit it, except a generation in
+progress: the generator checks ``ctx.should_stop`` between tokens and abandons the micro-batch
+uncommitted (it is redelivered), so a stop takes one decoding step, not a whole long generation.
+Started by the supervisor (``EXPSTREAM_EXIT_WITH_PARENT=1``), the process also stops itself when
+its parent is gone (SIGTERM to itself; ``os._exit`` after ``ORPHAN_EXIT_S`` if that hangs), the
+belt and braces behind ``PDEATHSIG`` (expstream/procs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+from expstream.config.topology import Topology
+from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
+from expstream.launch.supervisor import STOP_GRACE_S
+from expstream.procs import EXIT_WITH_PARENT_ENV, set_stage_title, watch_parent
+
+log = logging.getLogger("expstream")
+
+# Why the supervisor's grace: an orphaned stage gets the time a supervised stop would give it (one
+# forward pass, a producer flush against a broker that may be gone too) before it exits hard.
+ORPHAN_EXIT_S = STOP_GRACE_S
+
+
+def _stop_when_orphaned(label: str) -> None:
+    """The parent is gone: stop like on SIGTERM, and exit hard if that has not ended us in ORPHAN_EXIT_S."""
+
+    def on_orphan(parent: int) -> None:
+        log.error("stage %s: parent process %d is gone (now %d); stopping", label, parent, os.getppid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Timer(ORPHAN_EXIT_S, os._exit, args=(EXIT_FAILED,)).start()
+
+    watch_parent(on_orphan)
+
+
+def run_stage(topo: Topology, args: argparse.Namespace) -> int:
+    """One stage replica: set up models, then the shared runner until SIGTERM."""
+    set_stage_title(args.name, args.replica_id, args.run_id)  # before the seconds of imports below
+    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
+        _stop_when_orphaned(f"{args.name}[{args.replica_id}]")
+    import torch
+
+    from stages import STAGES, teardown
+    from stages.context import StageContext
+    from stages.runner import StageRunner
+
+    if args.name not in STAGES:
+        raise ConfigError(f"stage {args.name!r}: unknown; stages are {', '.join(STAGES)}")
+    if not topo.stages[args.name].enabled:
+        raise ConfigError(f"stage {args.name}: switched off by this topology (e.g. critic is used by gae only)")
+    if not args.bootstrap_servers:
+        raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
+    torch.set_num_threads(topo.run.torch_threads)
+    from expstream.state import MemoryState, RedisState, State
+
+    state: State
+    if args.redis_url:
+        state = RedisState(args.redis_url, args.run_id, group_ttl_s=topo.redis.group_ttl_s,
+                           dedupe_window_s=topo.redis.dedupe_window_s)
+    else:
+        state = MemoryState(args.run_id, group_ttl_s=topo.redis.group_ttl_s,
+                            dedupe_window_s=topo.redis.dedupe_window_s)
+        log.warning("stage %s replica %s: no --redis-url, so its state (groups, moments, KL) is private to "
+                    "this process: run one replica per stage or pass --redis-url", args.name, args.replica_id)
+    module = STAGES[args.name]
+    ctx = StageContext(topology=topo, stage=topo.stages[args.name], state=state,
+                       log=logging.getLogger(f"expstream.stage.{args.name}"), run_id=args.run_id,
+                       replica_id=args.replica_id)
+    runner = StageRunner(ctx, module.process, args.bootstrap_servers, committed=getattr(module, "committed", None))
+    ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
+    runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
+    started = time.monotonic()
+    # setup inside the try/finally: what it built before a SIGTERM (the handler lets it finish) or an
+    # error, such as a vLLM engine, is torn down too; every stage's teardown copes with a partial setup
+    runner.start_joining()  # the group join (seconds on a new group) overlaps the model load
+    try:
+        module.setup(ctx)
+        log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
+        if runner.stop_requested:
+            runner.stop_before_run()
+            return EXIT_OK
+        try:
+            return runner.run()
+        except ExpstreamError as exc:
+            log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
+            return EXIT_FAILED
+    finally:
+        teardown(ctx)  # the stage's own resources (HTTP sessions, thread pools, an engine), after the last commit

@@ -1,0 +1,1 @@
+"""Models: tiny offline models, loading and forwards, generator backends, model resolution, image/video inputs, blobs."""

@@ -1,0 +1,319 @@
+"""vLLM as the generate stage's engine (``generate.backend: vllm``; docs/vllm.md).
+
+:class:`VllmGenerator` has the contract of :class:`expstream.models.hf.TransformersGenerator`
+(``generate(prompts, n, ...) -> (token_lists, logprob_lists)``, rows ``[g*n, (g+1)*n)`` for prompt
+g, each output up to and including its stop token), so the stage and everything downstream do not
+know which engine sampled. One engine per generate process, created once in ``setup`` and reused
+for every micro-batch:
+
+1. every request of a micro-batch is added to the engine before the first step, so vLLM's
+   scheduler batches them (``n`` samples of a prompt share its prefill);
+2. the engine is stepped until every request is done; ``should_stop`` is checked between steps,
+   and a stop aborts every request and raises :class:`~expstream.errors.ShutdownRequested` (the
+   micro-batch is redelivered, never emitted cut short);
+3. behaviour log-probs are vLLM's log-probs of the sampled tokens under the distribution it
+   sampled from (``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p),
+   kept flat by the engine (``flat_logprobs``: one float per token, no dict per step).
+
+Engine mode. The engine runs in the stage process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it
+starts in 4-6 s on the 2-core dev machine (stage setup, bench/generate.py; docs/vllm.md) instead of
+~14 s, and it has no process of its own that could outlive a killed stage. This works because stage processes are forked from a fork server that only *imported*
+torch (vLLM's in-process mode deadlocks in a child of a process that ran multithreaded torch;
+expstream/launch/forkserver.py never runs a torch op). A user who sets the variable keeps their choice.
+
+Weights. :meth:`reload` updates the engine in place through vLLM's ``reload_weights`` (from a
+directory of safetensors, or from tensors via the worker's own method in this process) and then
+resets the prefix cache, which is mandatory: cached KV blocks of the old weights would otherwise be
+reused (log-probs off by several nats).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import importlib.util
+import itertools
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from expstream.errors import ConfigError, ShutdownRequested
+
+#: Why 1 GiB: without VLLM_CPU_KVCACHE_SPACE the CPU backend reserves 0.9 of the NUMA node's memory
+#: and may refuse to start next to the other stages; 1 GiB holds ~1M tokens of the tiny models.
+DEFAULT_KV_CACHE_GIB = 1
+#: Why 512: prompt_max_len + max_new_tokens of the default topology is 80; a longer bound only costs KV memory.
+DEFAULT_MAX_MODEL_LEN = 512
+#: Why 8192: tokens one engine step may hold without chunked prefill; a micro-batch of 64 prompts of
+#: 64 tokens prefills in one step, and a bigger one in several whole-prompt steps.
+MAX_BATCHED_TOKENS = 8192
+SETUP_HINT = "run `make setup-vllm` (CPU) or `pip install vllm` (GPU) in the project's venv"
+
+_ids = itertools.count()
+
+
+def vllm_available() -> bool:
+    """Whether vLLM can be imported here (without importing it: that costs 5-7 s)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(field: str = "generate.backend") -> None:
+    """Refuse ``generate.backend=vllm`` where vLLM is not installed (a ConfigError: exit 2)."""
+    if not vllm_available():
+        raise ConfigError("generate.backend=vllm, but vLLM is not installed in this Python environment",
+                          field=field, fix=SETUP_HINT + ", or use generate.backend=transformers")
+
+
+def check_generate_config(gen: Any) -> None:
+    """Refuse the ``generate.*`` settings vLLM cannot honour, naming the knob (ConfigError: exit 2).
+
+    Honoured: n_samples_per_prompt, max/min_new_tokens, temperature, top_p, top_k, seed (run.seed),
+    stop at EOS, skip_special_tokens (the stage decodes), prompt_max_len / truncate_prompts and
+    apply_chat_template (the stage tokenizes). vLLM's sampler needs a finite positive top_k or -1/0.
+    """
+    require_vllm()
+    if gen.top_k is not None and gen.top_k < -1:
+        raise ConfigError(f"generate.top_k={gen.top_k} cannot be given to vLLM", field="generate.top_k",
+                          fix="use -1 (or 0) for no top-k, or a positive k")
+    if gen.max_new_tokens + gen.prompt_max_len > gen.vllm_max_model_len:
+        raise ConfigError(
+            f"generate.prompt_max_len + generate.max_new_tokens = {gen.prompt_max_len + gen.max_new_tokens} "
+            f"exceeds generate.vllm_max_model_len={gen.vllm_max_model_len}", field="generate.vllm_max_model_len",
+            fix="raise generate.vllm_max_model_len (it sizes the engine's KV cache) or shorten the sequences")
+
+
+def _engine_env(kv_cache_gib: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # see the module docstring: "Engine mode"
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # our log format, not vLLM's per-step INFO lines
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _sampled_logprobs(lps: Any, toks: list[int]) -> list[float]:
+    """The log-prob of every sampled token: with ``logprobs=0`` and ``flat_logprobs`` the engine keeps
+    exactly the sampled token's per position, so the flat list is the answer (checked by its token ids)."""
+    flat = getattr(lps, "logprobs", None)
+    if flat is not None and lps.token_ids == toks and len(flat) == len(toks):
+        return list(flat)
+    return [float(step[tok].logprob) for step, tok in zip(lps, toks, strict=True)]
+
+
+class VllmWeights:
+    """What :class:`expstream.train.weights.PolicyFollower` needs of a model, for a vLLM engine.
+
+    ``state_dict()`` gives the names and shapes of the engine's checkpoint (meta tensors read from
+    the safetensors headers of ``model_dir``: no weights in memory twice), so a published version of
+    another architecture is refused before anything is loaded; ``load_state_dict`` reloads the engine.
+    """
+
+    def __init__(self, generator: VllmGenerator, model_dir: str | os.PathLike[str]) -> None:
+        import torch
+        from safetensors import safe_open
+
+        self.generator = generator
+        self._template: dict[str, Any] = {}
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{model_dir}: no *.safetensors files; the vLLM backend follows published weights "
+                              "by their safetensors names", field="models.actor",
+                              fix="save the actor with save_pretrained(safe_serialization=True)")
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
+                    self._template[name] = torch.empty(fh.get_slice(name).get_shape(), device="meta")
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._template)
+
+    def load_state_dict(self, tensors: Mapping[str, Any], strict: bool = True) -> None:
+        self.generator.reload(state_dict=tensors)
+
+
+class VllmGenerator:
+    """One vLLM engine for ``model_dir``; :meth:`generate` as ``TransformersGenerator.generate``."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], tokenizer: Any, *, seed: int = 0,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, dtype: str = "float32",
+                 kv_cache_gib: int = DEFAULT_KV_CACHE_GIB, stop_token_ids: set[int] | None = None) -> None:
+        require_vllm()
+        _engine_env(kv_cache_gib)
+        from vllm import LLM
+
+        self.model_dir = str(model_dir)
+        self.tokenizer = tokenizer
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_token_ids = set(stop_token_ids) if stop_token_ids is not None else ({int(eos)} if eos is not None
+                                                                                       else set())
+        # Every engine call runs on this one thread: the CPU backend binds its OpenMP threads in the
+        # thread that creates the engine, and a forward pass from another thread (the stage runner's
+        # worker) fails its check `thread_num == thread_num (2 vs. 1)`.
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        t0 = time.perf_counter()
+        self.llm = self._on_engine_thread(lambda: LLM(
+            model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enforce_eager=True, logprobs_mode="processed_logprobs", disable_log_stats=True,
+            # A prompt's prefill is never split over steps: on CPU a seeded request whose partial-prefill
+            # sample is discarded fails (`CPU Generator does not use offset`), and seeds are how a
+            # redelivered micro-batch samples the same tokens again.
+            enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, MAX_BATCHED_TOKENS)))
+        self.engine = self.llm.llm_engine
+        self.startup_s = time.perf_counter() - t0
+        self.last_reload_s: float | None = None
+        self._closed = False
+
+    def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        return self._thread.submit(fn).result()
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def _params(self, n: int, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
+                min_new_tokens: int, seed: int | None, ignore_eos: bool, logprobs: bool) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        greedy = temperature == 0
+        return SamplingParams(
+            n=n, temperature=0.0 if greedy else float(temperature), top_p=1.0 if greedy else float(top_p),
+            top_k=0 if greedy or top_k is None or top_k <= 0 else int(top_k),
+            max_tokens=int(max_new_tokens), min_tokens=0 if ignore_eos else int(min_new_tokens),
+            seed=seed, ignore_eos=ignore_eos, stop_token_ids=sorted(self.stop_token_ids),
+            # flat: the engine keeps one float per token instead of a {token: Logprob} dict per step
+            logprobs=0 if logprobs else None, flat_logprobs=logprobs, detokenize=False, skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_new_tokens: int = 32,
+        min_new_tokens: int = 1,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+        return_log_probs: bool = False,
+    ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+        """``n`` samples per prompt in one engine batch; the contract of TransformersGenerator.generate.
+
+        ``seed`` seeds prompt g's requests with ``seed + g``, so a micro-batch samples the same
+        tokens whenever it is (re)processed, whatever else the engine is doing.
+        """
+        from expstream.models.hf import check_generate_args
+
+        check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
+        if self._closed:
+            raise RuntimeError("VllmGenerator.generate after close()")
+        if not prompts:
+            return ([], []) if return_log_probs else []
+        if should_stop is not None and should_stop():
+            raise ShutdownRequested("stop requested before the generation started")
+
+        return self._on_engine_thread(lambda: self._generate(
+            prompts, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens, seed=seed, ignore_eos=ignore_eos, should_stop=should_stop,
+            return_log_probs=return_log_probs))
+
+    def _generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float, top_k: int,
+                  max_new_tokens: int, min_new_tokens: int, seed: int | None, ignore_eos: bool,
+                  should_stop: Callable[[], bool] | None,
+                  return_log_probs: bool) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+        # vLLM refuses n > 1 with greedy decoding: the n samples of a greedy prompt are one sample, copied.
+        per_request = 1 if temperature == 0 else n
+        ids = [f"expstream-{os.getpid()}-{next(_ids)}" for _ in prompts]
+        ours = set(ids)
+        for g, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            params = self._params(per_request, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                  seed=None if seed is None else (seed + g) % 2**31, ignore_eos=ignore_eos,
+                                  logprobs=return_log_probs)
+            self.engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, params)
+        done: dict[str, Any] = {}
+        try:
+            while len(done) < len(ids):
+                if should_stop is not None and should_stop():
+                    raise ShutdownRequested(f"stop requested with {len(ids) - len(done)} of {len(ids)} prompts "
+                                            "unfinished; generation abandoned")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ours:
+                        done[out.request_id] = out
+                if not self.engine.has_unfinished_requests() and len(done) < len(ids):
+                    raise RuntimeError(f"vLLM finished without outputs for {len(ids) - len(done)} prompts")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.engine.abort_request([r for r in ids if r not in done])
+            raise
+
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for rid in ids:
+            outs = sorted(done[rid].outputs, key=lambda o: o.index)
+            if len(outs) != per_request:
+                raise RuntimeError(f"vLLM returned {len(outs)} samples for a prompt, expected {per_request}")
+            outs = outs * (n // per_request)
+            for o in outs:
+                toks = list(o.token_ids)
+                tokens.append(toks)
+                if return_log_probs:
+                    logprobs.append(_sampled_logprobs(o.logprobs, toks))
+        return (tokens, logprobs) if return_log_probs else tokens
+
+    # -- weights ------------------------------------------------------------------------------------
+    def reload(self, weights_dir: str | os.PathLike[str] | None = None,
+               state_dict: Mapping[str, Any] | None = None) -> float:
+        """Load new weights in place (a safetensors directory, or tensors), reset the prefix cache;
+        returns the seconds it took. The architecture must be the engine's (same names and shapes)."""
+        if (weights_dir is None) == (state_dict is None):
+            raise ValueError("give exactly one of weights_dir or state_dict")
+        t0 = time.perf_counter()
+
+        def reload() -> None:
+            if weights_dir is not None:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+            else:
+                self._reload_tensors(state_dict)
+            # Mandatory: KV blocks cached under the old weights would be reused for shared prefixes.
+            self.llm.reset_prefix_cache()
+
+        self._on_engine_thread(reload)
+        self.last_reload_s = time.perf_counter() - t0
+        return self.last_reload_s
+
+    def _reload_tensors(self, state_dict: Mapping[str, Any]) -> None:
+        workers = self._local_workers()
+        if workers:  # in-process engine: hand the tensors over directly (no copy through a file)
+            items = [(k, v.detach().cpu()) for k, v in state_dict.items()]
+            for w in workers:
+                w.reload_weights(weights_iterator=iter(items))
+            return
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="expstream-vllm-weights-") as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
+                      str(Path(tmp) / "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+
+    def _local_workers(self) -> list[Any]:
+        """The worker objects when the engine runs in this process (empty otherwise)."""
+        core = getattr(self.engine, "engine_core", None)
+        executor = getattr(getattr(core, "engine_core", None), "model_executor", None)
+        worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+        if worker is not None and hasattr(worker, "reload_weights"):
+            return [worker]
+        return []
+
+    def close(self) -> None:
+        """Shut the engine down (its processes too, in multiprocessing mode). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._on_engine_thread(self.engine.engine_core.shutdown)
+        self._thread.shutdown(wait=False)
+        self.llm = None  # type: ignore[assignment]
+        self.engine = None

@@ -1,0 +1,1 @@
+"""RL math and data: numerics, layouts, estimators, running moments, experiences, admission (torch-light)."""

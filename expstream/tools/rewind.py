@@ -1,0 +1,484 @@
+"""``expstream rewind``: move a live stage's consumer group back (or forward), its replicas stopped first.
+
+``--to`` is resolved into per-partition offsets of the stage's input topic (:func:`resolve_targets`):
+
+* an offset, ``123`` (every partition) or ``0:12,1:40`` (only the partitions named);
+* a time, ISO 8601 with a zone (``2026-11-24T10:00:00Z``) or epoch ms (``@1700000000000``): per
+  partition, the first record whose timestamp is at or after it (the end when there is none). The
+  timestamps are the records' own, read from the run directory's recording (``--run-dir``) and, past
+  its last recorded offset, from the topic itself. Never the broker's time index: on the embedded
+  Tansu, ``offsets_for_times`` answers offset 0 for every time (measured; docs/replay.md "Rewind");
+* a batch id, ``batch:p000003/m0``: the first record carrying it goes back to its own offset (it is
+  reprocessed); the other partitions go to the same moment (first record at or after its timestamp).
+
+The handshake (the tool T, each replica R of the stage; R's side is in stages/runner.py). The
+replicas stay in their consumer group throughout: no member leaves or joins, so no rebalance
+(measured on the embedded Tansu: two replicas that leave an emptied group and rejoin together
+waited over 90 s for an assignment; paused members move in about a second).
+
+1. T resolves the target, reads the group's committed offsets and prints what will be reprocessed
+   (per partition: from -> to, record count, first/last batch ids). ``--dry-run`` stops here; without
+   ``--yes`` T asks on a terminal and refuses without one.
+2. T sets the stage's rewind request ``<id>`` in the run's state, with a TTL it refreshes on every
+   round (``REQUEST_TTL_S``): a T that dies leaves no replica paused for ever.
+3. R, between two records (at most every ``stages.runner.REWIND_CHECK_INTERVAL_S``), sees it: the
+   micro-batch it had is committed already; records it polled but did not handle are set back; it
+   pauses every assigned partition, keeps polling (membership kept) and acknowledges ``<id>`` under its
+   heartbeat name ``<replica>:<pid>``.
+4. T waits until every live replica (a heartbeat younger than ``LIVE_HEARTBEAT_S``; re-evaluated each
+   round, so a replica started meanwhile must acknowledge too) has acknowledged. A replica that does
+   not within ``--timeout``: T clears the request, names it, moves nothing, exits 1.
+5. T reads the committed offsets (every replica committed what it handled) and sets the request to
+   ``<id>/move/<p:offset,...>``. Each R seeks every partition it owns to its target and commits it
+   (as a member of the current generation: accepted), then acknowledges that text. With no live
+   replica at all, T commits from outside the group instead (the broker accepts that only from an
+   empty group: refusals are retried until the timeout).
+6. T waits for the acknowledgements and until the group's committed offsets are the targets, then
+   prints what the stage will reprocess from the positions it actually had.
+7. T clears the request; every R resumes its partitions and fetches from the new positions.
+
+A rewound stage's outputs carry the same batch ids as before (ids are stable), so downstream stages
+and the experience reader dedupe them as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kafka import TopicPartition
+from kafka import errors as kafka_errors
+from kafka.admin import OffsetSpec
+from kafka.structs import OffsetAndMetadata
+
+from expstream.config.kafka import KafkaConfig
+from expstream.config.topology import Topology, load_topology
+from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
+from expstream.kafka.clients import end_offsets, make_admin, make_consumer
+from expstream.tools.recorder import Position, parse_position
+from expstream.tools.recording import PartitionReader, partition_path, recorded_partitions, recorded_topics
+from schemas.codec import peek_header
+
+log = logging.getLogger("expstream.rewind")
+
+# Why 10 s: a replica heartbeats every 2 s (stages/runner.py HEARTBEAT_INTERVAL_S); five missed beats
+# mean it is gone (killed, or its host away), so the rewind does not wait for its acknowledgement.
+LIVE_HEARTBEAT_S = 10.0
+# Why 120 s: a replica acknowledges after the micro-batch in hand, and a generation can take a minute
+# or more; --timeout changes it.
+DEFAULT_TIMEOUT_S = 120.0
+# Why 15 s: the request's time to live, refreshed every round (ROUND_S), so that replicas go back
+# to work within 15 s of a rewind tool that died half way.
+REQUEST_TTL_S = 15.0
+# Why 0.25 s: how often the tool looks at acknowledgements and retries the commit; half the replicas'
+# check interval, so the tool adds little to the handshake.
+ROUND_S = 0.25
+# Why 30 s: scanning a topic for timestamps and batch ids (no recording) gives up after this long.
+SCAN_TIMEOUT_S = 30.0
+
+_OFFSETS_RE = re.compile(r"^\d+:\d+(,\d+:\d+)*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One record of the input topic, as the plan needs it."""
+
+    offset: int
+    timestamp: int  # ms since the epoch (the record's own timestamp)
+    batch_id: str | None  # peeked from the msgpack header (None: unreadable)
+
+
+@dataclasses.dataclass
+class PartitionPlan:
+    """What a rewind does to one partition of the input topic."""
+
+    partition: int
+    target: int  # the offset committed for the group
+    current: int  # where the group would fetch now (committed, else auto_offset_reset's choice)
+    committed: bool  # False: no commit yet, ``current`` is the reset position
+    end: int  # the high watermark when resolved
+    entries: list[Entry]  # records between target and current (either direction)
+
+    @property
+    def records(self) -> int:
+        """Records reprocessed (> 0, a rewind) or skipped (< 0, a move forward)."""
+        return self.current - self.target
+
+    def line(self, topic: str) -> str:
+        where = f"{topic}[{self.partition}]"
+        src = f"{self.current}{'' if self.committed else ' (no commit yet)'}"
+        if self.records == 0:
+            return f"  {where}: {src} -> {self.target}: unchanged"
+        ids = [e.batch_id or "?" for e in self.entries]
+        span = f"batches {ids[0]} .. {ids[-1]}" if ids else "batch ids not read"
+        verb = "reprocessed" if self.records > 0 else "SKIPPED (moving forward)"
+        return f"  {where}: {src} -> {self.target} (end {self.end}): {abs(self.records)} record(s) {verb}, {span}"
+
+
+# --- positions ---------------------------------------------------------------------------------
+def parse_rewind_position(text: str) -> Position:
+    """``--to``: ``123`` | ``0:12,1:40`` | ISO 8601 time with a zone | ``@epoch_ms`` | ``batch:<id>``
+    (expstream/tools/recorder.py's grammar)."""
+    return parse_position(text, "--to")
+
+
+def _first_at_or_after(entries: list[Entry], time_ms: int, end: int) -> int:
+    for e in entries:
+        if e.timestamp >= time_ms:
+            return e.offset
+    return end
+
+
+def resolve_targets(pos: Position, index: dict[int, list[Entry]], starts: dict[int, int],
+                    ends: dict[int, int], topic: str = "input") -> dict[int, int]:
+    """Per-partition target offsets for ``pos``: only the partitions that move (pure; no Kafka).
+
+    ``index``: each partition's records in offset order (timestamps, batch ids); ``starts``/``ends``:
+    the first offset still held and the high watermark of every partition of ``topic``.
+    """
+    parts = sorted(ends)
+    if pos.kind == "offset":
+        wanted = {p: pos.offset for p in parts} if pos.offset is not None else dict(pos.offsets or {})
+        for p, off in wanted.items():
+            if p not in ends:
+                raise ConfigError(f"--to {pos.text}: {topic} has no partition {p} (partitions: "
+                                  f"{', '.join(map(str, parts))})", field="--to", fix="name an existing partition")
+            if not starts[p] <= off <= ends[p]:
+                raise ConfigError(f"--to {pos.text}: offset {off} is outside {topic}[{p}], which holds "
+                                  f"{starts[p]}..{ends[p]} (end {ends[p]} = after the last record)", field="--to",
+                                  fix=f"choose an offset between {starts[p]} and {ends[p]}")
+        return wanted
+    if pos.kind == "time":
+        return {p: _first_at_or_after(index.get(p, []), pos.time_ms, ends[p]) for p in parts}
+    hits = [(e.offset, p, e) for p in parts for e in index.get(p, []) if e.batch_id == pos.batch_id]
+    if not hits:
+        raise ConfigError(f"--to {pos.text}: no record of {topic} carries batch id {pos.batch_id!r}", field="--to",
+                          fix=f"give a batch id of the stage's input topic ({topic}): `expstream topics tail {topic}` "
+                              "lists them; sub-batches look like p000003/m0")
+    first = min(hits, key=lambda h: (h[2].timestamp, h[1], h[0]))
+    targets = {p: _first_at_or_after(index.get(p, []), first[2].timestamp, ends[p]) for p in parts}
+    targets[first[1]] = first[0]
+    return targets
+
+
+# --- reading the input topic -------------------------------------------------------------------
+def index_from_recording(run_dir: str | Path, topic: str) -> dict[int, list[Entry]]:
+    """Every recorded record of ``topic`` (offset order per partition); {} when it was not recorded."""
+    if topic not in recorded_topics(run_dir):
+        return {}
+    out: dict[int, list[Entry]] = {}
+    for p in recorded_partitions(run_dir, topic):
+        reader = PartitionReader(partition_path(run_dir, topic, p), topic, p, strict=False)
+        out[p] = [Entry(f.offset, f.timestamp, peek_header(f.value)[2] if f.value else None) for f in reader]
+        if reader.damage is not None:  # a torn or corrupt end: the positions before it still hold
+            log.warning("rewind: %s; using the %d record(s) before it", reader.damage.message(), len(out[p]))
+    return out
+
+
+def scan_topic(bootstrap: str, cfg: KafkaConfig, topic: str, ranges: dict[int, tuple[int, int]],
+               timeout_s: float = SCAN_TIMEOUT_S) -> dict[int, list[Entry]]:
+    """Records of ``topic`` in ``ranges`` (partition -> [start, end)), read without a group."""
+    todo = {p: r for p, r in ranges.items() if r[0] < r[1]}
+    out: dict[int, list[Entry]] = {p: [] for p in ranges}
+    if not todo:
+        return out
+    consumer = make_consumer(bootstrap, None, cfg, max_poll_records=500)
+    try:
+        tps = {p: TopicPartition(topic, p) for p in todo}
+        consumer.assign(list(tps.values()))
+        for p, (start, _) in todo.items():
+            consumer.seek(tps[p], start)
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tps[p]) < todo[p][1] for p in todo):
+            if time.monotonic() > deadline:
+                raise ExpstreamError(f"scanning {topic} for timestamps and batch ids took over {timeout_s:.0f}s; "
+                                     "give --run-dir (its recording) or an offset")
+            for tp, recs in consumer.poll(timeout_ms=200).items():
+                end = todo[tp.partition][1]
+                out[tp.partition].extend(Entry(r.offset, r.timestamp, peek_header(r.value)[2] if r.value else None)
+                                         for r in recs if r.offset < end)
+    finally:
+        consumer.close(autocommit=False)
+    return out
+
+
+@dataclasses.dataclass
+class TopicView:
+    """The input topic as the rewind sees it: bounds, records (from the recording, then the broker)."""
+
+    topic: str
+    starts: dict[int, int]
+    ends: dict[int, int]
+    index: dict[int, list[Entry]]
+    recorded: dict[int, int]  # partition -> records taken from the recording
+
+
+def view_topic(bootstrap: str, cfg: KafkaConfig, topic: str, run_dir: str | Path | None) -> TopicView:
+    admin = make_admin(bootstrap, cfg)
+    try:
+        desc = admin.describe_topics([topic])
+        if not desc or desc[0].get("error_code", 0) != 0:
+            raise ConfigError(f"topic {topic!r} (the stage's input) does not exist on {bootstrap}",
+                              field="--bootstrap-servers", fix="point at the run's broker")
+        tps = [TopicPartition(topic, p["partition_index"]) for p in desc[0]["partitions"]]
+        starts = {tp.partition: o.offset for tp, o in
+                  admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in tps}).items()}
+    finally:
+        admin.close()
+    ends = {tp.partition: off for tp, off in end_offsets(bootstrap, cfg, tps).items()}
+    index = index_from_recording(run_dir, topic) if run_dir is not None else {}
+    recorded = {p: len(v) for p, v in index.items()}
+    ranges = {}
+    for p in ends:
+        have = [e for e in index.get(p, []) if starts[p] <= e.offset < ends[p]]
+        index[p] = have
+        ranges[p] = (max(starts[p], have[-1].offset + 1) if have else starts[p], ends[p])
+    for p, entries in scan_topic(bootstrap, cfg, topic, ranges).items():
+        index[p].extend(entries)
+    return TopicView(topic, starts, ends, index, recorded)
+
+
+# --- the group ---------------------------------------------------------------------------------
+def group_id_of(run_id: str, stage: str) -> str:
+    """The consumer group of a stage (stages/runner.py StageRunner.group_id)."""
+    return f"expstream.{run_id}.{stage}"
+
+
+def committed_offsets(admin: Any, group: str, topic: str, partitions: list[int]) -> dict[int, int | None]:
+    tps = [TopicPartition(topic, p) for p in partitions]
+    try:
+        got = admin.list_group_offsets({group: tps}).get(group, {})
+    except kafka_errors.BrokerResponseError:  # e.g. GroupIdNotFound: nothing committed yet
+        got = {}
+    out: dict[int, int | None] = {}
+    for tp in tps:
+        c = got.get(tp)
+        out[tp.partition] = c.offset if c is not None and c.offset is not None and c.offset >= 0 else None
+    return out
+
+
+def make_plan(view: TopicView, targets: dict[int, int], committed: dict[int, int | None],
+              cfg: KafkaConfig) -> list[PartitionPlan]:
+    plans = []
+    for p in sorted(view.ends):
+        c = committed.get(p)
+        current = c if c is not None else (view.starts[p] if cfg.auto_offset_reset == "earliest" else view.ends[p])
+        target = targets.get(p, current)
+        lo, hi = sorted((target, current))
+        plans.append(PartitionPlan(p, target, current, c is not None, view.ends[p],
+                                   [e for e in view.index.get(p, []) if lo <= e.offset < hi]))
+    return plans
+
+
+def commit_when_empty(admin: Any, group: str, topic: str, targets: dict[int, int], deadline: float,
+                      refresh: Any) -> None:
+    """Step 5 without live replicas: commit ``targets`` for ``group`` from outside; the broker refuses it
+    (UNKNOWN_MEMBER_ID) while a member is left, so refusals are retried until ``deadline``."""
+    offsets = {TopicPartition(topic, p): OffsetAndMetadata(o, "", -1) for p, o in targets.items()}
+    while True:
+        errors = {tp: err for tp, err in admin.alter_group_offsets(group, offsets).items()
+                  if err is not kafka_errors.NoError}
+        if not errors:
+            return
+        if time.monotonic() > deadline:
+            raise RewindAborted(f"the broker still refuses the commit for group {group}: "
+                                f"{ {tp.partition: e.__name__ for tp, e in errors.items()} } (a member that is not a "
+                                "stage replica of this run, e.g. a stray consumer, is still in the group?)")
+        refresh()
+        time.sleep(ROUND_S)
+
+
+class RewindAborted(ExpstreamError):
+    """The handshake did not complete in time (``moved``: some partitions were moved already)."""
+
+    retriable = False
+
+    def __init__(self, message: str, *, moved: bool = False) -> None:
+        super().__init__(message)
+        self.moved = moved
+
+
+# --- the command -------------------------------------------------------------------------------
+def _services(run_dir: Path | None) -> dict:
+    if run_dir is None:
+        return {}
+    try:
+        return json.loads((run_dir / "run" / "services.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _topology(topo: Topology, args: argparse.Namespace, run_dir: Path | None) -> Topology:
+    if run_dir is None or args.topology:
+        return topo
+    for path in (run_dir / "topology.yaml", run_dir / "run" / "topology.yaml"):
+        if path.is_file():
+            return load_topology(path, args.overrides)
+    return topo
+
+
+def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
+    """``expstream rewind``: steps 1-7 of the module docstring."""
+    from expstream.state import RedisState
+
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is not None and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is not a directory", field="--run-dir", fix="give runs/<name>")
+    services = _services(run_dir)
+    topo = _topology(topo, args, run_dir)
+    run_id = args.run_id or services.get("run_id")
+    if not run_id:
+        raise ConfigError("no run id", field="--run-id", fix="give --run-id (the run's `--run-id`, see "
+                          "<run>/run/services.json)")
+    if services.get("run_id") and services["run_id"] != run_id:
+        raise ConfigError(f"--run-id {run_id} but {run_dir} recorded run {services['run_id']}", field="--run-id",
+                          fix="give the matching --run-dir, or the run id of that directory")
+    bootstrap = args.bootstrap_servers or services.get("bootstrap_servers")
+    if not bootstrap:
+        raise ConfigError("no broker to talk to", field="--bootstrap-servers", fix="give --bootstrap-servers HOST:PORT")
+    redis_url = args.redis_url or (services.get("redis_url") if "***" not in services.get("redis_url", "***") else None)
+    if not redis_url:
+        raise ConfigError("no Redis URL for the run state", field="--redis-url",
+                          fix="give --redis-url or set $EXPSTREAM_REDIS_URL")
+    stage = topo.stages.get(args.stage)
+    if stage is None or not stage.enabled:
+        raise ConfigError(f"unknown or disabled stage {args.stage!r}", field="--stage",
+                          fix=f"one of {', '.join(n for n, s in topo.stages.items() if s.enabled)}")
+    pos = parse_rewind_position(args.to)
+    cfg, topic, group = topo.kafka, stage.input, group_id_of(run_id, stage.name)
+
+    view = view_topic(bootstrap, cfg, topic, run_dir)
+    targets = resolve_targets(pos, view.index, view.starts, view.ends, topic)
+    admin = make_admin(bootstrap, cfg)
+    try:
+        plan = make_plan(view, targets, committed_offsets(admin, group, topic, sorted(view.ends)), cfg)
+        print(f"rewind stage {stage.name} (group {group}, input topic {topic}) to {pos.text}:")
+        if view.recorded:
+            print(f"  (timestamps and batch ids: {sum(view.recorded.values())} records from {run_dir}'s recording, "
+                  "the rest read from the topic)")
+        for pp in plan:
+            print(pp.line(topic))
+        note = rewind_note(topo, stage.name)
+        if note:
+            print(note)
+        if args.dry_run:
+            print("dry run: nothing changed")
+            return EXIT_OK
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise ConfigError("rewind moves a live consumer group and asks first", field="--yes",
+                                  fix="pass --yes to proceed without a prompt (or --dry-run to only look)")
+            if input("stop the stage's replicas and move the offsets? [y/N] ").strip().lower() not in ("y", "yes"):
+                print("not rewound")
+                return EXIT_OK
+        state = RedisState(redis_url, run_id)
+        try:
+            moved = handshake(state, admin, stage.name, group, topic, targets, args.timeout)
+        except RewindAborted as exc:
+            print(f"expstream rewind: aborted, {'PARTLY MOVED' if exc.moved else 'nothing changed'}: {exc}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        finally:
+            state.close()
+        print(f"rewound {stage.name}: offsets committed; the replicas resume and reprocess from there:")
+        for pp in make_plan(view, targets, moved, cfg):
+            print(pp.line(topic))
+        return EXIT_OK
+    finally:
+        admin.close()
+
+
+def rewind_note(topo: Topology, stage: str) -> str | None:
+    """What a rewind of ``stage`` means beyond reprocessing, for the plan (None: nothing to add)."""
+    from expstream.rl.admission import backpressure_on
+
+    if stage == "generate" and backpressure_on(topo):
+        return ("  note: the continuous loop's generate: records already committed are regenerated with the current "
+                "weights but not admitted again (their samples were counted when first admitted); their sample ids are "
+                "trained already, so advantage and the trainer drop the copies (docs/replay.md \"Rewind\")")
+    return None
+
+
+def live_replicas(state: Any, stage: str, now: float | None = None) -> set[str]:
+    """Replicas of ``stage`` with a heartbeat younger than LIVE_HEARTBEAT_S."""
+    now = time.time() if now is None else now
+    return {r for (s, r), t in state.heartbeats().items() if s == stage and now - t < LIVE_HEARTBEAT_S}
+
+
+def move_request(request: str, targets: dict[int, int]) -> str:
+    """The ``move`` step's request text: ``<id>/move/<p:offset,...>`` (stages/runner.py parses it)."""
+    return f"{request}/move/" + ",".join(f"{p}:{o}" for p, o in sorted(targets.items()))
+
+
+def handshake(state: Any, admin: Any, stage: str, group: str, topic: str, targets: dict[int, int],
+              timeout_s: float) -> dict[int, int | None]:
+    """Steps 2-7; returns the offsets the group had committed when it was paused (before the move)."""
+    request = uuid.uuid4().hex[:12]
+    deadline = time.monotonic() + timeout_s
+    current = [request]
+
+    def refresh() -> None:
+        state.set_rewind_request(stage, current[0], REQUEST_TTL_S)
+
+    def wait_acks(step: str) -> set[str]:
+        while True:
+            live, acked = live_replicas(state, stage), state.rewind_acks(stage, current[0])
+            if not live - acked:
+                return acked & live
+            if time.monotonic() > deadline:
+                raise RewindAborted(f"replica(s) {', '.join(sorted(live - acked))} of stage {stage} did not "
+                                    f"acknowledge the {step} step within {timeout_s:.0f}s (acknowledged: "
+                                    f"{', '.join(sorted(acked & live)) or 'none'}); a micro-batch still in hand "
+                                    "(raise --timeout) or a replica from before this version")
+            refresh()
+            time.sleep(ROUND_S)
+
+    refresh()
+    log.info("rewind %s: request %s set; waiting for the replicas to pause", stage, request)
+    try:
+        paused = wait_acks("pause")
+        log.info("rewind %s: paused by %s", stage, ", ".join(sorted(paused)) or "no live replica")
+        before = committed_offsets(admin, group, topic, sorted(targets))
+        current[0] = move_request(request, targets)
+        refresh()
+        moved = wait_acks("move")
+        if not moved:  # no live replica: nobody in the group, so commit from outside
+            commit_when_empty(admin, group, topic, targets, deadline, refresh)
+        while (now := committed_offsets(admin, group, topic, sorted(targets))) != targets:
+            # a partition no live replica owned (a member that is not ours, or one still joining)
+            if time.monotonic() > deadline:
+                raise RewindAborted(f"the replicas moved {topic} partially: committed now "
+                                    f"{ {p: o for p, o in now.items()} }, wanted {targets}; partitions not yet "
+                                    "at their target were not owned by a live replica", moved=True)
+            refresh()
+            time.sleep(ROUND_S)
+        log.info("rewind %s: committed %s for group %s", stage,
+                 ", ".join(f"{topic}[{p}]@{o}" for p, o in sorted(targets.items())), group)
+        return before
+    finally:
+        state.clear_rewind_request(stage)
+
+
+def add_rewind_parser(sub: Any, add_topology_args: Any) -> None:
+    """The ``rewind`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
+    p = sub.add_parser("rewind", help="move a live stage's consumer group to an offset, time or batch id "
+                                      "(its replicas paused safely first)")
+    add_topology_args(p)
+    p.add_argument("--stage", required=True, help="the stage to rewind, e.g. reward")
+    p.add_argument("--to", required=True, metavar="POS",
+                   help="123 | 0:12,1:40 | 2026-11-24T10:00:00Z | @epoch_ms | batch:<batch id> (of the stage's input)")
+    p.add_argument("--run-id", help="the run (consumer groups, Redis keys); default: --run-dir's services.json")
+    p.add_argument("--run-dir", help="the run directory: its recording gives timestamps and batch ids, its "
+                                     "topology.yaml the topics, its services.json the broker and run id")
+    p.add_argument("--dry-run", action="store_true", help="print what would be reprocessed; change nothing")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds to wait for the replicas to leave the group (default {DEFAULT_TIMEOUT_S:.0f})")
