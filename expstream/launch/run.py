@@ -39,10 +39,11 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import yaml
 
+from expstream.config.paths import resolve_run_paths
 from expstream.config.redaction import (
     REDACTED,
     REDIS_URL_ENV,
@@ -55,7 +56,7 @@ from expstream.config.topology import Topology
 from expstream.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
 from expstream.kafka.topics import create_topics, dlq_topic, loop_topics
 from expstream.launch.collector import REJECTED_FILE, ExperienceCollector
-from expstream.launch.continuous import TRAINER, resolve_weight_store, run_continuous, trainer_argv
+from expstream.launch.continuous import TRAINER, run_continuous, trainer_argv
 from expstream.launch.outcome import ContinuousOutcome, RunOutcome, dump_json
 from expstream.launch.preflight import check_output_dir, check_services
 from expstream.launch.prompts import dead_letter_refused, feed_prompts, has_media, read_prompts, store_media
@@ -88,24 +89,10 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
-def resolve_blob_store(topo: Topology, out_dir: Path) -> Any:
-    """The run's blob store (``run.blob_store``, default ``<out_dir>/blobs``), made absolute in ``topo``
-    and ``topo.raw`` so that every stage reads the same one from run/topology.yaml."""
-    from expstream.models.blobs import open_blob_store
-
-    where = topo.run.blob_store or str((out_dir / "blobs").resolve())
-    topo.run.blob_store = where
-    raw_run = topo.raw.get("run")
-    if not isinstance(raw_run, dict):
-        raw_run = topo.raw["run"] = {}
-    raw_run["blob_store"] = where
-    return open_blob_store(where)
-
-
 def write_resolved_topology(topo: Topology, path: Path) -> None:
     """The topology as the stages read it, every URL's credentials redacted (the stages get them from
     :func:`stage_env`; expstream/config/redaction.py)."""
-    path.write_text(yaml.safe_dump(split_secrets(topo.raw)[0], sort_keys=False))
+    path.write_text(yaml.safe_dump(split_secrets(topo.to_raw())[0], sort_keys=False))
 
 
 def install_interrupt_handler() -> dict[str, bool]:
@@ -134,7 +121,7 @@ def stage_env(redis_url: str, topo: Topology | None = None) -> dict[str, str]:
     stage inherits them from the server), unless the environment sets its own."""
     from expstream.launch.forkserver import malloc_env
 
-    secrets = split_secrets(topo.raw)[1] if topo is not None else {}
+    secrets = split_secrets(topo.to_raw())[1] if topo is not None else {}
     return {**malloc_env(), REDIS_URL_ENV: redis_url,
             **({TOPOLOGY_SECRETS_ENV: json.dumps(secrets)} if secrets else {})}
 
@@ -194,6 +181,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         timeline.mark("fork_server_started")
     build_builtin_models(topo)  # torch-free when the cache has them (expstream/models/cache.py)
     timeline.mark("models_ready")
+    resolve_run_paths(topo, out_dir, media=has_media(rows))  # the one place (the stages read topo.to_raw())
     run_dir = out_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = install_interrupt_handler()
@@ -241,10 +229,12 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         create_topics(bootstrap, topo.all_topics(), with_dlq=True)
         if continuous:
             create_topics(bootstrap, loop_topics(topo), with_dlq=False)
-            store = resolve_weight_store(topo, out_dir)  # before the topology the stages read is written
+            store = topo.train.weight_store
             log.info("run %s: continuous; weight store %s, trainer output %s", run_id, store, out_dir)
         if has_media(rows):  # images and video frames by claim check, before the stages read the topology
-            blobs = resolve_blob_store(topo, out_dir)
+            from expstream.models.blobs import open_blob_store
+
+            blobs = open_blob_store(topo.run.blob_store or "")
             stored = store_media(rows, blobs, max_bytes=int(topo.run.media_max_mb * MIB))
             log.info("run %s: %d images/videos stored in %s", run_id, stored, blobs)
         timeline.mark("topics_created")
