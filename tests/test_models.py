@@ -1,4 +1,4 @@
-"""Tests for expstream.models.hf: tiny offline models, loaders, generator and forward passes."""
+"""Tests for expstream.models.hf and expstream.models.tiny: tiny offline models, loaders, generator and forward passes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from expstream.models import hf as M  # noqa: E402
+from expstream.models import tiny as T  # noqa: E402
 
 TEXTS = [
     "What is 2 + 3? The answer is 5.",
@@ -35,7 +36,7 @@ TEXTS = [
 def tiny(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiny-models")
     t0 = time.perf_counter()
-    paths = M.build_tiny_models(cache)
+    paths = T.build_tiny_models(cache)
     return {"cache": cache, "paths": paths, "build_s": time.perf_counter() - t0}
 
 
@@ -92,7 +93,7 @@ def test_build_layout_and_marker(tiny):
 def test_build_twice_is_noop(tiny):
     before = {k: (p / "config.json").stat().st_mtime_ns for k, p in tiny["paths"].items() if k != "tokenizer"}
     t0 = time.perf_counter()
-    again = M.build_tiny_models(tiny["cache"])
+    again = T.build_tiny_models(tiny["cache"])
     assert time.perf_counter() - t0 < 0.5
     assert again == tiny["paths"]
     after = {k: (p / "config.json").stat().st_mtime_ns for k, p in again.items() if k != "tokenizer"}
@@ -103,7 +104,7 @@ def test_build_racing_threads(tmp_path):
     results = []
 
     def worker():
-        results.append(M.build_tiny_models(tmp_path, seed=3, hidden=32, layers=1))
+        results.append(T.build_tiny_models(tmp_path, seed=3, hidden=32, layers=1))
 
     threads = [threading.Thread(target=worker) for _ in range(3)]
     for t in threads:
@@ -118,7 +119,7 @@ def test_build_racing_threads(tmp_path):
 
 def test_weights_deterministic_and_rng_untouched(tmp_path, tiny):
     state = torch.get_rng_state()
-    other = M.build_tiny_models(tmp_path)
+    other = T.build_tiny_models(tmp_path)
     assert torch.equal(state, torch.get_rng_state())
     a = M.load_causal_lm(tiny["paths"]["actor"]).state_dict()
     b = M.load_causal_lm(other["actor"]).state_dict()
@@ -126,7 +127,7 @@ def test_weights_deterministic_and_rng_untouched(tmp_path, tiny):
 
 
 def test_tokenizer_reload_round_trip(tiny, loaded):
-    original = M.train_tokenizer()
+    original = T.train_tokenizer()
     for src in (tiny["paths"]["tokenizer"], tiny["paths"]["actor"], tiny["paths"]["reward"]):
         tok = M.load_tokenizer(src)
         assert len(tok) == len(original) == 512
@@ -138,7 +139,7 @@ def test_tokenizer_reload_round_trip(tiny, loaded):
     assert tok.bos_token == "<|bos|>" and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
     assert tok.pad_token_id != tok.eos_token_id
     assert tok.padding_side == "left"
-    for special in M.SPECIAL_TOKENS:
+    for special in T.SPECIAL_TOKENS:
         assert tok(special, add_special_tokens=False).input_ids == [tok.convert_tokens_to_ids(special)]
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True

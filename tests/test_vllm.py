@@ -30,7 +30,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from expstream.models.hf import build_tiny_models
+    from expstream.models.tiny import build_tiny_models
 
     return build_tiny_models(tmp_path_factory.mktemp("vllm-models"))
 
