@@ -58,7 +58,7 @@ def prompts(tok) -> list[list[int]]:
 
 def recompute(model, rows: list[list[int]], outs: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
     """The actor-logprob stage's computation (forward_action_log_probs) on left-padded prompt + response."""
-    from expstream.models.hf import forward_action_log_probs
+    from expstream.models.passes import forward_action_log_probs
 
     a = len(outs[0])
     assert all(len(o) == a for o in outs), "equal lengths (ignore_eos) keep the layout simple"

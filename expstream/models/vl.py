@@ -313,7 +313,7 @@ class VisionValueModel(torch.nn.Module):
     critic: the outputs at ``[:-1]``, last A). ``kind="reward"``: ``logits`` (B, 1), the head at the
     last attended token of each row (the last non-pad token without an attention mask), like a
     sequence-classification reward model. ``base_model`` and ``score`` are named as in transformers'
-    ``*ForSequenceClassification``, so the packed forwards of expstream/models/hf.py work unchanged.
+    ``*ForSequenceClassification``, so the packed forwards of expstream/models/passes.py work unchanged.
     """
 
     def __init__(self, backbone: torch.nn.Module, kind: str) -> None:

@@ -235,7 +235,7 @@ class ModelScorer(Scorer):
     def _forward(self, rows: list[list[int]]) -> list[float]:
         import torch
 
-        from expstream.models.hf import forward_reward
+        from expstream.models.passes import forward_reward
 
         tok = self.tokenizer
         width = max(len(r) for r in rows)
