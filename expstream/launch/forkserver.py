@@ -63,8 +63,8 @@ from expstream.procs import die_with, die_with_parent, prepare_title
 PRELOAD = ["expstream.launch.forkserver", "torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast", "transformers.models.llama.modeling_llama",
-           "expstream.models.hf", "expstream.rl.numerics", "expstream.state", "expstream.kafka.clients", "stages",
-           "stages.runner"]
+           "expstream.models.hf", "expstream.models.passes", "expstream.rl.numerics", "expstream.state",
+           "expstream.kafka.clients", "stages", "stages.runner"]
 #: glibc malloc settings of the fork server and so of every stage process (why: in start()).
 #: 32 MiB is the largest mmap threshold glibc accepts on 64-bit; larger values are ignored.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024)}

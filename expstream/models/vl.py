@@ -80,18 +80,19 @@ def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str,
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLModel
 
     from expstream.models import hf as M
+    from expstream.models import tiny
 
     root = tiny_vl_root(cache_dir, seed)
     paths = {k: root / k for k in ("tokenizer", "actor", "critic", "reward")}
     if is_complete(root):
         return paths
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    with M.file_lock(Path(cache_dir) / f".{root.name}.lock"):
+    with tiny.file_lock(Path(cache_dir) / f".{root.name}.lock"):
         if is_complete(root):
             return paths
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=cache_dir))
         try:
-            tok = M.train_tokenizer(special_tokens=M.SPECIAL_TOKENS + VISION_TOKENS)
+            tok = tiny.train_tokenizer(special_tokens=tiny.SPECIAL_TOKENS + VISION_TOKENS)
             tok.save_pretrained(tmp / "tokenizer")
             ids = tok.convert_tokens_to_ids
             text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -312,7 +313,7 @@ class VisionValueModel(torch.nn.Module):
     critic: the outputs at ``[:-1]``, last A). ``kind="reward"``: ``logits`` (B, 1), the head at the
     last attended token of each row (the last non-pad token without an attention mask), like a
     sequence-classification reward model. ``base_model`` and ``score`` are named as in transformers'
-    ``*ForSequenceClassification``, so the packed forwards of expstream/models/hf.py work unchanged.
+    ``*ForSequenceClassification``, so the packed forwards of expstream/models/passes.py work unchanged.
     """
 
     def __init__(self, backbone: torch.nn.Module, kind: str) -> None:

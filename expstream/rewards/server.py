@@ -185,7 +185,8 @@ class ModelScorer(Scorer):
         from pathlib import Path
 
         from expstream.config.topology import BUILTIN_TINY
-        from expstream.models.hf import build_tiny_models, load_tokenizer
+        from expstream.models.hf import load_tokenizer
+        from expstream.models.tiny import build_tiny_models
         from expstream.models.vl import load_reward_model
 
         if path == BUILTIN_TINY:
@@ -234,7 +235,7 @@ class ModelScorer(Scorer):
     def _forward(self, rows: list[list[int]]) -> list[float]:
         import torch
 
-        from expstream.models.hf import forward_reward
+        from expstream.models.passes import forward_reward
 
         tok = self.tokenizer
         width = max(len(r) for r in rows)

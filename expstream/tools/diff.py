@@ -1,6 +1,6 @@
 """``expstream diff RUN_A RUN_B``: what differs between two runs' records of one topic.
 
-Each side is read with :func:`expstream.tools.show.read_samples`: the run's recording of ``--topic``
+Each side is read with :func:`expstream.tools.samples.read_samples`: the run's recording of ``--topic``
 (default ``experiences``), or its ``experiences.msgpack`` when that topic was not recorded. What
 is compared depends on what the topic holds:
 
@@ -9,7 +9,7 @@ is compared depends on what the topic holds:
   ``prompt``, ``label``, ``reference``, ``images``, ``videos``);
 * a dead-letter topic (``<topic>.dlq``): its letters, keyed by the ``batch_id`` header (else the
   original position), ``#attempt<k>`` for a redriven one; fields ``headers.<name>`` (every header
-  but :data:`expstream.tools.show.LETTER_POSITION_HEADERS`, which follow scheduling) and the value:
+  but :data:`expstream.tools.samples.LETTER_POSITION_HEADERS`, which follow scheduling) and the value:
   ``value.<row id>.<field>`` when it decodes (its rows, compared like samples or prompts), else
   ``value``, its bytes.
 
@@ -57,7 +57,7 @@ import numpy as np
 
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from expstream.tools.recording import Damage, RecordingError
-from expstream.tools.show import EXPERIENCES_TOPIC, Sample, SampleSet, is_dlq, read_samples, refuse_damaged
+from expstream.tools.samples import EXPERIENCES_TOPIC, Sample, SampleSet, is_dlq, read_samples, refuse_damaged
 
 __all__ = ["Difference", "DiffResult", "add_diff_parser", "compare_samples", "diff_command", "diff_runs"]
 
