@@ -104,11 +104,8 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     os.environ[PARENT_ENV] = str(os.getpid())
     os.environ[PRELOAD_ENV] = ",".join(_PRELOADS)
     # glibc reads these when a process starts (the fork server; its children inherit the settings).
-    # Why: a stage holds its last input and output while the next record's buffers are allocated, so
-    # glibc's default (blocks over ~128 KiB-32 MiB mmapped, a free heap top over ~2x that returned to
-    # the kernel) gives every multi-MB record fresh pages and a page fault per 4 KiB: a 2.5 MB record's
-    # encode + decode took 3.0 ms, 1.0 ms with these (bench/pipeline.py's codec row). Freed memory up
-    # to 64 MiB stays in the process for the next record. Explicit values in the environment win.
+    # Why: multi-MB records otherwise get fresh pages and a page fault per 4 KiB each time; the
+    # settings and their measured effect: bench/README.md "Issue 15's goals", Settings.
     added = malloc_env()
     os.environ.update(added)
     try:
