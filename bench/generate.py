@@ -60,7 +60,7 @@ GOAL_STAGE_VS_BARE = 0.95
 
 
 def topology(size: str, backend: str, prompt_batch_size: int, max_new_tokens: int, n: int) -> Any:
-    from expstream.models.hf import build_tiny_models
+    from expstream.models.tiny import build_tiny_models
 
     sets = [f"generate.backend={backend}", f"run.prompt_batch_size={prompt_batch_size}",
             f"generate.max_new_tokens={max_new_tokens}", f"generate.n_samples_per_prompt={n}",

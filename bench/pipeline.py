@@ -130,7 +130,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_overrides(size: str) -> tuple[list[str], dict[str, Any]]:
     """``--set`` items pointing models.* at the chosen models (built now, outside every timing)."""
-    from expstream.models.hf import build_tiny_models
+    from expstream.models.tiny import build_tiny_models
 
     t0 = time.perf_counter()
     if size == "tiny":

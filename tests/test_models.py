@@ -1,4 +1,4 @@
-"""Tests for expstream.models.hf: tiny offline models, loaders, generator and forward passes."""
+"""Tests for expstream.models.hf, .tiny and .passes: tiny offline models, loaders, generator and forward passes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from expstream.models import hf as M  # noqa: E402
+from expstream.models import passes as P  # noqa: E402
+from expstream.models import tiny as T  # noqa: E402
 
 TEXTS = [
     "What is 2 + 3? The answer is 5.",
@@ -35,7 +37,7 @@ TEXTS = [
 def tiny(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiny-models")
     t0 = time.perf_counter()
-    paths = M.build_tiny_models(cache)
+    paths = T.build_tiny_models(cache)
     return {"cache": cache, "paths": paths, "build_s": time.perf_counter() - t0}
 
 
@@ -92,7 +94,7 @@ def test_build_layout_and_marker(tiny):
 def test_build_twice_is_noop(tiny):
     before = {k: (p / "config.json").stat().st_mtime_ns for k, p in tiny["paths"].items() if k != "tokenizer"}
     t0 = time.perf_counter()
-    again = M.build_tiny_models(tiny["cache"])
+    again = T.build_tiny_models(tiny["cache"])
     assert time.perf_counter() - t0 < 0.5
     assert again == tiny["paths"]
     after = {k: (p / "config.json").stat().st_mtime_ns for k, p in again.items() if k != "tokenizer"}
@@ -103,7 +105,7 @@ def test_build_racing_threads(tmp_path):
     results = []
 
     def worker():
-        results.append(M.build_tiny_models(tmp_path, seed=3, hidden=32, layers=1))
+        results.append(T.build_tiny_models(tmp_path, seed=3, hidden=32, layers=1))
 
     threads = [threading.Thread(target=worker) for _ in range(3)]
     for t in threads:
@@ -118,7 +120,7 @@ def test_build_racing_threads(tmp_path):
 
 def test_weights_deterministic_and_rng_untouched(tmp_path, tiny):
     state = torch.get_rng_state()
-    other = M.build_tiny_models(tmp_path)
+    other = T.build_tiny_models(tmp_path)
     assert torch.equal(state, torch.get_rng_state())
     a = M.load_causal_lm(tiny["paths"]["actor"]).state_dict()
     b = M.load_causal_lm(other["actor"]).state_dict()
@@ -126,7 +128,7 @@ def test_weights_deterministic_and_rng_untouched(tmp_path, tiny):
 
 
 def test_tokenizer_reload_round_trip(tiny, loaded):
-    original = M.train_tokenizer()
+    original = T.train_tokenizer()
     for src in (tiny["paths"]["tokenizer"], tiny["paths"]["actor"], tiny["paths"]["reward"]):
         tok = M.load_tokenizer(src)
         assert len(tok) == len(original) == 512
@@ -138,7 +140,7 @@ def test_tokenizer_reload_round_trip(tiny, loaded):
     assert tok.bos_token == "<|bos|>" and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
     assert tok.pad_token_id != tok.eos_token_id
     assert tok.padding_side == "left"
-    for special in M.SPECIAL_TOKENS:
+    for special in T.SPECIAL_TOKENS:
         assert tok(special, add_special_tokens=False).input_ids == [tok.convert_tokens_to_ids(special)]
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
@@ -345,7 +347,7 @@ def test_generate_behaviour_log_probs_match_the_sampled_distribution(which, kw, 
         # at temperature 1 the sampled distribution is actor-logprob's softmax less the suppressed
         # tokens (pad; stop tokens before min_new_tokens), so each behaviour log-prob is a bit higher
         seq = torch.tensor([prompts[0] + tokens[0]])
-        logp, _ = M.forward_action_log_probs(gen.model, seq, torch.ones_like(seq), len(tokens[0]))
+        logp, _ = P.forward_action_log_probs(gen.model, seq, torch.ones_like(seq), len(tokens[0]))
         diff = torch.tensor(logps[0]) - logp[0]
         assert bool((diff > 0).all()) and float(diff.max()) < 0.05, diff
 
@@ -391,7 +393,7 @@ def test_log_probs_match_plain_forward_and_padding(loaded):
     A = len(output)
     expected = _reference_log_probs(actor, seq, A)
 
-    plain, ent = M.forward_action_log_probs(
+    plain, ent = P.forward_action_log_probs(
         actor, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), A
     )
     assert plain.shape == (1, A) and plain.dtype == torch.float32 and ent is None
@@ -400,7 +402,7 @@ def test_log_probs_match_plain_forward_and_padding(loaded):
     for extra in (1, 5):
         seqs = torch.tensor([[pad] * extra + seq, [pad] * (extra + 3) + seq[3:]])
         mask = (torch.arange(seqs.shape[1]) >= torch.tensor([[extra], [extra + 3]])).long()
-        logp, _ = M.forward_action_log_probs(actor, seqs, mask, A)
+        logp, _ = P.forward_action_log_probs(actor, seqs, mask, A)
         torch.testing.assert_close(logp[0], expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(logp[1], _reference_log_probs(actor, seq[3:], A), atol=1e-5, rtol=0)
 
@@ -411,7 +413,7 @@ def test_log_probs_mixed_batch_layout(loaded):
     tok, actor = loaded["tok"], loaded["actor"]
     rows = _samples(tok)
     seqs, mask, A = _padded_batch(rows, tok.pad_token_id)
-    logp, ent = M.forward_action_log_probs(actor, seqs, mask, A, with_entropy=True)
+    logp, ent = P.forward_action_log_probs(actor, seqs, mask, A, with_entropy=True)
     assert logp.shape == ent.shape == (len(rows), A)
     for b, (p, o) in enumerate(rows):
         torch.testing.assert_close(
@@ -425,7 +427,7 @@ def test_entropy_matches_definition(loaded):
     prompt, output = _samples(tok)[2]
     seq = prompt + output
     A = len(output)
-    _, ent = M.forward_action_log_probs(
+    _, ent = P.forward_action_log_probs(
         actor, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), A, True
     )
     with torch.no_grad():
@@ -439,7 +441,7 @@ def test_values_shape_and_padding(loaded):
     tok, critic = loaded["tok"], loaded["critic"]
     rows = _samples(tok)
     seqs, mask, A = _padded_batch(rows, tok.pad_token_id)
-    values = M.forward_values(critic, seqs, mask, A)
+    values = P.forward_values(critic, seqs, mask, A)
     assert values.shape == (len(rows), A) and values.dtype == torch.float32
     for b, (p, o) in enumerate(rows):
         seq = p + o
@@ -453,17 +455,17 @@ def test_reward_independent_of_padding(loaded):
     tok, rm = loaded["tok"], loaded["reward"]
     rows = _samples(tok)
     seqs, mask, _ = _padded_batch(rows, tok.pad_token_id)
-    scores = M.forward_reward(rm, seqs, mask)
+    scores = P.forward_reward(rm, seqs, mask)
     assert scores.shape == (len(rows),) and scores.dtype == torch.float32
     for b, (p, o) in enumerate(rows):
         seq = p + o
-        single = M.forward_reward(rm, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))
+        single = P.forward_reward(rm, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))
         with torch.no_grad():
             plain = rm(torch.tensor([seq])).logits[0, 0]
         torch.testing.assert_close(scores[b], single[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(scores[b], plain, atol=1e-5, rtol=0)
         extra = torch.tensor([[tok.pad_token_id] * 4 + seq])
-        more = M.forward_reward(rm, extra, (extra != tok.pad_token_id).long())
+        more = P.forward_reward(rm, extra, (extra != tok.pad_token_id).long())
         torch.testing.assert_close(more[0], plain, atol=1e-5, rtol=0)
 
 
@@ -483,18 +485,18 @@ def test_packed_equals_padded(loaded):
     seqs, mask, A = _padded_batch(rows, tok.pad_token_id)
     psq, ppos, lens, acts = _packed(rows)
 
-    logp, _ = M.forward_action_log_probs(loaded["actor"], seqs, mask, A)
-    plogp = M.forward_packed_action_log_probs(loaded["actor"], psq, ppos, lens, acts)
-    values = M.forward_values(loaded["critic"], seqs, mask, A)
-    pvalues = M.forward_packed_values(loaded["critic"], psq, ppos, lens, acts)
+    logp, _ = P.forward_action_log_probs(loaded["actor"], seqs, mask, A)
+    plogp = P.forward_packed_action_log_probs(loaded["actor"], psq, ppos, lens, acts)
+    values = P.forward_values(loaded["critic"], seqs, mask, A)
+    pvalues = P.forward_packed_values(loaded["critic"], psq, ppos, lens, acts)
     assert plogp.shape == pvalues.shape == (sum(acts),)
     assert plogp.dtype == pvalues.dtype == torch.float32
     valid = torch.cat([torch.arange(A) < a for a in acts]).reshape(len(rows), A)
     torch.testing.assert_close(plogp, logp[valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(pvalues, values[valid], atol=1e-5, rtol=0)
 
-    scores = M.forward_reward(loaded["reward"], seqs, mask)
-    pscores = M.forward_packed_reward(loaded["reward"], psq, ppos, lens)
+    scores = P.forward_reward(loaded["reward"], seqs, mask)
+    pscores = P.forward_packed_reward(loaded["reward"], psq, ppos, lens)
     assert pscores.shape == (len(rows),) and pscores.dtype == torch.float32
     torch.testing.assert_close(pscores, scores, atol=1e-5, rtol=0)
 
@@ -503,17 +505,17 @@ def test_packed_segments_do_not_attend_each_other(loaded):
     tok, actor = loaded["tok"], loaded["actor"]
     rows = _samples(tok)
     psq, ppos, lens, acts = _packed(rows)
-    base = M.forward_packed_action_log_probs(actor, psq, ppos, lens, acts)
+    base = P.forward_packed_action_log_probs(actor, psq, ppos, lens, acts)
     # change the first segment's prompt: later segments must not move
     changed = psq.clone()
     changed[0, 0] = (changed[0, 0] + 1) % len(tok)
-    other = M.forward_packed_action_log_probs(actor, changed, ppos, lens, acts)
+    other = P.forward_packed_action_log_probs(actor, changed, ppos, lens, acts)
     torch.testing.assert_close(other[acts[0] :], base[acts[0] :], atol=1e-6, rtol=0)
 
 
 def test_forward_argument_checks(loaded):
     seq = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError):
-        M.forward_action_log_probs(loaded["actor"], seq, torch.ones(1, 3, dtype=torch.long), 3)
+        P.forward_action_log_probs(loaded["actor"], seq, torch.ones(1, 3, dtype=torch.long), 3)
     with pytest.raises(ValueError):
-        M.forward_packed_action_log_probs(loaded["actor"], seq, torch.tensor([[0, 1, 2]]), [3], [3])
+        P.forward_packed_action_log_probs(loaded["actor"], seq, torch.tensor([[0, 1, 2]]), [3], [3])

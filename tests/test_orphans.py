@@ -154,7 +154,8 @@ def test_watch_parent_notices_that_the_parent_is_gone(tmp_path):
 
 
 def test_the_generator_stops_between_tokens(cache):
-    from expstream.models.hf import TransformersGenerator, build_tiny_models, load_causal_lm, load_tokenizer
+    from expstream.models.hf import TransformersGenerator, load_causal_lm, load_tokenizer
+    from expstream.models.tiny import build_tiny_models
 
     paths = build_tiny_models(cache)
     tok = load_tokenizer(paths["tokenizer"])

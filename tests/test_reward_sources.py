@@ -77,7 +77,8 @@ class Recorder:
 
 def direct_rm_score(topo, batch, i):
     """The tiny reward model on sample ``i`` alone: its tokens unpadded, the score head at the last token."""
-    from expstream.models.hf import build_tiny_models, load_reward_model
+    from expstream.models.hf import load_reward_model
+    from expstream.models.tiny import build_tiny_models
 
     rm = load_reward_model(build_tiny_models(topo.models.cache_dir)["reward"])
     ids = np.concatenate([batch.prompt_ids.row(i), batch.action_ids.row(i)]).astype(np.int64)

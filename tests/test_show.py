@@ -13,7 +13,8 @@ import yaml
 from expstream.cli import main
 from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
-from expstream.models.hf import build_tiny_models, load_tokenizer
+from expstream.models.hf import load_tokenizer
+from expstream.models.tiny import build_tiny_models
 from expstream.tools.recording import RecordFrame, RecordingWriter
 from expstream.tools.show import show
 from schemas import PromptBatch, encode

@@ -287,7 +287,7 @@ def test_redis_state_raises_auth_error_at_once_not_after_the_retry_deadline(pass
 
     from expstream.errors import AuthError
     from expstream.state import RedisState
-    from expstream.state.redis_state import RETRY_DEADLINE_S
+    from expstream.state.connection import RETRY_DEADLINE_S
 
     auth = f":{password}@" if password else ""
     url = f"redis://{auth}127.0.0.1:{password_redis.port}/0"

@@ -6,6 +6,7 @@ The last tests feed the same random operations to both and demand identical answ
 
 from __future__ import annotations
 
+import hashlib
 import math
 import multiprocessing as mp
 import threading
@@ -502,6 +503,43 @@ def test_keys_are_scoped_by_run(redis_url, redis_state):
     mine = [k for k in redis_state.client.keys("expstream:*") if redis_state.run_id.encode() in k]
     assert mine and all(k.startswith(f"expstream:{{{redis_state.run_id}}}:".encode()) for k in mine)
     other.close()
+
+
+# --- the Lua scripts keep their text ------------------------------------------------------------
+
+#: SHA1 of every script's text (by the name RedisState calls it), taken from redis_state.py before the
+#: scripts moved to expstream/state/lua.py (issue 22): a server caches a script by it, and a change of
+#: text is a change of behaviour that needs its own review.
+LUA_SHA1 = {
+    "merge": "22a7142e509a5fd5c45a5b97049dcc47c18ec017",
+    "park": "50ab2ee676d4733d803a2f7acdadffac065e9611",
+    "settle": "6af3e444740aaf5ba2097141fb3458b3aa226ef6",
+    "kl_init": "5ef897e3e687c3a521531cc3a4ba2b2cbae500e0",
+    "kl_adaptive": "c84636b7e19409a22a2f7a54ed7dfd17e18fe946",
+    "stage_time": "4e73d8ff5a36a34ae17d9d6215317640e0c3f4e7",
+    "flow": "78bb6ca0874e02d249e8207272af0cac12431c33",
+    "record_batch": "ae95e23fc63d0e31ff504ad96ee56942b036e057",
+    "policy": "303ea0897184230394ede9b4c6659bafc1aaae14",
+    "incr": "4373e0b393e79d769e4a2d79b6e303a1e3807dd5",
+    "park_window": "4b5d2d8497882ced9a742f9de06e661d901b6f06",
+    "flush_window": "54961717dd31bb6475da2a065a52b77161574377",
+    "admit": "d73b8cf49ab91489ac3f801a12b6172404e81249",
+    "mark_delivered": "680203d071592a79c45d05d4bd7b161a8ce0e99a",
+    "record_lost": "693d0bc5e580acd508f47998133a83fd943d0dc8",
+}
+
+
+def test_the_lua_scripts_keep_their_text():
+    from expstream.state.lua import SCRIPTS
+
+    assert {name: hashlib.sha1(src.encode()).hexdigest() for name, src in SCRIPTS.items()} == LUA_SHA1
+
+
+@pytest.mark.integration
+def test_redis_state_runs_the_pinned_scripts(redis_state):
+    redis_state.merge_reward_moments("pinned", np.array([1.0]))
+    redis_state.admit("pinned", 2, 0, 10)
+    assert redis_state.client.script_exists(LUA_SHA1["merge"], LUA_SHA1["admit"]) == [True, True]
 
 
 # --- restarts ------------------------------------------------------------------------------------

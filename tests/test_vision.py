@@ -345,7 +345,7 @@ def _image_log_probs_equal_a_direct_forward(run: Path, cache_dir: Path) -> None:
     tiny VL actor on the same tokens and the pixels of the stored bytes (the run's own blob store)."""
     from expstream.models.hf import load_causal_lm
     from expstream.models.vl import image_processor
-    from expstream.tools.show import read_samples
+    from expstream.tools.samples import read_samples
 
     store = DirectoryBlobStore(run / "blobs")
     samples = read_samples(run, "actor").samples

@@ -71,7 +71,7 @@ def _image_batch(store) -> tuple[PromptBatch, dict[str, bytes]]:
 
 def test_builtin_tiny_vl_critic_and_reward_are_vision_language_models_and_text_runs_keep_text_ones(vl, monkeypatch):
     from expstream.config.topology import load_topology
-    from expstream.models import hf as M
+    from expstream.models import tiny
     from expstream.models.resolve import model_dir
     from expstream.models.vl import VALUE_HEAD_FILE, VisionValueModel, is_vl_scoring_dir
 
@@ -82,7 +82,7 @@ def test_builtin_tiny_vl_critic_and_reward_are_vision_language_models_and_text_r
     source = ctxs["reward"].models["reward_sources"]["model"]
     assert isinstance(source.model, VisionValueModel) and source.model.kind == "reward" and source.vision
     text = load_topology(None, ["models.actor=builtin:tiny", f"models.cache_dir={topo.models.cache_dir}"])
-    monkeypatch.setattr(M, "build_tiny_models", lambda cache_dir: {"critic": Path("text-critic")})
+    monkeypatch.setattr(tiny, "build_tiny_models", lambda cache_dir: {"critic": Path("text-critic")})
     assert model_dir(text, "critic") == Path("text-critic")  # the text family, untouched
 
 
@@ -122,6 +122,7 @@ def test_mixed_text_and_image_micro_batches_through_critic_and_reward_with_vl_an
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from expstream.models import hf as M
+    from expstream.models import tiny
     from expstream.models.resolve import model_dir
     from stages import STAGES
     from stages.context import make_context
@@ -157,7 +158,7 @@ def test_mixed_text_and_image_micro_batches_through_critic_and_reward_with_vl_an
     # text critic / reward model on the tiny-vl tokenizer with an image run: tokens only, as before
     tok = M.load_tokenizer(model_dir(topo, "tokenizer"))
     for key, cls in (("critic", AutoModelForTokenClassification), ("reward", AutoModelForSequenceClassification)):
-        cls.from_config(M.tiny_config(tok, 64, 2, num_labels=1)).save_pretrained(tmp_path / key)
+        cls.from_config(tiny.tiny_config(tok, 64, 2, num_labels=1)).save_pretrained(tmp_path / key)
         tok.save_pretrained(tmp_path / key)
     text_topo = copy.copy(topo)
     text_topo.models = dataclasses.replace(topo.models, critic=str(tmp_path / "critic"),

@@ -30,7 +30,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from expstream.models.hf import build_tiny_models
+    from expstream.models.tiny import build_tiny_models
 
     return build_tiny_models(tmp_path_factory.mktemp("vllm-models"))
 
@@ -58,7 +58,7 @@ def prompts(tok) -> list[list[int]]:
 
 def recompute(model, rows: list[list[int]], outs: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
     """The actor-logprob stage's computation (forward_action_log_probs) on left-padded prompt + response."""
-    from expstream.models.hf import forward_action_log_probs
+    from expstream.models.passes import forward_action_log_probs
 
     a = len(outs[0])
     assert all(len(o) == a for o in outs), "equal lengths (ignore_eos) keep the layout simple"

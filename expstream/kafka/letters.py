@@ -1,41 +1,11 @@
 """Dead letters on the wire: the header names, how the runner builds a letter, how one is read back.
 
 A dead letter is the record a stage could not process, sent to the dead-letter twin of the stage's
-input topic. Its value is the original bytes (or, when a micro-batch was split to isolate bad
-samples, the bad sample re-encoded as a 1-row batch); its headers say what went wrong and where
-the record came from:
-
-==================  =================================================================================
-``stage``           the stage that refused it
-``replica``         the replica id of that stage process
-``error_class``     the exception class (``DecodeError``, ``ValidationError``, ``PoisonRecordError``...)
-``error_message``   the message (for an unexpected exception: plus a short traceback); <= 2000 chars
-``original_topic``  where the record was read from: redrive publishes it back there
-``original_partition``, ``original_offset``
-``schema``, ``schema_version``, ``batch_id``   from the record's envelope, when readable
-``size``            bytes of the original record value
-``split_from``      only on a 1-row letter cut out of a failed micro-batch: that batch's id
-``sample_ids``      the sample ids (prompt ids for a PromptBatch) in the letter, comma separated
-``sample_errors``   only on a record dead-lettered whole after every sample of it failed on its own
-                    too: a JSON object, sample (or prompt) id -> ``"ErrorClass: first line"`` of
-                    that sample's own failure (``error_class``/``error_message`` are the whole
-                    record's, i.e. its first failing sample's); ids that did not fit in
-                    ``MAX_HEADER_CHARS`` are left out (read :func:`sample_errors`)
-``value_omitted``   only when the original value cannot travel (too large even for the dead-letter
-                    topic, or a tombstone: no value at all): the letter's value is empty and the
-                    original stays at original_topic[partition]@offset
-``headers_omitted`` only when the original record's own headers made the letter too large: they are
-                    dropped (this header says which and why), the value is kept
-``redrive_attempt`` how many times ``expstream dlq redrive`` has re-published it (absent: 0)
-==================  =================================================================================
-
-The original record's own headers are copied byte for byte, except that a null header value (allowed
-by the protocol, refused by kafka-python's producer) travels as an empty one, and headers named like
-the ones above are replaced, never duplicated: a forged ``original_topic`` cannot survive a letter.
-
-The writer is stages/runner.py (through :func:`letter_headers`), the reader is ``expstream dlq``
-(expstream/tools/dlq.py, through :func:`decode_headers` and :func:`redrive_headers`): one module, so the
-two cannot drift apart.
+input topic with its original bytes (or a 1-row batch cut out of a split micro-batch) and headers
+saying what went wrong and where it came from. The writer is stages/runner.py (through
+:func:`letter_headers`), the reader is ``expstream dlq`` (expstream/tools/dlq.py, through
+:func:`decode_headers` and :func:`redrive_headers`): one module, so the two cannot drift apart.
+Every header, and how the original record's own headers are carried: docs/dead-letters.md.
 """
 
 from __future__ import annotations

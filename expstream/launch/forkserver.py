@@ -1,47 +1,13 @@
 """Start stage processes from a fork server that has torch and transformers imported already.
 
-Why: a stage process spends ~4 s of CPU importing torch and transformers before it does any
-work; eight of them starting at once on two cores took ~14 s of a 27 s demo run. A fork server
-(``multiprocessing``'s ``forkserver`` start method with those modules preloaded) imports them
-once; every stage process, first start or restart after a crash, is then a fork of it: still
-its own OS process with its own pid, log file, session and signals, ready in milliseconds.
-
-Fork safety: the server only *imports* modules; it loads no model and starts no thread pool
-(torch's intra-op pool starts at the first parallel op, in the child). ``expstream stage`` run
-by hand or by docker-compose does not use this: it is the plain exec path.
-
-The caller names what a forked process runs (``entry``, ``"module:function"``, e.g.
-``"expstream.cli:main"``): this module does not import the command line that imports it.
-
-Lifetimes (nothing outlives ``expstream run``, however it dies):
-
-1. :func:`warm_up` starts the server with ``EXPSTREAM_FORKSERVER_PARENT=<pid of the caller>`` in
-   its environment. This module is the first one the server preloads: seeing the variable, it sets
-   ``PDEATHSIG`` (:func:`expstream.procs.die_with`), so the server is SIGKILLed when the caller's
-   starting thread dies (start it from the main thread), and removes the variable.
-2. Every forked stage sets ``PDEATHSIG`` too (:func:`_child_main`), so it dies with the server.
-3. A forked stage closes the server's "alive" pipe end that multiprocessing hands every child. While
-   any process holds it, the server never sees EOF on it and so never exits on its own: with the
-   stages holding it, the server and the stages kept each other alive after a ``kill -9`` of the run.
-4. multiprocessing's resource tracker exits when the last holder of its pipe (the run, the server,
-   the stages) is gone, which 1-2 guarantee.
-5. A forked stage ends with ``os._exit`` (its non-daemon threads, a stuck Kafka client, must not hold
-   the exit), after running multiprocessing's finalizers itself (:func:`_child_main`): they
-   unlink the named semaphores the process created (tqdm's lock, made by transformers'
-   ``save_pretrained`` progress bar in the trainer). Skipped, the resource tracker unlinked them
-   when the run ended, with a "leaked semaphore objects" warning at the end of every continuous run.
-
-Preloading (:data:`PRELOAD`) never kills the server: multiprocessing ignores only an ImportError of
-a preloaded module, so a syntax error in a stage module used to end the server and every later
-start with ``EOFError`` (after the run had waited on a stopped Redis). The server imports the
-modules itself (:func:`_preload`), reporting a failure on the run's stderr and going on; the stage
-that imports the module then fails with the error in its own log and exit code 2 (expstream/cli.py),
-which the supervisor reports at once. A server that is gone all the same (killed) makes
-:class:`ForkedProcess` raise :class:`ForkServerError`, one line, instead of ``EOFError``.
-
-``ForkedProcess`` offers the part of ``subprocess.Popen`` the supervisor uses (``pid``, ``poll``,
-``send_signal``, ``kill``, ``wait``, ``returncode``), with the same exit-code convention
-(negative = killed by that signal).
+Why: importing torch and transformers costs a stage process seconds of CPU before any work, and
+many stages starting at once on few cores paid it many times; the fork server imports them once
+and every stage (first start or restart) is a fork of it, still its own OS process, ready in
+milliseconds. The server only imports (no model, no thread pool), so forking is safe. Nothing
+outlives ``expstream run``: the server and every forked stage carry ``PDEATHSIG``, and a stage
+drops the server's "alive" pipe end. A preload that fails is reported, not fatal to the server.
+The numbered lifetimes, the measured start-up cost and the preload rules: docs/ARCHITECTURE.md
+"The fork server".
 """
 
 from __future__ import annotations
@@ -63,8 +29,8 @@ from expstream.procs import die_with, die_with_parent, prepare_title
 PRELOAD = ["expstream.launch.forkserver", "torch", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast", "transformers.models.llama.modeling_llama",
-           "expstream.models.hf", "expstream.rl.numerics", "expstream.state", "expstream.kafka.clients", "stages",
-           "stages.runner"]
+           "expstream.models.hf", "expstream.models.passes", "expstream.rl.numerics", "expstream.state",
+           "expstream.kafka.clients", "stages", "stages.runner"]
 #: glibc malloc settings of the fork server and so of every stage process (why: in start()).
 #: 32 MiB is the largest mmap threshold glibc accepts on 64-bit; larger values are ignored.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024)}
@@ -138,11 +104,8 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     os.environ[PARENT_ENV] = str(os.getpid())
     os.environ[PRELOAD_ENV] = ",".join(_PRELOADS)
     # glibc reads these when a process starts (the fork server; its children inherit the settings).
-    # Why: a stage holds its last input and output while the next record's buffers are allocated, so
-    # glibc's default (blocks over ~128 KiB-32 MiB mmapped, a free heap top over ~2x that returned to
-    # the kernel) gives every multi-MB record fresh pages and a page fault per 4 KiB: a 2.5 MB record's
-    # encode + decode took 3.0 ms, 1.0 ms with these (bench/pipeline.py's codec row). Freed memory up
-    # to 64 MiB stays in the process for the next record. Explicit values in the environment win.
+    # Why: multi-MB records otherwise get fresh pages and a page fault per 4 KiB each time; the
+    # settings and their measured effect: bench/README.md "Issue 15's goals", Settings.
     added = malloc_env()
     os.environ.update(added)
     try:

@@ -137,7 +137,7 @@ def check_redis(url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from expstream.state.redis_state import is_auth_error
+    from expstream.state.connection import is_auth_error
 
     shown = redact_url(url)
     try:

@@ -1,47 +1,12 @@
 """Runs every stage replica as its own OS process and restarts the ones that die.
 
-A child that exits on its own (crash, SIGKILL, OOM) is restarted after a backoff that doubles
-per consecutive failure of that replica; each restart is logged with the exit code. A child
-that exits with code 2 (a configuration error) is not restarted: the same error would recur.
-A *one-shot* child (``add(..., one_shot=True)``: the trainer of a continuous run) that exits 0 has
-finished its work: it is not restarted and not an error (:meth:`Supervisor.finished`); one that
-crashes is restarted like a stage (the trainer resumes from its checkpoint).
-``stop()`` sends SIGTERM to every child (each finishes its micro-batch and commits, or abandons a
-generation in progress between two tokens, uncommitted), waits up to ``STOP_GRACE_S``, then
-SIGKILLs stragglers, so no orphan survives the run.
-
-If the supervisor's process dies instead (``kill -9``, OOM), every child still goes with it: each
-one is started with ``PDEATHSIG`` (exec: here; fork: the fork server dies with this process and the
-stages with the fork server, see expstream/launch/forkserver.py), and a child started with
-``EXPSTREAM_EXIT_WITH_PARENT=1`` (every one started here) also stops on its own once it sees its
-parent gone (expstream/launch/replica.py).
-
-``pids.json`` (beside the log directory) maps every live replica's label to its pid; it is rewritten
-on every start, every death noticed by :meth:`Supervisor.poll` and at stop, so a kill test never
-reads a pid that is known to be dead.
-
-Live scaling (expstream/launch/scale.py): :meth:`Supervisor.scale_to` changes a stage's replica count
-while it runs. Scale-up starts replicas with the lowest free replica ids (a replica retired
-earlier is reused: its label, log and restart count carry on); scale-down sends SIGTERM to the
-highest ids, which finish the micro-batch in hand, commit and leave the group. A retiring
-replica is never restarted and its exit is not a failure; one still alive ``STOP_GRACE_S`` after
-SIGTERM is SIGKILLed (its uncommitted micro-batch is redelivered to the others). Call it from the
-thread that runs the supervisor for the whole run (the run loop's main thread): ``PDEATHSIG`` fires
-when the *thread* that forked a child ends, not only its process.
-
-A child that exits with code 2 (a configuration error, or code that cannot be imported:
-expstream/cli.py) fails the run at once, and the :class:`SupervisorError` quotes the last line of its
-log (the error itself), so the run's one-line failure says what went wrong without opening the log.
-
-When a replica's process is gone for good (retired after a scale-down, or stopped at the end), the
-``on_gone(name, replica)`` callback given to the constructor runs (expstream run removes the
-replica's metrics discovery file with it: a file left behind would point ``expstream status`` at
-a port some other process may own by now).
-
-Fault injection (``EXPSTREAM_FAULT``, see stages/runner.py) is one-shot per replica: the first
-process of a replica gets the variable as given, a restarted one gets it without the entries that
-name its own stage. Otherwise a fault planned at the k-th record would fire again in every
-replacement (a crash loop of k-1 records per life).
+A crashed replica is restarted with a doubling backoff; exit code 2 (a configuration error) fails
+the run at once, quoting the child's last log line; a one-shot child (the continuous run's trainer)
+that exits 0 is finished. ``stop()`` sends SIGTERM, waits ``STOP_GRACE_S``, then SIGKILLs, and
+every child also dies with this process (``PDEATHSIG``, parent watch). :meth:`Supervisor.scale_to`
+changes a stage's replica count live (call it from the run's main thread). ``pids.json`` lists the
+live replicas; fault injection reaches only a replica's first process.
+Restarts, scaling, lifetimes and why: docs/ARCHITECTURE.md "Processes" and "The supervisor".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``expstream run`` checks the cache before anything else starts: when the models are there, the main
 process never imports torch or transformers (1.3 s of start-up and ~300 MB of memory it does not
 need: only the stage processes run models). Building them, when they are missing, is
-expstream/models/hf.py's (text) and expstream/models/vl.py's (vision-language) job; both name their
+expstream/models/tiny.py's (text) and expstream/models/vl.py's (vision-language) job; both name their
 directories with the functions here, so there is one naming rule.
 """
 

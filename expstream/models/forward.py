@@ -45,7 +45,7 @@ def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False
     """Per-action log-probs (and entropies when asked) of a causal LM, ragged (B; a_b), in the
     batch's layout (docs/numerics.md §1.3 padded, §1.4 packed). ``vision``: a vision-language
     model's :class:`expstream.models.vl.VisionInputs` (images are fed in the padded layout)."""
-    from expstream.models.hf import forward_action_log_probs, forward_packed_action_log_probs_and_entropy
+    from expstream.models.passes import forward_action_log_probs, forward_packed_action_log_probs_and_entropy
 
     if with_pixels(vision, batch):
         lay = padded(batch)
@@ -66,7 +66,7 @@ def forward_log_probs(model: Any, batch: SampleBatch, with_entropy: bool = False
 def forward_values(critic: Any, batch: SampleBatch, vision: Any = None) -> Ragged:
     """Per-action critic values V(state before action t), ragged (B; a_b), in the batch's layout.
     ``vision``: a vision-language critic's :class:`expstream.models.vl.VisionInputs` (images fed padded)."""
-    from expstream.models import hf as models
+    from expstream.models import passes as models
 
     if with_pixels(vision, batch):
         lay = padded(batch)
@@ -83,7 +83,7 @@ def forward_values(critic: Any, batch: SampleBatch, vision: Any = None) -> Ragge
 def forward_reward(rm: Any, batch: SampleBatch, vision: Any = None) -> np.ndarray:
     """Reward-model scores (B,) float32: at the last token of each sequence (the repaired EOS).
     ``vision``: a vision-language reward model's :class:`expstream.models.vl.VisionInputs` (images fed padded)."""
-    from expstream.models import hf as models
+    from expstream.models import passes as models
 
     if with_pixels(vision, batch):
         lay = padded(batch)

@@ -1,29 +1,12 @@
 """Images and video frames: what a prompt may carry, how it is stored, how a stage reads it back.
 
-A prompt file line may carry ``"images"``: a list of image items, and ``"videos"``: a list of
-videos, each a list of frame items (or, when OpenCV is importable, a video file path decoded to
-frames; otherwise frame lists only). An item is one of
-
-* a local path (relative to the prompt file's directory), read when the file is read;
-* a ``data:image/...;base64,...`` URI, or bare base64 of the image file's bytes;
-* from Python, a ``PIL.Image.Image`` (stored as PNG) or ``bytes``.
-
-A URL (``http://``, ``https://``, ``ftp://``, ...) is refused with a clear message: a stage must not
-fetch from the internet by surprise; download the image and give its path.
-
-What a prompt file may read is confined (:class:`MediaPolicy`), because a prompt file is input,
-not code: a path must resolve (symlinks followed, ``realpath``) inside the media root (the prompt
-file's directory, or ``--media-root``), must be a regular file (no fifo, device, directory, nor
-anything under ``/proc``, ``/sys`` or ``/dev``), and is read at most ``run.media_max_mb`` bytes.
-A path that breaks these rules, a missing file or a URL is a mistake in the file: ConfigError (exit
-2) naming the line and the field, before anything is started or stored.
-
-Bytes that were read are then checked for what they hold before anything is stored: the size, the
-signature of an image (PNG, JPEG, GIF, BMP, WebP, TIFF) or video container, and a full decode. An
-item that fails is :class:`RefusedMediaError`: its prompt is refused alone (the feeder dead-letters
-it with the reason, expstream/launch/prompts.py) and none of its bytes reach the blob store. The stages
-still decode what they read back (:func:`load_image`): a blob corrupted in the store costs only its
-own sample.
+A prompt line's ``"images"`` and ``"videos"`` items are local paths, data URIs or base64 (from
+Python: ``PIL`` images or bytes); a URL is refused, nothing is fetched. What a prompt file may read
+is confined (:class:`MediaPolicy`: inside the media root, regular files, at most
+``run.media_max_mb``): a breach is a ConfigError naming the line and field. Bytes read are checked
+(size, signature, full decode) before anything is stored; a failing item is
+:class:`RefusedMediaError` (its prompt alone is dead-lettered), and stages decode again what they
+read back (:func:`load_image`). The rules and messages: docs/vision.md "Prompt files".
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _builtin_family(topo: Topology, value: str) -> dict[str, Path]:
         from expstream.models.vl import build_tiny_vl
 
         return build_tiny_vl(topo.models.cache_dir)
-    from expstream.models.hf import build_tiny_models
+    from expstream.models.tiny import build_tiny_models
 
     return build_tiny_models(topo.models.cache_dir)
 

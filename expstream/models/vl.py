@@ -1,33 +1,13 @@
 """Vision-language models: the built-in tiny Qwen2-VL, and the visual inputs every model stage builds.
 
-``builtin:tiny-vl`` (``models.actor`` / ``models.reference``) is a Qwen2-VL with random weights built
-offline (../notes: hidden 64, 2 layers, heads of 32, a 2-block vision tower with patch 14, merge 2,
-temporal patch 2), saved with its tokenizer (the tiny BPE plus the vision special tokens) and the
-image processor's config. Its critic and reward model are :class:`VisionValueModel` s: a Qwen2-VL
-backbone (``Qwen2VLModel``, no LM head) plus a linear value head, so they see the pixels too.
-
-A vision-language critic / reward model directory (the convention :func:`save_value_model` writes and
-:func:`load_value_model` reads) is a Qwen2-VL or Qwen2.5-VL directory -- the backbone saved with
-``save_pretrained`` (a ``*ForConditionalGeneration`` checkpoint loads too: its LM head is ignored),
-its tokenizer and ``preprocessor_config.json`` -- plus ``value_head.safetensors``: the head's
-``weight`` (1, hidden) and ``bias`` (1,), with the metadata ``{"format": "1", "kind": "critic" |
-"reward"}``. A critic directory without the head file (e.g. ``models.critic`` pointed at the VL
-actor) starts from a zero head, so V = 0 until trained; a reward model without it is refused.
-
-:class:`VisionInputs` is what a model stage holds to turn a SampleBatch's claim checks back into
-model inputs, deterministically (same bytes -> same tensors):
-
-* ``pixel_values`` / ``image_grid_thw`` from the blob bytes with the model's image processor, in the
-  order the image tokens appear (sample by sample, image by image); a small LRU cache of processed
-  images per process (same reference -> the same array, as n samples of a group share images);
-* ``mm_token_type_ids`` from the token ids (0 text, 1 image pad, 2 video pad);
-* the **image-token repair** of the seed (its "Issue 4: image token mismatch"): a response may
-  contain image/video pad tokens the model sampled (``<|image_pad|>``, ``<|video_pad|>``); fed back as input they
-  would claim image features that do not exist and the forward pass fails ("Image features and
-  image tokens do not match"). In the *model input* only, such response tokens are replaced by the
-  pad token (the action ids, and so the log-prob targets, stay what was sampled); counted and logged.
-  A *prompt* whose image-pad count does not match its grid (e.g. cut by prompt_max_len) cannot be
-  repaired: that sample is dead-lettered.
+``builtin:tiny-vl`` is a Qwen2-VL with random weights built offline; its critic and reward model
+are :class:`VisionValueModel` s (a Qwen2-VL backbone plus a linear value head, saved and loaded by
+:func:`save_value_model` / :func:`load_value_model`), so they see the pixels too.
+:class:`VisionInputs` turns a SampleBatch's claim checks back into model inputs, deterministically
+(pixel values and grids in image-token order, a small LRU cache, ``mm_token_type_ids``), with the
+seed's image-token repair of sampled pad tokens in the model input only. The tiny model's shape,
+the value-model directory convention and the repair: docs/vision.md "In the stages" and
+"``builtin:tiny-vl``".
 """
 
 from __future__ import annotations
@@ -80,18 +60,19 @@ def build_tiny_vl(cache_dir: str | os.PathLike[str], seed: int = 0) -> dict[str,
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLModel
 
     from expstream.models import hf as M
+    from expstream.models import tiny
 
     root = tiny_vl_root(cache_dir, seed)
     paths = {k: root / k for k in ("tokenizer", "actor", "critic", "reward")}
     if is_complete(root):
         return paths
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    with M.file_lock(Path(cache_dir) / f".{root.name}.lock"):
+    with tiny.file_lock(Path(cache_dir) / f".{root.name}.lock"):
         if is_complete(root):
             return paths
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=cache_dir))
         try:
-            tok = M.train_tokenizer(special_tokens=M.SPECIAL_TOKENS + VISION_TOKENS)
+            tok = tiny.train_tokenizer(special_tokens=tiny.SPECIAL_TOKENS + VISION_TOKENS)
             tok.save_pretrained(tmp / "tokenizer")
             ids = tok.convert_tokens_to_ids
             text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -312,7 +293,7 @@ class VisionValueModel(torch.nn.Module):
     critic: the outputs at ``[:-1]``, last A). ``kind="reward"``: ``logits`` (B, 1), the head at the
     last attended token of each row (the last non-pad token without an attention mask), like a
     sequence-classification reward model. ``base_model`` and ``score`` are named as in transformers'
-    ``*ForSequenceClassification``, so the packed forwards of expstream/models/hf.py work unchanged.
+    ``*ForSequenceClassification``, so the packed forwards of expstream/models/passes.py work unchanged.
     """
 
     def __init__(self, backbone: torch.nn.Module, kind: str) -> None:

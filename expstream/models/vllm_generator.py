@@ -2,29 +2,12 @@
 
 :class:`VllmGenerator` has the contract of :class:`expstream.models.hf.TransformersGenerator`
 (``generate(prompts, n, ...) -> (token_lists, logprob_lists)``, rows ``[g*n, (g+1)*n)`` for prompt
-g, each output up to and including its stop token), so the stage and everything downstream do not
-know which engine sampled. One engine per generate process, created once in ``setup`` and reused
-for every micro-batch:
-
-1. every request of a micro-batch is added to the engine before the first step, so vLLM's
-   scheduler batches them (``n`` samples of a prompt share its prefill);
-2. the engine is stepped until every request is done; ``should_stop`` is checked between steps,
-   and a stop aborts every request and raises :class:`~expstream.errors.ShutdownRequested` (the
-   micro-batch is redelivered, never emitted cut short);
-3. behaviour log-probs are vLLM's log-probs of the sampled tokens under the distribution it
-   sampled from (``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p),
-   kept flat by the engine (``flat_logprobs``: one float per token, no dict per step).
-
-Engine mode. The engine runs in the stage process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it
-starts in 4-6 s on the 2-core dev machine (stage setup, bench/generate.py; docs/vllm.md) instead of
-~14 s, and it has no process of its own that could outlive a killed stage. This works because stage processes are forked from a fork server that only *imported*
-torch (vLLM's in-process mode deadlocks in a child of a process that ran multithreaded torch;
-expstream/launch/forkserver.py never runs a torch op). A user who sets the variable keeps their choice.
-
-Weights. :meth:`reload` updates the engine in place through vLLM's ``reload_weights`` (from a
-directory of safetensors, or from tensors via the worker's own method in this process) and then
-resets the prefix cache, which is mandatory: cached KV blocks of the old weights would otherwise be
-reused (log-probs off by several nats).
+g), so nothing downstream knows which engine sampled. One in-process engine per generate process,
+built in ``setup``: a micro-batch's requests are all added before the first step, a stop between
+steps aborts them (:class:`~expstream.errors.ShutdownRequested`, redelivered), behaviour
+log-probs are vLLM's processed log-probs of the sampled tokens, and :meth:`reload` updates the
+weights in place and resets the prefix cache (mandatory). Engine mode, threads, reloads and the
+measurements: docs/vllm.md "Inside the stage" and bench/README.md.
 """
 
 from __future__ import annotations

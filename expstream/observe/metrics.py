@@ -1,29 +1,12 @@
-"""Prometheus metrics of every process of a run (docs/observability.md).
+"""Prometheus metrics of every process of a run (docs/observability.md "Prometheus metrics").
 
-Each stage process has its own registry and serves it on its own HTTP port (``prometheus_client``'s
-``start_http_server`` on 127.0.0.1; a free port unless ``EXPSTREAM_METRICS_PORT`` names one, as a
-docker-compose service does). ``expstream run`` sets ``EXPSTREAM_METRICS_DIR`` (``<run>/run/metrics``)
-and each process writes ``<stage>-<replica>.json`` there: ``{"stage", "replica", "pid", "port",
-"url"}``, which tests, ``expstream status`` and Prometheus' file-based discovery read. The run's
-own process serves the supervisor's view (restarts) the same way, as ``supervisor.json``. A
-replica's file is removed when its process is gone for good (retired by a scale-down, or stopped at
-the end of the run: :func:`forget_replica`, called by the supervisor); readers skip a file whose
-``pid`` is no longer alive (:func:`discovery_files`): a killed replica's port may belong to
-another process by the time it is read.
-
-``expstream_policy_version`` starts as NaN ("no version yet"), not 0: a stage shows a version only
-once it has one. It is the policy version of the last record handled, and for ``generate``, whose
-prompt records carry none, the actor version it generates with (set when the record is admitted).
-
-Why one port per process rather than the library's multiprocess mode: stages are separate OS
-processes that come and go (restarts, autoscaling); multiprocess mode needs a shared directory
-cleaned between runs and cannot give per-replica series; a port per process is what Prometheus
-scrapes natively and what a container deployment exposes anyway.
-
-Names follow Prometheus conventions: ``expstream_`` prefix, ``_total`` counters, base units
-(``_seconds``). Every series has a ``stage`` label; ``topic``, ``step`` and ``role`` where named.
-The metric objects are created per process (no globals); stage code that runs without a runner
-(tests, LocalChain) sees ``ctx.metrics is None`` and skips them.
+Each stage process has its own registry and serves it on its own HTTP port; ``expstream run``
+sets ``EXPSTREAM_METRICS_DIR`` and each process writes its discovery file ``<stage>-<replica>.json``
+there (the run's own process writes ``supervisor.json``), which tests, ``expstream status`` and
+Prometheus' file-based discovery read. :func:`forget_replica` removes a replica's file when it is
+gone for good; :func:`discovery_files` skips files whose ``pid`` is dead. One port per process
+(not the library's multiprocess mode), metric objects per process (no globals): why, the names
+and every series in the doc.
 """
 
 from __future__ import annotations

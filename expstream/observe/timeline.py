@@ -2,30 +2,9 @@
 
 ``expstream run`` marks its own steps (:class:`Timeline`, in the main process) and every stage
 replica marks its own (:func:`mark_stage`, one small JSON file per replica under
-``<output>/run/startup/``). All marks are wall-clock times; the summary shows them as seconds since
-the ``expstream run`` process started (read from ``/proc``, so the interpreter's own start-up and
-imports count too), in order:
-
-=======================  =====================================================================
-``process_start``        0: the ``expstream run`` process was created
-``config_checked``       topology, prompt file, output directory and services checked
-``models_ready``         the built-in tiny models found (or built) in the cache
-``fork_server_started``  the fork server asked to import torch/transformers (it works in the background)
-``broker_ready``         the embedded broker answers
-``redis_ready``          the embedded redis-server answers
-``topics_created``       every topic and its ``.dlq`` twin exist
-``stages_spawned``       the supervisor asked for every stage process
-``prompts_fed``          the first prompt records are confirmed on the input topic
-``first_experience``     the first experience arrived at the collector
-``last_experience``      the last one
-``stopping``             the stages are being stopped
-``summary_written``      the summary is being written (its last mark; experiences.msgpack is already out)
-=======================  =====================================================================
-
-Per stage replica (``stages``): ``process_start`` (forked), ``setup_done`` (models loaded),
-``assigned`` (first partition assignment: the consumer-group join), ``first_record`` (the first
-record handled). ``critical_path`` names the slowest replica's steps, so a reader sees at once
-whether models, the group join or the fork server's imports hold the first experience back.
+``<output>/run/startup/``); the summary shows them as seconds since the run process started, with
+the slowest replica's ``critical_path``. Every mark and what it means: docs/observability.md
+"The start-up timeline".
 """
 
 from __future__ import annotations

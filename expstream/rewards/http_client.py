@@ -1,38 +1,13 @@
 """HttpRewardSource: the reward stage's client of a remote reward server (docs/reward.md "Remote reward servers").
 
-The server speaks a small JSON API (``POST /score``, ``GET /health``; :mod:`expstream.rewards.server`
-is one, any language can write another). The client sends one sub-batch of samples as several
-requests of ``batch_size`` items with up to ``max_in_flight`` of them in flight (asyncio + aiohttp),
-and turns every answer into either scores or one of two errors the stage runner already knows:
-
-* :class:`RewardRejected` (a ``PoisonRecordError``): the server answered 400 naming an item. The
-  runner bisects the micro-batch down to that sample, which alone goes to the dead-letter topic.
-* :class:`RewardServerUnavailable` (retriable): 429, 5xx, a timeout, a refused connection, after
-  ``retries`` bounded retries with exponential backoff, or at once while the circuit breaker is
-  open. The runner backs off and keeps its group membership; nothing is dead-lettered for an outage.
-  A 401/403 (the server wants a token this process does not have) is one too: the samples are not
-  at fault, and the message names ``EXPSTREAM_REWARD_TOKEN``.
-
-Authentication: with ``EXPSTREAM_REWARD_TOKEN`` set in the stage's environment every request carries
-``Authorization: Bearer <token>``. The token is never logged; a URL's own credentials
-(``http://user:pass@host``) are redacted in every message (:func:`expstream.config.redaction.redact_url`).
-
-Protocol of one :meth:`HttpRewardSource.score` call:
-
-1. Build one JSON item per sample (``id`` = the sample id, texts, ``query`` = decoded prompt + response).
-2. Ask the breaker: open -> raise ``RewardServerUnavailable`` without a request (fail fast); half-open
-   -> the first request goes alone as the probe, its success closes the breaker.
-3. Send the requests, at most ``max_in_flight`` at once; each try has its own ``timeout_s``.
-4. A retriable failure waits ``RETRY_BACKOFF_START_S · 2^k`` (capped, with jitter) and tries again, at
-   most ``retries`` times, unless the breaker opened meanwhile. Every failed try counts toward the breaker.
-5. The first failure that is final cancels the other requests and is raised; otherwise the scores
-   come back in the order of the samples (float32, one per row).
-
-The event loop: ``process()`` is synchronous and runs on the runner's worker thread, so every source
-keeps one event loop in a daemon thread (and one ``aiohttp.ClientSession``, whose kept-alive
-connections are reused across micro-batches); ``score`` submits a coroutine to it and waits.
-``asyncio.run`` per call was measured against it (docs/reward.md): it must build a session and new
-TCP connections every call.
+One sub-batch of samples goes out as requests of ``batch_size`` items, up to ``max_in_flight`` at
+once (asyncio + aiohttp on one event loop thread per source, its connections kept alive), and each
+answer becomes scores or one of two errors the runner already knows: :class:`RewardRejected` (a
+``PoisonRecordError``: the server named a bad item, which alone is dead-lettered) or
+:class:`RewardServerUnavailable` (retriable: 429, 5xx, timeouts, refused connections, 401/403, or
+the circuit breaker open). With ``EXPSTREAM_REWARD_TOKEN`` set every request carries a bearer
+token; a url's own credentials are redacted in every message. The API, retries, breaker, event
+loop (and its measurement): docs/reward.md "The JSON API" and "The client: HttpRewardSource".
 """
 
 from __future__ import annotations

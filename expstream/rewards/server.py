@@ -1,34 +1,12 @@
 """``expstream serve-reward``: a local reward model or reward function behind the reward JSON API (aiohttp).
 
-The API (docs/reward.md "Remote reward servers", written so a server can be built in any language):
-
-* ``POST /score`` ``{"items": [{"id", "prompt", "response", "query"?, "label"?, "reference"?}, ...]}``
-  -> 200 ``{"scores": [float, ...]}`` (one per item, same order);
-  -> 400 ``{"error": str, "index": int | null}``: a bad item (``index``) or a bad request (null);
-  -> 413 (same body): an item longer than a reward model's ``--max-len`` tokens;
-  -> 401 (same body): a token is set (``EXPSTREAM_REWARD_TOKEN``) and the request does not carry it.
-* ``GET /health`` -> 200 ``{"status": "ok", "model": str, "kind": "model" | "fn", "requests": int}``
-  (only ``{"status": "ok"}`` to a caller without the token when one is set).
-
-Handling of one ``POST /score``:
-
-0. With a token set, ``Authorization: Bearer <token>`` is required (compared in constant time).
-1. Parse and validate the body (400 naming the field, e.g. ``items[3].prompt``, and its index; a
-   body nested too deeply for the JSON parser is a 400 too, never a 500 that clients retry).
-2. Sleep ``latency_ms`` (``asyncio.sleep``: concurrent requests overlap, as a remote judge's do).
-3. Score on one worker thread (the forward or the function blocks; the event loop keeps accepting):
-   a reward model refuses an item over ``--max-len`` tokens (413 with its index: it is never
-   truncated, which would score a text the policy did not write), tokenizes ``query`` (or prompt +
-   response), appends EOS when missing (the stage scores at the repaired EOS) and runs batched
-   forwards of at most ``FORWARD_TOKENS`` padded tokens; a function is called as
-   ``fn(queries, prompts, labels)``.
-4. A function that raises ``ValueError`` on the batch is called item by item: the first item that
-   raises alone is answered as 400 with its index (that sample is poison, the client dead-letters
-   it). Any other exception is a server fault: 500 (the client retries; nothing is dead-lettered).
-   That includes ``SystemExit``, ``KeyboardInterrupt`` and any other ``BaseException`` a function
-   raises on the worker thread: a bug of the function, answered 500, and the server stays up
-   (a real Ctrl-C or SIGTERM reaches the main thread, never the worker, and still stops it).
-   A non-finite score is a 400 for its item, as the reward stage dead-letters a non-finite reward.
+``POST /score`` scores items (200 scores; 400 a bad item with its index; 413 an item over
+``--max-len`` tokens, never truncated; 401 without the token when ``EXPSTREAM_REWARD_TOKEN`` is
+set) and ``GET /health`` reports liveness. Scoring runs on one worker thread, so the event loop
+keeps accepting; a function raising ``ValueError`` is retried item by item to name the bad one,
+any other exception (``BaseException`` included) is a 500 and the server stays up. The API and
+the handling of a request step by step: docs/reward.md "The JSON API" and "What ``serve-reward``
+does with a request".
 """
 
 from __future__ import annotations
@@ -185,7 +163,8 @@ class ModelScorer(Scorer):
         from pathlib import Path
 
         from expstream.config.topology import BUILTIN_TINY
-        from expstream.models.hf import build_tiny_models, load_tokenizer
+        from expstream.models.hf import load_tokenizer
+        from expstream.models.tiny import build_tiny_models
         from expstream.models.vl import load_reward_model
 
         if path == BUILTIN_TINY:
@@ -234,7 +213,7 @@ class ModelScorer(Scorer):
     def _forward(self, rows: list[list[int]]) -> list[float]:
         import torch
 
-        from expstream.models.hf import forward_reward
+        from expstream.models.passes import forward_reward
 
         tok = self.tokenizer
         width = max(len(r) for r in rows)

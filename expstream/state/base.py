@@ -50,10 +50,8 @@ DEFAULT_GROUP_TTL_S = 86400
 # the ids of counted statistics and the "done" marker of a freed group. A record is read again after
 # its commit only by a rewind (or a consumer-offset reset); before its commit, by a redelivery after a
 # crash or a rebalance, which comes within minutes (max_poll_interval 60 s, a stage gives up a retry
-# after 300 s and is restarted). What stays is bounded by (records per second) x the window: ~5 MB
-# for the built-in tiny models at ~4 steps/s, far less for real models. A rewind further back
-# recounts statistics and re-forms groups (re-emitted with the same ids; readers dedupe).
-# docs/async.md "What a long run keeps".
+# after 300 s and is restarted). What that keeps in Redis (measured) and what a rewind further back
+# does: docs/async.md "What a long run keeps".
 DEFAULT_DEDUPE_WINDOW_S = 600
 
 #: ``(window_id, member payloads)`` handed to the call that closed a normalisation window.

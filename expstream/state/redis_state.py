@@ -1,7 +1,8 @@
 """RedisState: the :class:`~expstream.state.base.State` contract on Redis, shared by every replica.
 
 Every key of a run lives under ``expstream:{<run_id>}:``. The braces are a Redis Cluster hash tag:
-all keys of a run hash to one slot, so the multi-key Lua scripts below also run on a cluster.
+all keys of a run hash to one slot, so the multi-key Lua scripts (:mod:`expstream.state.lua`) also
+run on a cluster.
 
 Rules that make Kafka's at-least-once delivery exactly-once in effect:
 
@@ -11,8 +12,8 @@ Rules that make Kafka's at-least-once delivery exactly-once in effect:
   gets the same answer as the first delivery (the stored post-update snapshot).
 
 Connection errors and timeouts are retried with bounded exponential backoff (a Redis restart or
-failover); after :data:`RETRY_DEADLINE_S` a retriable :class:`StateUnavailableError` is raised and
-the stage runner backs off at its level. Retrying a script is safe because scripts are idempotent
+failover; :mod:`expstream.state.connection`); after :data:`RETRY_DEADLINE_S` a retriable
+:class:`StateUnavailableError` is raised and the stage runner backs off at its level. Retrying a script is safe because scripts are idempotent
 by id; plain setters (``set_kl_coef``, ``heartbeat``) are idempotent by nature; ``incr_counter``
 without ``once_id`` may count twice when a reply is lost.
 
@@ -52,19 +53,13 @@ Keys (``P`` = prefix):
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from expstream.config.redaction import redact_url
-from expstream.errors import AuthError, ConfigError, PoisonRecordError, StateUnavailableError
-from expstream.retry import Attempt, Policy, retry
+from expstream.errors import ConfigError, PoisonRecordError
 from expstream.rl.moments import batch_moments, check_kl_update
 from expstream.state.base import (
     DEFAULT_DEDUPE_WINDOW_S,
@@ -78,347 +73,19 @@ from expstream.state.base import (
     kl_not_initialised,
     parse_recent,
 )
+from expstream.state.connection import RETRY_DEADLINE_S, SOCKET_TIMEOUT_S, RedisConnection
+from expstream.state.lua import SCRIPTS
 
-__all__ = [
-    "RedisState",
-    "Moments",
-    "RETRY_BASE_DELAY_S",
-    "RETRY_MAX_DELAY_S",
-    "RETRY_DEADLINE_S",
-    "DEFAULT_GROUP_TTL_S",
-]
-
-log = logging.getLogger("expstream.state")
-
-T = TypeVar("T")
-
-# --- timing knobs ----------------------------------------------------------------------------
-# Why 50 ms: a local redis-server restarts in ~20-100 ms; the first retry should usually succeed.
-RETRY_BASE_DELAY_S = 0.05
-# Why 2 s: the backoff doubles per attempt but is capped, so a Redis that comes back after a
-# failover (seconds) is found again within ~2 s instead of after an ever-growing sleep.
-RETRY_MAX_DELAY_S = 2.0
-# Why 30 s: rides through a restart or a Sentinel/cluster failover; longer is an outage, better
-# reported (StateUnavailableError, retriable) to the stage runner, which backs off and whose
-# supervisor restarts it, than hidden inside one call while the Kafka group evicts the consumer
-# (max_poll_interval_ms is 60 s).
-RETRY_DEADLINE_S = 30.0
-# Why 5 s: a command on a healthy Redis takes well under a millisecond; 5 s only trips on a hung
-# server (or a 64 MiB group payload on a slow link).
-SOCKET_TIMEOUT_S = 5.0
+__all__ = ["RedisState"]
 
 
-# --- Lua scripts ------------------------------------------------------------------------------
-# Numbers cross the Lua boundary as strings: Lua numbers are doubles, ``tonumber`` of a Python
-# ``repr`` is exact, and ``%.17g`` prints a double that parses back to the same double. (A Lua
-# number returned to Redis as a reply would be truncated to an integer.)
-
-_MERGE_MOMENTS = """
--- KEYS[1] moments hash, KEYS[2] applied hash; ARGV batch_id, k, mean_b, m2_b
-local snap = redis.call('HGET', KEYS[2], ARGV[1])
-if snap then return {0, snap} end
-local vals = redis.call('HMGET', KEYS[1], 'count', 'mean', 'm2')
-local n = tonumber(vals[1] or '0')
-local mean = tonumber(vals[2] or '0')
-local m2 = tonumber(vals[3] or '0')
-local k = tonumber(ARGV[2])
-local mb = tonumber(ARGV[3])
-local m2b = tonumber(ARGV[4])
-if k > 0 then
-  local tot = n + k
-  local delta = mb - mean
-  mean = mean + delta * k / tot
-  m2 = m2 + m2b + delta * delta * n * k / tot
-  n = tot
-end
-local sn = string.format('%d', n)
-local smean = string.format('%.17g', mean)
-local sm2 = string.format('%.17g', m2)
-redis.call('HSET', KEYS[1], 'count', sn, 'mean', smean, 'm2', sm2)
-snap = sn .. ' ' .. smean .. ' ' .. sm2
-redis.call('HSET', KEYS[2], ARGV[1], snap)
-return {1, snap}
-"""
-
-_PARK_GROUP = """
--- KEYS[1] members hash, KEYS[2] meta hash, KEYS[3] done zset
--- ARGV n, batch_id, ttl, group_id, now_ms, done_ttl_ms, idx1, payload1, idx2, ...
-local freed = redis.call('ZSCORE', KEYS[3], ARGV[4])
-if freed and tonumber(freed) >= tonumber(ARGV[5]) - tonumber(ARGV[6]) then return {2} end
-local n = tonumber(ARGV[1])
-local stored_n = redis.call('HGET', KEYS[2], 'n')
-if stored_n then
-  if tonumber(stored_n) ~= n then
-    return redis.error_reply('GROUPSIZE group already parked with n=' .. stored_n .. ', got n=' .. ARGV[1])
-  end
-else
-  redis.call('HSET', KEYS[2], 'n', ARGV[1])
-end
-for i = 7, #ARGV, 2 do
-  redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-local ttl = tonumber(ARGV[3])
-if ttl > 0 then
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
-end
-if redis.call('HLEN', KEYS[1]) < n then return {0} end
-local completer = redis.call('HGET', KEYS[2], 'completer')
-if not completer then
-  redis.call('HSET', KEYS[2], 'completer', ARGV[2])
-  completer = ARGV[2]
-end
-if completer ~= ARGV[2] then return {0} end
-local out = {1}
-for idx = 0, n - 1 do
-  out[#out + 1] = redis.call('HGET', KEYS[1], tostring(idx))
-end
-return out
-"""
-
-_SETTLE_GROUPS = """
--- A record of the advantage stage is committed: mark its members committed; free every group whose
--- completing record and every member's record are committed, leaving a "done" marker.
--- KEYS[1] done zset, then per group its members hash and meta hash
--- ARGV batch_id (the record's, no '~' suffix), now_ms, done_ttl_ms, group_ttl_s,
---      then per group: group_id, m, m sample indices
-local now = tonumber(ARGV[2])
-local freed = {}
-local a, k = 5, 2
-while a <= #ARGV do
-  local gid, m = ARGV[a], tonumber(ARGV[a + 1])
-  local members, meta = KEYS[k], KEYS[k + 1]
-  local n = tonumber(redis.call('HGET', meta, 'n') or '0')
-  if n > 0 then
-    for i = 1, m do
-      local idx = tonumber(ARGV[a + 1 + i])
-      if idx < n then redis.call('HSET', meta, 'c' .. idx, '1') end
-    end
-    local completer = redis.call('HGET', meta, 'completer')
-    if completer then
-      local cut = string.find(completer, '~', 1, true)
-      if cut then completer = string.sub(completer, 1, cut - 1) end
-      if completer == ARGV[1] then redis.call('HSET', meta, 'settled', '1') end
-      if redis.call('HEXISTS', meta, 'settled') == 1 then
-        local marked = 0
-        for idx = 0, n - 1 do marked = marked + redis.call('HEXISTS', meta, 'c' .. idx) end
-        if marked == n then
-          redis.call('DEL', members, meta)
-          redis.call('ZADD', KEYS[1], now, gid)
-          freed[#freed + 1] = gid
-        end
-      end
-    end
-  end
-  a = a + 2 + m
-  k = k + 2
-end
-if #freed > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. tostring(now - tonumber(ARGV[3])))
-  local ttl = tonumber(ARGV[4])
-  if ttl > 0 then redis.call('EXPIRE', KEYS[1], math.max(ttl, math.ceil(tonumber(ARGV[3]) / 1000))) end
-end
-return freed
-"""
-
-_KL_INIT = """
-redis.call('SET', KEYS[1], ARGV[1], 'NX')
-return redis.call('GET', KEYS[1])
-"""
-
-_KL_ADAPTIVE = """
--- KEYS[1] kl_coef, KEYS[2] applied hash; ARGV step_id, current, target, n_steps, horizon, default
-local done = redis.call('HGET', KEYS[2], ARGV[1])
-if done then return done end
-local v = redis.call('GET', KEYS[1])
-if not v then
-  if ARGV[6] == '' then return redis.error_reply('NOKL kl_coef not initialised') end
-  v = ARGV[6]
-end
-local value = tonumber(v)
-local e = tonumber(ARGV[2]) / tonumber(ARGV[3]) - 1
-if e < -0.2 then e = -0.2 elseif e > 0.2 then e = 0.2 end
-local mult = 1 + e * tonumber(ARGV[4]) / tonumber(ARGV[5])
-value = value * mult
-local s = string.format('%.17g', value)
-redis.call('SET', KEYS[1], s)
-redis.call('HSET', KEYS[2], ARGV[1], s)
-return s
-"""
-
-# The ids of statistics already counted live in windows of ``dedupe_window_s`` seconds: a set per window
-# (``...:applied:<w>``, w = unix time // window), the current one written, it and the previous one
-# read, each expiring two windows after it opens. So an id is known for at least one window (a
-# redelivery, a rewind within it counts nothing twice) and the sets stop growing (issue 21 item 6).
-
-_STAGE_TIME = """
--- KEYS[1] stage hash, KEYS[2] applied set (this window), KEYS[3] stages set, KEYS[4] recent list,
--- KEYS[5] applied set (the previous window)
--- ARGV batch_id, seconds, samples, stage, recent entry, recent max, applied ttl
-if redis.call('SISMEMBER', KEYS[5], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('EXPIRE', KEYS[2], ARGV[7])
-redis.call('SADD', KEYS[3], ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'batches', 1)
-redis.call('HINCRBY', KEYS[1], 'samples', ARGV[3])
-redis.call('HINCRBYFLOAT', KEYS[1], 'seconds', ARGV[2])
-redis.call('LPUSH', KEYS[4], ARGV[5])
-redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
-return 1
-"""
-
-_FLOW = """
--- KEYS[1] flow hash, KEYS[2] applied set (this window), KEYS[3] applied set (the previous window),
--- KEYS[4] flow-stages set; ARGV batch_id, applied ttl, stage, then (field, count) pairs. The
--- flow-stages set lists every stage with an accounting, timed batches or not (one whose every record
--- was dead-lettered has no stage time, and is still counted).
-if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('SADD', KEYS[4], ARGV[3])
-for i = 4, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-
-_RECORD_BATCH = """
--- One record's stage time (when ARGV[2] == '1') and sample accounting: _STAGE_TIME and _FLOW in one
--- script, so the runner's per-record statistics are one EVALSHA (a pipeline of two scripts made
--- redis-py send SCRIPT EXISTS first: two round trips).
--- KEYS[1] flow hash, KEYS[2] flow applied set (this window), KEYS[3] flow applied set (previous window),
--- KEYS[4] flow-stages set, then with a time: KEYS[5] stage hash, KEYS[6] stage applied set (this
--- window), KEYS[7] stages set, KEYS[8] recent list, KEYS[9] stage applied set (previous window)
--- ARGV batch_id, has_time, seconds, samples, stage, recent entry, recent max, applied ttl,
---      then (field, count) pairs
-if ARGV[2] == '1' and redis.call('SISMEMBER', KEYS[9], ARGV[1]) == 0
-    and redis.call('SADD', KEYS[6], ARGV[1]) == 1 then
-  redis.call('EXPIRE', KEYS[6], ARGV[8])
-  redis.call('SADD', KEYS[7], ARGV[5])
-  redis.call('HINCRBY', KEYS[5], 'batches', 1)
-  redis.call('HINCRBY', KEYS[5], 'samples', ARGV[4])
-  redis.call('HINCRBYFLOAT', KEYS[5], 'seconds', ARGV[3])
-  redis.call('LPUSH', KEYS[8], ARGV[6])
-  redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[7]) - 1)
-end
-if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('EXPIRE', KEYS[2], ARGV[8])
-redis.call('SADD', KEYS[4], ARGV[5])
-for i = 9, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-
-_POLICY_VERSION = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
-local v = tonumber(ARGV[1])
-if v > cur then redis.call('SET', KEYS[1], ARGV[1]); return ARGV[1] end
-return tostring(cur)
-"""
-
-_INCR_COUNTER = """
--- KEYS[1] counters hash, KEYS[2] applied set (this window), KEYS[3] applied set (the previous window)
--- ARGV name, by, once_id ('' = always), applied ttl
-if ARGV[3] ~= '' then
-  if redis.call('SISMEMBER', KEYS[3], ARGV[3]) == 1 or redis.call('SADD', KEYS[2], ARGV[3]) == 0 then
-    return redis.call('HGET', KEYS[1], ARGV[1]) or '0'
-  end
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-end
-return redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
-"""
-
-
-_PARK_WINDOW = """
--- KEYS[1] window-of hash (batch_id -> k), KEYS[2] current window counter
--- ARGV batch_id, payload, n_samples, size, ttl
-local k = redis.call('HGET', KEYS[1], ARGV[1])
-local prefix = string.sub(KEYS[2], 1, -4)  -- strip 'cur'
-if k then
-  local closer = redis.call('HGET', prefix .. k .. ':meta', 'closer')
-  if closer == ARGV[1] then
-    return {1, k, unpack(redis.call('HVALS', prefix .. k .. ':members'))}
-  end
-  return {0, k}
-end
-k = redis.call('GET', KEYS[2]) or '0'
-local members = prefix .. k .. ':members'
-local meta = prefix .. k .. ':meta'
-redis.call('HSET', members, ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[1], ARGV[1], k)
-local have = redis.call('HINCRBY', meta, 'samples', tonumber(ARGV[3]))
-local ttl = tonumber(ARGV[5])
-if ttl > 0 then
-  redis.call('EXPIRE', members, ttl)
-  redis.call('EXPIRE', meta, ttl)
-  redis.call('EXPIRE', KEYS[1], ttl)
-end
-if have >= tonumber(ARGV[4]) then
-  redis.call('HSET', meta, 'closer', ARGV[1])
-  redis.call('SET', KEYS[2], tostring(tonumber(k) + 1))
-  return {1, k, unpack(redis.call('HVALS', members))}
-end
-return {0, k}
-"""
-
-_FLUSH_WINDOW = """
--- KEYS[1] current window counter; ARGV closer id
-local prefix = string.sub(KEYS[1], 1, -4)
-local k = redis.call('GET', KEYS[1]) or '0'
-local meta = prefix .. k .. ':meta'
-local have = tonumber(redis.call('HGET', meta, 'samples') or '0')
-if have == 0 then return {0, k} end
-redis.call('HSET', meta, 'closer', ARGV[1])
-redis.call('SET', KEYS[1], tostring(tonumber(k) + 1))
-return {1, k, unpack(redis.call('HVALS', prefix .. k .. ':members'))}
-"""
-
-_ADMIT = """
--- KEYS[1] admission:of, KEYS[2] admission:admitted, KEYS[3] admission:totals
--- ARGV batch_id, samples, version, bound
-local prev = redis.call('HGET', KEYS[1], ARGV[1])
-if prev then
-  local pv, pn, delivered = string.match(prev, '^(%d+) (%d+)( ?d?)$')
-  if delivered == ' d' then return 1 end  -- read again after its commit (a rewind): counted once already
-  if tonumber(ARGV[3]) < tonumber(pv) then return 0 end
-  if pv ~= ARGV[3] then
-    redis.call('HINCRBY', KEYS[2], pv, -tonumber(pn))
-    redis.call('HINCRBY', KEYS[2], ARGV[3], pn)
-    redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. pn)
-  end
-  return 1
-end
-local t = redis.call('HMGET', KEYS[3], 'admitted', 'lost')
-local outstanding = tonumber(t[1] or '0') - tonumber(t[2] or '0')
-if outstanding + tonumber(ARGV[2]) > tonumber(ARGV[4]) then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. ARGV[2])
-redis.call('HINCRBY', KEYS[2], ARGV[3], ARGV[2])
-redis.call('HINCRBY', KEYS[3], 'admitted', ARGV[2])
-return 1
-"""
-
-_MARK_DELIVERED = """
--- KEYS[1] admission:of; ARGV batch ids whose generate record is committed. Returns how many were new.
-local new = 0
-for i = 1, #ARGV do
-  local v = redis.call('HGET', KEYS[1], ARGV[i])
-  if v and string.sub(v, -2) ~= ' d' then
-    redis.call('HSET', KEYS[1], ARGV[i], v .. ' d')
-    new = new + 1
-  end
-end
-return new
-"""
-
-_RECORD_LOST = """
--- KEYS[1] admission:lost_of, KEYS[2] admission:lost, KEYS[3] admission:totals; ARGV batch_id, version, samples
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. ARGV[3]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'lost', ARGV[3])
-return 1
-"""
-
-
-class RedisState:
+class RedisState(RedisConnection):
     """Run-scoped state in Redis, shared by every replica of every stage.
 
     ``RedisState(url, run_id)`` connects (and pings) at once; :class:`StateUnavailableError` when
-    Redis does not answer within the retry budget. Thread-safe (redis-py connection pool).
+    Redis does not answer within the retry budget. Thread-safe (redis-py connection pool). The
+    connection and its retries: :class:`~expstream.state.connection.RedisConnection`; the scripts:
+    :mod:`expstream.state.lua`.
     """
 
     def __init__(
@@ -438,103 +105,19 @@ class RedisState:
                 field="run_id",
                 fix="use a non-empty id without braces or whitespace",
             )
-        self.url = url
         self.run_id = run_id
         self.shared = True  # every replica of every stage reads and writes these keys
         self.prefix = f"expstream:{{{run_id}}}:"
-        self.retry_deadline_s = float(retry_deadline_s)
         self.group_ttl_s = int(group_ttl_s)
         self.dedupe_window_s = int(dedupe_window_s)
-        # redis-py's own retry is switched off: this class owns the policy (see _call).
-        self._r = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=False,
-            health_check_interval=0,
-        )
-        self._scripts = {
-            name: self._r.register_script(src)
-            for name, src in (
-                ("merge", _MERGE_MOMENTS),
-                ("park", _PARK_GROUP),
-                ("kl_init", _KL_INIT),
-                ("kl_adaptive", _KL_ADAPTIVE),
-                ("stage_time", _STAGE_TIME),
-                ("flow", _FLOW),
-                ("record_batch", _RECORD_BATCH),
-                ("policy", _POLICY_VERSION),
-                ("incr", _INCR_COUNTER),
-                ("park_window", _PARK_WINDOW),
-                ("flush_window", _FLUSH_WINDOW),
-                ("admit", _ADMIT),
-                ("mark_delivered", _MARK_DELIVERED),
-                ("settle", _SETTLE_GROUPS),
-                ("record_lost", _RECORD_LOST),
-            )
-        }
+        super().__init__(url, connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
+                         retry_deadline_s=retry_deadline_s, scripts=SCRIPTS)
         self._call("ping", self._r.ping)
 
-    # --- plumbing ------------------------------------------------------------------------------
+    # --- keys ----------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
         """The full Redis key for ``parts`` joined by ':' under this run's prefix."""
         return self.prefix + ":".join(parts)
-
-    @property
-    def client(self) -> redis.Redis:
-        """The underlying redis-py client (bytes replies, no retries of its own)."""
-        return self._r
-
-    def close(self) -> None:
-        self._r.close()
-
-    def __enter__(self) -> RedisState:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def _call(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T:
-        """Run ``fn`` retrying connection errors/timeouts with bounded exponential backoff."""
-
-        def give_up(a: Attempt) -> T:
-            raise StateUnavailableError(f"Redis at {redact_url(self.url)} unavailable for {what} after {a.number} attempts "
-                                        f"({self.retry_deadline_s:.1f}s): {a.exc!r}") from a.exc
-
-        transient = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
-        try:
-            return retry(lambda: fn(*args, **kwargs),
-                         # redis-py's AuthenticationError is a ConnectionError: a wrong password is not an outage
-                         retriable=lambda exc: isinstance(exc, transient) and not is_auth_error(exc),
-                         policy=Policy(RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S, self.retry_deadline_s,
-                                       clip_to_give_up=True),
-                         on_retry=lambda a: log.warning("redis %s failed (%r); retry %d in %.2fs", what, a.exc,
-                                                        a.number, a.delay_s),
-                         on_give_up=give_up)
-        except redis.RedisError as exc:
-            if is_auth_error(exc):
-                kw = self._r.connection_pool.connection_kwargs
-                where = f"{kw.get('host', '?')}:{kw.get('port', '?')}" if "host" in kw else kw.get("path", "?")
-                what = "refused the password" if kw.get("password") else "requires a password and the URL has none"
-                raise AuthError(f"Redis at {where} {what} ({exc})", field="--redis-url",
-                                fix="put the server's password in the URL: redis://:PASSWORD@HOST:PORT/DB") from exc
-            raise
-
-    def _pipeline(self, what: str, fill: Callable[[redis.client.Pipeline], None], *, transaction: bool) -> list:
-        """Run a pipeline of reads with :meth:`_call`'s retries, building it afresh for every attempt:
-        redis-py clears a pipeline's command stack when ``execute()`` fails after sending (a socket
-        timeout, a connection dropped mid-reply), so re-executing the same object returns ``[]``."""
-
-        def attempt() -> list:
-            pipe = self._r.pipeline(transaction=transaction)
-            fill(pipe)
-            return pipe.execute()
-
-        return self._call(what, attempt)
-
-    def _script(self, name: str, keys: list[str], args: list) -> object:
-        return self._call(name, self._scripts[name], keys=keys, args=args)
 
     # --- reward moments ------------------------------------------------------------------------
     def merge_reward_moments(self, batch_id: str, values: np.ndarray, name: str = "reward") -> Moments:
@@ -932,15 +515,6 @@ class RedisState:
         """Remove the request and its acknowledgements: waiting replicas rejoin their group."""
         self._call("clear_rewind_request", self._r.delete, self.key("rewind", stage), self.key("rewind", stage, "acks"))
 
-
-def is_auth_error(exc: BaseException) -> bool:
-    """True for Redis refusing the credentials: a wrong password (WRONGPASS), none given (NOAUTH),
-    or a password given to a server without one. Never retriable."""
-    if isinstance(exc, redis.AuthenticationError):
-        return True
-    text = str(exc)
-    return isinstance(exc, redis.ResponseError) and (text.startswith(("WRONGPASS", "NOAUTH"))
-                                                     or "AUTH <password> called without" in text)
 
 
 def _window_taken(res: list) -> WindowTaken | None:

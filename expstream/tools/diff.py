@@ -1,45 +1,11 @@
 """``expstream diff RUN_A RUN_B``: what differs between two runs' records of one topic.
 
-Each side is read with :func:`expstream.tools.show.read_samples`: the run's recording of ``--topic``
-(default ``experiences``), or its ``experiences.msgpack`` when that topic was not recorded. What
-is compared depends on what the topic holds:
-
-* SampleBatch records: their samples, keyed by sample id ``group#index``;
-* PromptBatch records (``prompts``): their prompts, keyed by prompt id (fields ``batch_id``,
-  ``prompt``, ``label``, ``reference``, ``images``, ``videos``);
-* a dead-letter topic (``<topic>.dlq``): its letters, keyed by the ``batch_id`` header (else the
-  original position), ``#attempt<k>`` for a redriven one; fields ``headers.<name>`` (every header
-  but :data:`expstream.tools.show.LETTER_POSITION_HEADERS`, which follow scheduling) and the value:
-  ``value.<row id>.<field>`` when it decodes (its rows, compared like samples or prompts), else
-  ``value``, its bytes.
-
-A topic whose records are none of these on both sides (the ``policy`` topic's weight
-announcements) is refused (exit 2) with the reason, never reported equal after comparing nothing.
-The first occurrence of an id wins (``read_experiences``' dedupe); later ones are counted as
-duplicates and reported, not compared.
-
-A corrupt recording (expstream/tools/recording.py) is an error naming the file and the byte position
-(exit 2): a verdict on damaged input would be a guess. A torn tail (a killed writer) is read up to
-its last whole record, with a warning on stderr naming the file and byte position.
-
-The comparison, per id present on both sides and per field (``info`` and
-``reward_metrics`` compared key by key as ``info.<key>``):
-
-1. a field on one side only -> ``missing_field``;
-2. text (``prompt``, ``response``, ``batch_id`` ...) -> ``string`` when not identical;
-3. integers (ids, versions, token ids, the action mask) -> exact;
-4. floats (scalars and per-token rows) -> differ where ``|a - b| > atol + rtol * |b|``
-   (``numpy.isclose``'s rule, B the reference); reported with the max abs error
-   ``max |a - b|``, the max rel error ``max |a - b| / |b|`` (``inf`` where B is 0 and A not),
-   the first differing position and how many positions differ;
-5. per-token rows of different lengths -> ``length`` (both lengths, and the first position where
-   they differ: within the common prefix, else the shorter length); different dtypes -> ``dtype``;
-6. bytes (an undecodable letter's value) -> ``bytes`` (both sizes, the first differing byte);
-   lists (blob references) -> ``values`` when not identical.
-
-The exit code is 1 when anything differs beyond the tolerance (a field, an entry only on one side,
-a record that cannot be decoded), 0 when the runs are equal; 2 for bad arguments, a corrupt
-recording, or a topic diff cannot compare.
+Each side is read with :func:`expstream.tools.samples.read_samples` (the recording of ``--topic``, or
+``experiences.msgpack``); SampleBatch samples, PromptBatch prompts or dead letters are matched by
+id and compared field by field (integers and text exactly, floats within ``atol + rtol * |b|``,
+B the reference). Exit 0 equal, 1 different, 2 bad arguments, a corrupt recording or a topic of
+nothing comparable. What is compared, the rules in order, the output and the exit codes:
+docs/replay.md "diff".
 """
 
 from __future__ import annotations
@@ -57,7 +23,7 @@ import numpy as np
 
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from expstream.tools.recording import Damage, RecordingError
-from expstream.tools.show import EXPERIENCES_TOPIC, Sample, SampleSet, is_dlq, read_samples, refuse_damaged
+from expstream.tools.samples import EXPERIENCES_TOPIC, Sample, SampleSet, is_dlq, read_samples, refuse_damaged
 
 __all__ = ["Difference", "DiffResult", "add_diff_parser", "compare_samples", "diff_command", "diff_runs"]
 

@@ -1,34 +1,11 @@
 """Dead letters: what the stage runner writes to ``<topic>.dlq``, and ``expstream dlq inspect|redrive``.
 
-A dead letter is the record a stage could not process, sent to the dead-letter twin of the stage's
-input topic with headers that say what went wrong and where it came from; the header names, what
-they hold and how they are built and read are in expstream/kafka/letters.py, shared with the runner.
-
-``redrive`` re-publishes each letter's value to its ``original_topic`` with the original record's
-own headers and ``redrive_attempt`` incremented; a letter already at ``--max-attempts`` is skipped
-and reported. Headers are data anyone who can write to the dead-letter topic can forge, so the
-target is checked, never trusted: a letter of ``T.dlq`` goes back only to ``T``, and only when ``T``
-is a topic of the topology (``Topology.all_topics()``, as loaded with ``--topology``/``--set``).
-``--to TOPIC`` sends every letter to ``TOPIC`` instead (a topology topic, or any existing topic with
-``--allow-any-topic``). A letter naming another topic, or none, is refused: counted, reported with
-its position, never published (the command then exits 1 so that a script notices).
-
-Progress is the consumer group ``expstream.tools.dlq-redrive.<dlq topic>``'s committed position per
-partition, committed after every confirmed re-publish, so running it twice does not send the same
-letter twice. A Kafka commit is a position, not a set of letters: committing a letter after a
-refused one would commit the refused one too, and the fix the report advises (``--to TOPIC``, the
-run's ``--topology``) would never see it again. So a refused letter *stops its partition*: it is not
-committed, the letters after it in that partition are not read this time (reported as waiting),
-and the next redrive starts at it again; the other partitions go on. (Why not a list of refused
-offsets beside the position: the commit's metadata string would hold it on Apache Kafka, but the
-embedded Tansu broker drops commit metadata, and a list needs a bound anyway.) ``--skip-refused``
-commits past refused letters instead (they stay on the topic for ``inspect``; no redrive sees them
-again). Settled, and committed: letters at ``--max-attempts`` (the cap's purpose is to end the retry
-loop; raise it to retry them before they are committed, or re-publish one by hand) and letters
-without a value (``value_omitted``: no redrive can publish them; the original is at its position).
-
-``inspect`` prints header values with control characters escaped (expstream/tools/terminal.py): a header
-is data anyone who can write to the topic chose, and an ESC in it is a terminal escape sequence.
+The header names and how they are built and read are in expstream/kafka/letters.py, shared with
+the runner. ``redrive`` re-publishes each letter to its ``original_topic`` (checked, never
+trusted: only ``T`` for a letter of ``T.dlq``, a topology topic, or ``--to``), commits its
+progress per confirmed letter, and stops a partition at a refused letter so that the next redrive
+sees it again. ``inspect`` escapes control characters in header values. The rules and why:
+docs/dead-letters.md.
 """
 
 from __future__ import annotations

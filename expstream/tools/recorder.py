@@ -1,42 +1,15 @@
 """The recorder: what crosses the topics, copied into a run directory's recording while it flows.
 
 ``expstream run`` starts it as the supervised process ``recorder`` (when ``record`` is on, see
-``expstream.config.topology.RecordConfig.is_on``) and stops it after the stages; ``expstream record`` runs the same
-:class:`Recorder` against a live deployment. Both write ``<output>/topics/<topic>/partition-<p>.rec``
-in the format of expstream/tools/recording.py (schemas/README.md section 10).
-
-Protocol (:meth:`Recorder.run`):
-
-0. Never mix two sources in one recording. A directory whose ``topics/`` already holds a recording
-   is refused (ConfigError naming ``--output``: what it holds and whose it is) unless the caller
-   asks to continue it (``--continue``; ``expstream run``'s own recorder always does, so that a
-   restarted recorder carries on). Continuing is checked, not trusted: ``topics/source.json`` (the
-   source the recording was started from: run id, bootstrap servers, topics, time) must not name
-   another run id, and for every partition already recorded the broker must still hold the last
-   recorded record, byte for byte (key, value, timestamp) at its offset; a partition that ends
-   before it, or another record there, is another run's topic (a restarted local broker, a
-   recreated topic) and is refused with its ``topic[partition]@offset``. A record the broker no
-   longer holds (retention) cannot be checked: that is logged and accepted.
-1. Find every partition of every topic. A topic missing is a ConfigError in export mode; in follow
-   mode it is logged and looked for again every ``MISSING_TOPIC_RETRY_S`` until it appears.
-2. Start offsets, per partition: the ``start`` position (an offset; a time reads from the
-   beginning and keeps records whose timestamp is >= it), else the beginning; and never at or
-   below what the recording already holds (``RecordingWriter.last_offset``), so a restarted
-   recorder records nothing twice.
-3. End: export mode takes the end offsets at start (``bus.end_offsets``), lowered by an offset
-   ``end``; follow mode has none until a stop is requested (SIGTERM), then takes the end offsets
-   at that moment and drains up to them for at most ``DRAIN_DEADLINE_S``. A time ``end`` keeps
-   records whose timestamp is < it, and in follow mode ends a partition at its first record at or
-   after it.
-4. Poll (no consumer group: partitions are assigned), append every record in range as a
-   RecordFrame, flush the files after every poll: a killed recorder leaves whole frames plus at
-   most one torn frame per file.
-5. Close the files, log what was recorded per topic, exit 0.
-
-Times are resolved by reading record timestamps, not with the broker's ``offsets_for_times``:
-the embedded Tansu broker answers it with an earlier offset and a timestamp that is not the
-record's (measured: asked for record 7's timestamp it named offset 6), so only the records
-themselves are trusted. On Apache Kafka this reads the partitions from their beginning.
+``expstream.config.topology.RecordConfig.is_on``) and stops it after the stages; ``expstream record``
+runs the same :class:`Recorder` against a live deployment. Both write
+``<output>/topics/<topic>/partition-<p>.rec`` in the format of expstream/tools/recording.py
+(schemas/README.md section 10). :meth:`Recorder.run`: refuse to mix two sources (``--continue``
+is checked against ``topics/source.json`` and the broker's last recorded record), find the
+partitions, start after what is recorded, poll without a group, append frames and flush after
+every poll, drain to the end offsets on a stop. Times are applied to the records' own timestamps,
+never the broker's ``offsets_for_times`` (wrong on the embedded Tansu). Details: docs/replay.md
+"Recording".
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """The recording format: what crossed a topic, record by record, in a run directory.
 
-A run directory holds ``topics/<topic>/partition-<p>.rec``, one append-only file per topic
-partition (dead-letter twins ``<topic>.dlq`` included). Written by the run's recorder while the
-records flow, by ``expstream record`` from a live deployment, and by ``expstream replay`` for its
-outputs; read by replay, show, diff and rewind. The byte layout (documented for readers in other
-languages in ``schemas/README.md``, "Recording format"):
-
-1. A file starts with the 8-byte magic ``b"EXPREC\\x00\\x01"`` (format version 1).
-2. Then frames, each ``length`` (uint32 big-endian, bytes of the payload), ``crc32`` (uint32
-   big-endian, zlib CRC-32 of the payload), then the payload: a msgpack map with the keys
-   ``offset`` (int), ``timestamp`` (int, ms since the epoch, the broker's), ``timestamp_type``
-   (int, 0 create time, 1 log-append time, -1 unknown), ``key`` (bin or nil), ``headers`` (array of
-   ``[name: str, value: bin]``) and ``value`` (bin or nil: the original record bytes, untouched).
-3. Frames of one file are in increasing ``offset`` order; a writer appends and flushes whole
-   frames only.
-
-Damage is told apart where the bytes allow it (:class:`Damage`, :func:`classify`):
-
-* **torn**: the file ends inside a frame whose start is plausible (the header's length is at least
-  the smallest possible frame and what payload there is starts a msgpack map of 6+ keys): a writer
-  killed mid-write. Readers stop there, keep everything before it and report it
-  (:attr:`PartitionReader.damage`), so a killed run's recording is readable up to its last complete
-  record.
-* **corrupt**: a frame of complete length whose CRC fails (also the last one: a killed process
-  leaves a frame short, never whole and wrong), a payload that is not the documented map, a length
-  too small for any frame (zero padding lands here: length 0), or bytes after a header that cannot
-  start a frame. An error naming the file and the byte position (``strict``), or reported and read
-  up to there (``strict=False``: ``expstream show``).
+``topics/<topic>/partition-<p>.rec`` is one append-only file per topic partition (``.dlq`` twins
+included): an 8-byte magic, then CRC-checked frames holding each record's offset, timestamp, key,
+headers and original value bytes, in offset order. Written by the run's recorder, ``expstream
+record`` and ``expstream replay``; read by replay, show, diff and rewind. Readers tell a *torn*
+tail (a killed writer) from *corrupt* bytes (:class:`Damage`, :func:`classify`). The byte layout:
+schemas/README.md section 10; torn vs corrupt and what each reader does: docs/replay.md
+"Recording".
 """
 
 from __future__ import annotations

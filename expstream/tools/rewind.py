@@ -1,44 +1,12 @@
 """``expstream rewind``: move a live stage's consumer group back (or forward), its replicas stopped first.
 
-``--to`` is resolved into per-partition offsets of the stage's input topic (:func:`resolve_targets`):
-
-* an offset, ``123`` (every partition) or ``0:12,1:40`` (only the partitions named);
-* a time, ISO 8601 with a zone (``2026-11-24T10:00:00Z``) or epoch ms (``@1700000000000``): per
-  partition, the first record whose timestamp is at or after it (the end when there is none). The
-  timestamps are the records' own, read from the run directory's recording (``--run-dir``) and, past
-  its last recorded offset, from the topic itself. Never the broker's time index: on the embedded
-  Tansu, ``offsets_for_times`` answers offset 0 for every time (measured; docs/replay.md "Rewind");
-* a batch id, ``batch:p000003/m0``: the first record carrying it goes back to its own offset (it is
-  reprocessed); the other partitions go to the same moment (first record at or after its timestamp).
-
-The handshake (the tool T, each replica R of the stage; R's side is in stages/runner.py). The
-replicas stay in their consumer group throughout: no member leaves or joins, so no rebalance
-(measured on the embedded Tansu: two replicas that leave an emptied group and rejoin together
-waited over 90 s for an assignment; paused members move in about a second).
-
-1. T resolves the target, reads the group's committed offsets and prints what will be reprocessed
-   (per partition: from -> to, record count, first/last batch ids). ``--dry-run`` stops here; without
-   ``--yes`` T asks on a terminal and refuses without one.
-2. T sets the stage's rewind request ``<id>`` in the run's state, with a TTL it refreshes on every
-   round (``REQUEST_TTL_S``): a T that dies leaves no replica paused for ever.
-3. R, between two records (at most every ``stages.runner.REWIND_CHECK_INTERVAL_S``), sees it: the
-   micro-batch it had is committed already; records it polled but did not handle are set back; it
-   pauses every assigned partition, keeps polling (membership kept) and acknowledges ``<id>`` under its
-   heartbeat name ``<replica>:<pid>``.
-4. T waits until every live replica (a heartbeat younger than ``LIVE_HEARTBEAT_S``; re-evaluated each
-   round, so a replica started meanwhile must acknowledge too) has acknowledged. A replica that does
-   not within ``--timeout``: T clears the request, names it, moves nothing, exits 1.
-5. T reads the committed offsets (every replica committed what it handled) and sets the request to
-   ``<id>/move/<p:offset,...>``. Each R seeks every partition it owns to its target and commits it
-   (as a member of the current generation: accepted), then acknowledges that text. With no live
-   replica at all, T commits from outside the group instead (the broker accepts that only from an
-   empty group: refusals are retried until the timeout).
-6. T waits for the acknowledgements and until the group's committed offsets are the targets, then
-   prints what the stage will reprocess from the positions it actually had.
-7. T clears the request; every R resumes its partitions and fetches from the new positions.
-
-A rewound stage's outputs carry the same batch ids as before (ids are stable), so downstream stages
-and the experience reader dedupe them as usual.
+``--to`` (an offset, a time, or ``batch:<id>``) is resolved into per-partition offsets of the
+stage's input topic (:func:`resolve_targets`) from the records' own timestamps, never the broker's
+time index. The tool and the replicas then run a seven-step handshake through the run state: the
+replicas pause in their consumer group (no rebalance), acknowledge, seek and commit the targets,
+and resume. This module is the tool's side; the replica's side is in stages/runner.py.
+Positions, the numbered handshake, and why the replicas stay in the group (measured on Tansu):
+docs/replay.md "Rewind".
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Weights flow back: a write-once, content-hashed weight store, the ``policy`` topic, hot reload.
 
-A trainer publishes each new policy version into a :class:`WeightStore` (default: a directory,
-a shared filesystem in a deployment), then *announces* it: one record on the ``policy`` topic and
-the current version in Redis (``State.set_policy_version``). Weights never go through the broker.
-The stages that follow the policy (generate, actor-logprob, critic) keep a :class:`PolicyFollower`
-that checks the announced version between micro-batches and loads a newer one in place.
-
-Versions: 0 is the initial weights of ``models.actor`` / ``models.critic`` (never in the store);
-the trainer's step u trains with version u and publishes version u + 1.
-
-Directory layout (one version = one directory, renamed into place complete)::
-
-    <root>/v000001/model.safetensors          the actor's state dict (safetensors, never pickle)
-    <root>/v000001/manifest.json              Manifest.to_dict(): version, step, sha256, dtype, offsets...
-    <root>/critic/v000001/...                 every other role in a folder of its own
-    <root>/.tmp-<uuid>/                       a publication in progress (ignored by readers)
-    <root>/.trash-<uuid>/                     a version being deleted (ignored by readers)
-
-Retention (:func:`prune_versions`, called by the trainer after each announcement): only the versions
-that can still be needed are kept -- the newest ``train.keep_versions`` (default and minimum
-``async.max_staleness + 1``: the staleness window), the latest checkpoint's version (a resumed trainer
-announces it again) and, as the newest, the final one. Followers only ever load the announced
-(newest) version; one that finds its version deleted under it (:class:`VersionGoneError`) loads the
-newest announced version instead. A deletion unlists the version first (the directory is renamed
-away; in an object store the manifest object goes first), then removes its files, so a reader sees
-a whole version or none.
+A trainer publishes each new policy version into a :class:`WeightStore` (default: a directory, a
+shared filesystem in a deployment), then *announces* it on the ``policy`` topic and in Redis;
+weights never go through the broker. The stages that follow the policy keep a
+:class:`PolicyFollower` that loads a newer announced version between micro-batches, in place.
+:func:`prune_versions` keeps only the versions that can still be needed, and a deletion unlists a
+version before removing its files, so a reader sees a whole version or none (a follower that
+loses its version, :class:`VersionGoneError`, loads the newest). Versions, the store's layout and
+retention: docs/async.md "Weights flow back" and "What a long run keeps".
 """
 
 from __future__ import annotations
