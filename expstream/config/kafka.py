@@ -240,6 +240,10 @@ class KafkaConfig:
                 field="kafka.extra",
                 fix="map 'producer', 'consumer', 'admin' or 'all' to kafka-python arguments",
             )
+        self._validate_sasl()
+
+    def _validate_sasl(self) -> None:
+        """The SASL settings agree with security_protocol; no password in kafka.extra."""
         for role, kw in self.extra.items():
             _refuse_passwords(kw, f"kafka.extra.{role}")
         sasl = self.security_protocol.startswith("SASL_")

@@ -21,14 +21,13 @@ import yaml
 from expstream.config.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from expstream.config.fieldtypes import check_block, check_fields
 from expstream.config.kafka import KafkaConfig
+from expstream.config.rawform import BLOCK_ATTRS, topology_raw  # noqa: F401  (BLOCK_ATTRS re-exported)
 from expstream.config.redaction import apply_secrets, env_topology_secrets
 from expstream.config.rewards import RewardsConfig, RewardSourceConfig  # noqa: F401  (the rewards block, re-exported)
 from expstream.errors import ConfigError, unknown_key_error
 
 #: train.off_policy choices (docs/async.md has each formula).
 OFF_POLICY_MODES = ("none", "token_tis", "seq_tis", "decoupled")
-#: Topology block name -> attribute, where the name is a Python keyword.
-BLOCK_ATTRS = {"async": "async_"}
 STAGE_ORDER: tuple[str, ...] = (
     "generate",
     "shard-preprocess",
@@ -364,9 +363,17 @@ class Topology:
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # the `async:` block
     record: RecordConfig = field(default_factory=RecordConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    # loader: stage -> the algo.* key that switched it off though configured on (to_raw writes it on)
+    switched_off: dict[str, str] = field(default_factory=dict, repr=False)
     # Which file this was read from (a path, or PACKAGED_SOURCE); logged and kept in summary.json.
     source: str = PACKAGED_SOURCE
+
+    # ---- serialised form: what run/topology.yaml is written from (expstream/config/rawform.py) ------
+    def to_raw(self) -> dict[str, Any]:
+        """topology.yaml's mapping; :func:`build_topology` of it gives back an equal Topology."""
+        return topology_raw(self)
+
+    raw = property(to_raw, doc=":meth:`to_raw` (a fresh mapping each time: change the dataclasses, not this)")
 
     # ---- derived views -------------------------------------------------------------------
     def enabled_stages(self) -> list[StageConfig]:
@@ -518,7 +525,6 @@ def build_topology(raw: dict[str, Any]) -> Topology:
         async_=_from_dict(AsyncConfig, raw.get("async"), "async"),
         record=_from_dict(RecordConfig, raw.get("record"), "record"),
         rewards=_from_dict(RewardsConfig, raw.get("rewards"), "rewards"),
-        raw=raw,
     )
     for name in STAGE_ORDER:
         st = check_block(stages_raw.get(name), f"stages.{name}")
@@ -541,10 +547,11 @@ def build_topology(raw: dict[str, Any]) -> Topology:
 def _switch_stages(topo: Topology) -> None:
     """Remove stages the algorithm does not need, then link each stage to its predecessor."""
     algo = topo.algo
-    if algo.advantage_estimator != "gae":
-        topo.stages["critic"].enabled = False  # the seed forces critic_pretrain=None unless gae
-    if algo.init_kl_coef == 0:
-        topo.stages["reference"].enabled = False  # no initial model, no KL anywhere (docs/numerics.md §10)
+    for name, off, key in (("critic", algo.advantage_estimator != "gae", "algo.advantage_estimator"),
+                           ("reference", algo.init_kl_coef == 0, "algo.init_kl_coef")):
+        # the seed forces critic_pretrain=None unless gae; KL coef 0: no initial model (docs/numerics.md §10)
+        if off and topo.stages[name].enabled:
+            topo.stages[name].enabled, topo.switched_off[name] = False, key
     previous = topo.topics.input
     seen: dict[str, str] = {previous: "topics.input"}
     for st in topo.enabled_stages():

@@ -2,7 +2,7 @@
 
 What :func:`expstream.launch.run.run_pipeline` does differently when ``train.enabled`` is true:
 
-1. Before the resolved topology is written, :func:`resolve_weight_store` makes
+1. Before the resolved topology is written, expstream.config.paths.resolve_run_paths makes
    ``train.weight_store`` an absolute path (default ``<output>/weights``), so the stages and the
    trainer, whatever their working directory, read and write the same store.
 2. The ``policy`` topic is created with the others (expstream.kafka.topics.loop_topics).
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from expstream.config.paths import resolve_weight_store  # noqa: F401  (public here too: tests, the trainer part)
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_INTERRUPTED
 from expstream.kafka.clients import make_producer
@@ -50,7 +51,6 @@ TRAINER = "trainer"
 TRAIN_LOG = "train.jsonl"
 DONE_FILE = Path("train") / "done.json"
 FINAL_DIR = "final"
-DEFAULT_STORE_DIR = "weights"
 # Why k + 2 steps of prompts ahead of the trainer: admission lets generate start samples up to
 # (version + k + 1) x batch_size; one more step's worth queued on the input topic means generate
 # never idles waiting for the feeder, while the topic never holds more than a step of prompts
@@ -59,20 +59,6 @@ FEED_HEADROOM_STEPS = 2
 # Why 0.3 s: how often the loop looks at the trainer's progress and the supervisor; a step takes
 # seconds, and a dead stage is restarted within a backoff of 0.5 s anyway.
 LOOP_POLL_S = 0.3
-
-
-def resolve_weight_store(topo: Topology, out_dir: Path) -> Path:
-    """Make ``train.weight_store`` absolute (default ``<out_dir>/weights``) in ``topo`` and in
-    ``topo.raw`` (what run/topology.yaml is written from); ``train.enabled`` is written as true."""
-    store = Path(topo.train.weight_store) if topo.train.weight_store else out_dir / DEFAULT_STORE_DIR
-    store = store.expanduser().resolve()
-    topo.train.weight_store = str(store)
-    raw_train = topo.raw.get("train")
-    if not isinstance(raw_train, dict):  # `train:` absent, or written empty (null)
-        raw_train = topo.raw["train"] = {}
-    raw_train["enabled"] = True
-    raw_train["weight_store"] = str(store)
-    return store
 
 
 def trainer_argv(topo_path: Path, bootstrap: str, run_id: str, out_dir: Path) -> list[str]:

@@ -21,12 +21,20 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from expstream.config.redaction import REDACTED
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from expstream.launch.collector import REJECTED_FILE, ExperienceCollector
+from expstream.launch.continuous import DONE_FILE, FINAL_DIR, TRAIN_LOG, TrainLog
+
+if TYPE_CHECKING:
+    from expstream.launch.prompts import EpochFeeder
+    from expstream.launch.scale import Scaler
+    from expstream.launch.supervisor import Supervisor
+    from expstream.observe.timeline import Timeline
+    from expstream.state import State
 
 log = logging.getLogger("expstream.run")
 #: Groups named per reason, and reasons, in the one-line failure message (summary.json has all).
@@ -79,18 +87,17 @@ class RunOutcome:
     bootstrap: str | None = None
     redis_url: str | None = None  # redacted (expstream.config.redaction.redact_url): summary.json is shown
     secret: str | None = None  # the Redis password, masked in any error text that reaches the summary
-    state: Any = None  # expstream.state.RedisState once connected
-    supervisor: Any = None  # expstream.launch.supervisor.Supervisor once built
-    scaler: Any = None  # expstream.launch.scale.Scaler once built: its events are summary.json's scale_events
+    state: State | None = None  # once connected (expstream.launch.services)
+    supervisor: Supervisor | None = None  # once built
+    scaler: Scaler | None = None  # once built: its events are summary.json's scale_events
     collector: ExperienceCollector | None = None
-    plan: Any = None  # expstream.launch.run.FeedPlan
-    progress: Any = None  # expstream.launch.run.Progress
+    target_groups: int | None = None  # complete groups the finite run wants (expstream.launch.collect.FeedPlan)
     fed: int = 0
     dropped: int = 0
     finished: bool = False  # the loop stopped because every fed group was accounted for or the target met
     summary: dict | None = None  # once written
     recording_dir: Path | None = None  # the run directory, when the recorder ran (summary.json "recording")
-    timeline: Any = None  # expstream.observe.timeline.Timeline of the run (summary.json "startup")
+    timeline: Timeline | None = None  # of the run (summary.json "startup")
 
     def fail(self, error: str) -> None:
         """Mark the run failed; the first error is the one reported (a Redis password in it masked)."""
@@ -111,13 +118,28 @@ class RunOutcome:
             problems.append(f"recording not read: {type(exc).__name__}: {exc}")
             return None
 
+    def note_exception(self, exc: BaseException) -> None:
+        """What ended the run, when an exception did: Ctrl-C interrupts it, anything else fails it."""
+        if isinstance(exc, KeyboardInterrupt):
+            self.status = EXIT_INTERRUPTED
+        else:
+            self.fail(f"{type(exc).__name__}: {exc}")
+
+    def unexpected(self, exc: Exception) -> None:
+        """An exception nobody expected: logged with its traceback (only without a secret in its text: a
+        Redis URL), and the run failed with it; what was collected is still written."""
+        text = f"{type(exc).__name__}: {exc}"
+        if self.secret and self.secret in text:
+            log.error("run %s: %s", self.run_id, text.replace(self.secret, REDACTED))
+        else:
+            log.exception("run %s: %s", self.run_id, exc)
+        self.fail(text)
+
     def on_exit(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
         """``ExitStack.push`` hook: an exception while setting up still writes the outputs; never swallows it."""
         if self.summary is None:
-            if isinstance(exc, KeyboardInterrupt):
-                self.status = EXIT_INTERRUPTED
-            elif exc is not None:
-                self.fail(f"{type(exc).__name__}: {exc}")
+            if exc is not None:
+                self.note_exception(exc)
             self.write()
         return False
 
@@ -127,11 +149,6 @@ class RunOutcome:
             return self.summary
         topo = self.topo
         problems: list[str] = []
-        try:
-            if self.progress is not None:
-                self.progress.close()
-        except Exception:  # noqa: BLE001, S110 - a progress bar is never worth losing the outputs
-            pass
         col = self.collector
         try:
             (self.out_dir / "experiences.msgpack").write_bytes(b"".join(col.records) if col else b"")
@@ -163,7 +180,7 @@ class RunOutcome:
             "problems": problems,
             "prompts": self.rows,
             "prompts_fed": self.fed,
-            "target_groups": self.plan.target if self.plan is not None else None,
+            "target_groups": self.target_groups,
             "groups_complete": col.complete_groups if col else 0,
             "groups_dropped_dynamic_sampling": self.dropped,
             "groups_dead_lettered": sorted(col.lost_groups()) if col else [],
@@ -201,7 +218,28 @@ class RunOutcome:
         self.summary = write_summary(summary, self.out_dir, self.run_id)
         return summary
 
-    def startup(self, col: Any, problems: list[str]) -> dict | None:
+    def print_summary(self) -> None:
+        """What the run prints at its end, from the written summary (:meth:`write` first)."""
+        summary, out_dir = self.write(), self.out_dir
+        print(f"run {summary['run_id']}: {summary['status']}")
+        print(f"  prompts {summary['prompts']}, groups complete {summary['groups_complete']}, "
+              f"samples {summary['samples']}, dropped (dynamic sampling) {summary['groups_dropped_dynamic_sampling']}, "
+              f"dead letters {len(summary['dead_letters'])}")
+        if summary["lost_groups"] or summary["foreign_samples"] or summary["rejected_records"]["count"]:
+            print(f"  lost groups {len(summary['lost_groups'])} of {summary['prompts_fed']} fed "
+                  f"(allowed share {summary['max_lost_group_share']:g}), foreign samples {summary['foreign_samples']}, "
+                  f"rejected records {summary['rejected_records']['count']}"
+                  + (f" (kept in {out_dir / REJECTED_FILE})" if summary["rejected_records"]["count"] else ""))
+        steady = summary["steady_samples_per_s"]
+        first = summary["first_experience_after_s"]
+        print(f"  first experience after {'n/a (none came)' if first is None else f'{first}s'}; steady state "
+              + (f"{steady:.2f} samples/s" if steady is not None else "n/a (arrivals spanned under a second)"))
+        print(f"  wall {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
+              f"duplicates dropped {summary['duplicate_samples_dropped']}, restarts {summary['stage_restarts'] or 0}")
+        print_stages(summary)
+        print(f"  wrote {out_dir / 'experiences.msgpack'} and {out_dir / 'summary.json'}")
+
+    def startup(self, col: ExperienceCollector | None, problems: list[str]) -> dict | None:
         """summary.json's ``startup`` (expstream/observe/timeline.py): the run's and every replica's marks."""
         if self.timeline is None:
             return None
@@ -240,17 +278,15 @@ class ContinuousOutcome(RunOutcome):
     ``experiences.msgpack`` and no lost-group verdict; the summary reports the training instead:
     steps, final policy version, samples generated / trained, reward of the first and last step,
     where ``train.jsonl`` and the final weights are. Call it after the trainer and the stages were
-    stopped, so the trainer's last lines are in (expstream.launch.run does).
+    stopped, so the trainer's last lines are in (expstream.launch.services.RunServices does).
     """
 
-    feeder: Any = None  # expstream.launch.prompts.EpochFeeder once feeding
-    train_log: Any = None  # expstream.launch.continuous.TrainLog once following train.jsonl
+    feeder: EpochFeeder | None = None  # once feeding
+    train_log: TrainLog | None = None  # once following train.jsonl
 
     def write(self) -> dict:
         if self.summary is not None:
             return self.summary
-        from expstream.launch.continuous import DONE_FILE, FINAL_DIR, TRAIN_LOG, TrainLog
-
         topo, problems = self.topo, []
         train_log = self.train_log or TrainLog(self.out_dir / TRAIN_LOG)
         try:
@@ -310,3 +346,30 @@ class ContinuousOutcome(RunOutcome):
         }
         self.summary = write_summary(summary, self.out_dir, self.run_id)
         return summary
+
+    def print_summary(self) -> None:
+        def reward(value: float | None) -> str:
+            return "n/a" if value is None else f"{value:.4f}"
+
+        summary, out_dir = self.write(), self.out_dir
+        print(f"run {summary['run_id']} (continuous): {summary['status']}")
+        print(f"  steps {summary['steps']}/{summary['max_steps']}, policy version {summary['final_policy_version']}, "
+              f"max staleness {summary['max_staleness']}, reward first step {reward(summary['reward_first_step'])} "
+              f"-> last step {reward(summary['reward_last_step'])}")
+        print(f"  prompts fed {summary['prompts_fed']} ({summary['epochs_started']} epochs begun), samples generated "
+              f"{summary['samples_generated']}, trained {summary['samples_trained']}, dropped stale "
+              f"{summary['dropped_stale']}, wall {summary['wall_s']:.1f}s, restarts {summary['stage_restarts'] or 0}")
+        print_stages(summary)
+        print(f"  wrote {summary['train_jsonl'] + ', ' if Path(summary['train_jsonl']).exists() else ''}"
+              f"{out_dir / 'summary.json'}"
+              + (f", final weights {summary['final_weights']}" if summary["final_weights"] else ""))
+
+
+def print_stages(summary: dict) -> None:
+    """The summary's scale events and per-stage lines, as both outcomes print them."""
+    events = summary.get("scale_events") or []
+    if events:
+        print(f"  scale events {len(events)}: " + ", ".join(
+            f"{e['stage']} {e['from']}->{e['to']} ({e['reason']}, {e['t_s']:.0f}s)" for e in events))
+    for name, s in summary["stages"].items():
+        print(f"  {name:<17} {s['batches']:>4} batches {s['samples']:>5} samples  {s['ms_per_batch']} ms/batch")

@@ -562,7 +562,7 @@ def replay_run(run_dir: str | Path, from_topic: str, stages: str, *, overrides: 
                output: str | Path | None = None, filters: Filters | None = None,
                topology: str | Path | None = None) -> dict[str, Any]:
     """The in-process replay (steps 1-4 of the module docstring); returns the summary it wrote."""
-    from expstream.launch.run import write_resolved_topology
+    from expstream.launch.services import write_resolved_topology
     from expstream.models.resolve import build_builtin_models, check_models
 
     started = time.monotonic()

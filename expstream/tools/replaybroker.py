@@ -194,7 +194,7 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
     """Steps 1-7 of the module doc; returns the summary it wrote (``status`` ``ok`` or ``failed``)."""
     from expstream.kafka.topics import create_topics
     from expstream.launch.preflight import check_services
-    from expstream.launch.run import FORK_ENTRY, stage_argv, stage_env, write_resolved_topology
+    from expstream.launch.services import FORK_ENTRY, stage_argv, stage_env, write_resolved_topology
     from expstream.launch.supervisor import Supervisor, SupervisorError
     from expstream.models.resolve import build_builtin_models, check_models
 
@@ -326,7 +326,7 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
 def _release_held(topo: Topology, state: Any, outstanding: int, bootstrap: str) -> bool:
     """Step 6: when the only samples missing are those the last stage holds (a cross-batch window),
     call its ``end_of_input`` and publish what it returns (as ``expstream run`` does)."""
-    from expstream.launch.run import publish_end_of_input
+    from expstream.launch.collect import publish_end_of_input
     from stages import held_samples
     from stages.context import make_context
 
