@@ -131,6 +131,14 @@ from schemas.errors import SchemaError
 from stages.context import StageContext
 from stages.pausing import PausedPolling
 from stages.slowwatch import SlowWatch
+from stages.splitting import (
+    first_line,
+    first_offsets,
+    process_or_split,
+    record_key,
+    sample_errors,
+    sample_ids,
+)
 
 # Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
 POLL_TIMEOUT_MS = 500
@@ -611,7 +619,7 @@ class StageRunner:
                 break
             if self._rewind_due():
                 self._finish_group(group)  # a rewind starts with nothing in hand
-                if self._maybe_rewind(_first_offsets(todo[i:])):
+                if self._maybe_rewind(first_offsets(todo[i:])):
                     return
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
@@ -714,7 +722,7 @@ class StageRunner:
                 self.log.warning("stage %s %s: after the commit of %d records (batches %s..%s), releasing their "
                                  "run state failed (%s: %s); it stays until it expires", self.stage.name, where,
                                  len(batches), batches[0].batch_id, batches[-1].batch_id, type(exc).__name__,
-                                 _first_line(exc))
+                                 first_line(exc))
             except Exception:  # a bug in the hook: loud, but it never costs a record
                 self.log.exception("stage %s %s: the committed hook failed after the commit of %d records",
                                    self.stage.name, where, len(batches))
@@ -805,11 +813,11 @@ class StageRunner:
             except ExpstreamError as exc:  # again the per-record way: retries, then dead-letter fallbacks
                 if self.stop_requested:  # as a retry would: the group stays uncommitted (redelivered)
                     raise ShutdownRequested(f"stop requested while the outputs of {what} were unconfirmed "
-                                            f"({_first_line(exc)})") from exc
+                                            f"({first_line(exc)})") from exc
                 self.log.warning("stage %s %s: sending %d records failed with %s %s: %s; sending them again "
                                  "record by record", self.stage.name, what, len(p.outputs) + len(p.letters),
                                  "retriable" if exc.retriable else "non-retriable", type(exc).__name__,
-                                 _first_line(exc))
+                                 first_line(exc))
                 self._deliver(p.record, p.where, p.outputs, p.letters, p.batch)
                 if exc.retriable:
                     self.log.info("stage %s %s: sent after retrying record by record (%.1fs); broker reachable "
@@ -902,26 +910,24 @@ class StageRunner:
             raise _Poison(f"{exc}\n{traceback.format_exc(limit=6)}") from exc
 
     def _process_or_split(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
-        try:
-            return self._run_process(batch), []
-        except Exception as exc:
-            if _retriable(exc) or isinstance(exc, ShutdownRequested):
-                raise  # a stop request (e.g. a generation abandoned on SIGTERM) is never a bad record
-            first = exc
-        n = len(batch) if isinstance(batch, (SampleBatch, PromptBatch)) else 0
+        def on_split(first: Exception, n: int) -> None:
+            self.split_batches += 1
+            self.log.warning("stage %s %s batch=%s: failed as a whole (%s: %s); splitting its %d samples to isolate "
+                             "the bad ones", self.stage.name, where, batch.batch_id, _error_class(first),
+                             first_line(first), n)
+
+        # a stop request (e.g. a generation abandoned on SIGTERM) is never a bad record
+        split = process_or_split(batch, self._run_process, on_split=on_split,
+                                 reraise=lambda exc: _retriable(exc) or isinstance(exc, ShutdownRequested))
+        first, bad, n = split.first, split.bad, split.samples
+        if first is None:
+            return split.outputs, []
         if n <= 1:
             return [], [self._letter(record, first, batch=batch)]
-        self.split_batches += 1
-        self.log.warning("stage %s %s batch=%s: failed as a whole (%s: %s); splitting its %d samples to isolate "
-                         "the bad ones", self.stage.name, where, batch.batch_id, _error_class(first),
-                         _first_line(first), n)
-        good: list[_Out] = []
-        bad: list[tuple[Any, Exception]] = []
-        self._bisect(batch, 0, n, good, bad)
-        if len(bad) == n:
+        if split.whole:
             # Nothing salvaged: a batch-level problem, or every sample bad. Keep the record whole (a
             # redrive reproduces it), with each sample's own reason beside the record's.
-            errors = {sid: f"{_error_class(exc)}: {_first_line(exc)}" for sub, exc in bad for sid in _sample_ids(sub)}
+            errors = sample_errors(bad, _error_class)
             self.log.warning("stage %s %s batch=%s: every sample fails on its own too; dead-lettering the record "
                              "whole (%s)", self.stage.name, where, batch.batch_id,
                              "; ".join(f"{sid}: {why}" for sid, why in errors.items())[:1000])
@@ -937,23 +943,8 @@ class StageRunner:
             letters.append(self._letter(record, exc, value=value, batch=sub, split_from=batch.batch_id))
         self.log.warning("stage %s %s batch=%s: split: %d of %d samples dead-lettered (%s), the rest produced",
                          self.stage.name, where, batch.batch_id, len(bad), n,
-                         ", ".join(",".join(_sample_ids(sub)) for sub, _ in bad)[:500])
-        return good, letters
-
-    def _bisect(self, batch: Any, lo: int, hi: int, good: list[_Out], bad: list[tuple[Any, Exception]]) -> None:
-        """[lo, hi) failed as a whole (hi - lo > 1): process each half, recurse into failing ones."""
-        mid = (lo + hi) // 2
-        for a, b in ((lo, mid), (mid, hi)):
-            sub = subset_batch(batch, a, b)
-            try:
-                good.extend(self._run_process(sub))
-            except Exception as exc:
-                if _retriable(exc) or isinstance(exc, ShutdownRequested):
-                    raise
-                if b - a == 1:
-                    bad.append((sub, exc))
-                else:
-                    self._bisect(batch, a, b, good, bad)
+                         ", ".join(",".join(sample_ids(sub)) for sub, _ in bad)[:500])
+        return split.outputs, letters
 
     # -- dead letters and sends (worker thread) ---------------------------------------------------
     def _letter(self, record: Any, exc: Exception, *, value: Any = ..., batch: Any = None,
@@ -961,7 +952,7 @@ class StageRunner:
         value = record.value if value is ... else value
         headers = letter_headers(
             record, stage=self.stage.name, replica=self.ctx.replica_id, error_class=_error_class(exc),
-            error_message=str(exc), value=value, sample_ids=_sample_ids(batch) if batch is not None else None,
+            error_message=str(exc), value=value, sample_ids=sample_ids(batch) if batch is not None else None,
             split_from=split_from, errors=errors)
         if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted
             return _Out(self.dlq_topic, b"", record.key, value_omitted_headers(
@@ -1024,7 +1015,7 @@ class StageRunner:
             self.dead_lettered += 1
             self.log.error("stage %s %s batch=%s: dead-lettered %s to %s: %s: %s", self.stage.name, where,
                            _header(letter, H_BATCH_ID) or "?", _header(letter, H_SAMPLE_IDS) or "the record",
-                           self.dlq_topic, _header(letter, H_ERROR_CLASS), _first_line(_header(letter, H_ERROR_MESSAGE)))
+                           self.dlq_topic, _header(letter, H_ERROR_CLASS), first_line(_header(letter, H_ERROR_MESSAGE)))
 
     def _record_lost(self, letters: list[_Out], where: str) -> None:
         """The continuous loop's accounting (expstream/rl/admission.py): samples of admitted work that were
@@ -1082,7 +1073,7 @@ class StageRunner:
                 if exc.retriable:
                     raise
                 self.log.error("stage %s %s: the broker refused the letter too (%s); trying it with less in it",
-                               self.stage.name, what, _first_line(exc))
+                               self.stage.name, what, first_line(exc))
                 last = exc
         raise last  # even the smallest letter is refused (a broken dead-letter topic): the stage fails
 
@@ -1154,11 +1145,6 @@ def _error_class(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _first_line(exc: BaseException | str) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
-
-
 def _header(out: _Out, name: str) -> str:
     return header_value(out.headers, name)
 
@@ -1166,35 +1152,3 @@ def _header(out: _Out, name: str) -> str:
 def _own_headers(out: _Out) -> list[tuple[str, bytes]]:
     """The headers of a letter that came from the original record (not written by the runner)."""
     return [(k, v) for k, v in out.headers or [] if k not in RUNNER_HEADERS]
-
-
-def _sample_ids(batch: Any) -> list[str]:
-    if isinstance(batch, SampleBatch):
-        return batch.sample_ids()
-    if isinstance(batch, PromptBatch):
-        return list(batch.prompt_id)
-    return []
-
-
-def subset_batch(batch: Any, lo: int, hi: int) -> Any:
-    """Samples [lo, hi) of ``batch`` as a batch called ``f"{batch_id}~{lo}-{hi}"``."""
-    batch_id = f"{batch.batch_id}~{lo}-{hi}"
-    if isinstance(batch, SampleBatch):
-        return batch.select(list(range(lo, hi)), batch_id=batch_id)
-    return PromptBatch(batch_id=batch_id, prompt_id=batch.prompt_id[lo:hi], prompt=batch.prompt[lo:hi],
-                       label=batch.label[lo:hi], reference=batch.reference[lo:hi],
-                       images=batch.images[lo:hi], videos=batch.videos[lo:hi])
-
-
-def _first_offsets(todo: list[tuple[TopicPartition, Any]]) -> dict[TopicPartition, int]:
-    """The first offset of each partition in ``todo`` (records polled, not handled yet)."""
-    out: dict[TopicPartition, int] = {}
-    for tp, rec in todo:
-        out.setdefault(tp, rec.offset)
-    return out
-
-
-def record_key(batch: Any) -> bytes:
-    """The key of an output record: the batch's first group id (its batch id when it has none)."""
-    group_ids = getattr(batch, "group_id", None)
-    return (group_ids[0] if group_ids else batch.batch_id).encode()

@@ -263,8 +263,8 @@ def read_recorded(run_dir: Path, topic: str, torn: list[str]) -> Iterator[Record
 
 
 def output_key(batch: Any) -> bytes:
-    """The key a stage runner gives an output record (stages/runner.py ``record_key``): the first group id."""
-    from stages.runner import record_key
+    """The key a stage runner gives an output record (stages/splitting.py ``record_key``): the first group id."""
+    from stages.splitting import record_key  # not at the top: the stages package loads the models' modules
 
     return record_key(batch)
 
@@ -278,16 +278,9 @@ def key_partition(key: bytes, partitions: int) -> int:
 
 def _letter_ids(batch: Any) -> list[str] | None:
     """The ``sample_ids`` of a letter: sample ids of a SampleBatch, prompt ids of a PromptBatch."""
-    if isinstance(batch, SampleBatch):
-        return [sample_id(g, int(k)) for g, k in zip(batch.group_id, batch.sample_index, strict=True)]
-    return list(getattr(batch, "prompt_id", []) or []) or None
+    from stages.splitting import sample_ids
 
-
-def _subset(batch: Any, lo: int, hi: int) -> Any:
-    """Samples [lo, hi) as ``f"{batch_id}~{lo}-{hi}"``: the runner's bisection ids (stages/runner.py)."""
-    from stages.runner import subset_batch
-
-    return subset_batch(batch, lo, hi)
+    return sample_ids(batch) or None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,36 +336,19 @@ class InProcessReplay:
     def _process_or_split(self, name: str, item: ReplayItem) -> tuple[list[Any], list[tuple[Any, Exception, str | None,
                                                                                       dict[str, str] | None]]]:
         """(outputs, failures); failures are (batch, error, split_from, each sample's own error when the record
-        goes whole after every sample failed alone) as the runner bisects them."""
+        goes whole after every sample failed alone) as the runner bisects them (stages/splitting.py)."""
+        from stages.splitting import process_or_split, sample_errors
+
         batch = item.batch
-        try:
-            return self._process(name, batch), []
-        except Exception as exc:  # noqa: BLE001 - every failure of process is a dead letter, as in the runner
-            first = exc
-        n = len(batch) if isinstance(batch, (SampleBatch, PromptBatch)) else 0
-        if n <= 1:
-            return [], [(batch, first, None, None)]
-        good: list[Any] = []
-        bad: list[tuple[Any, Exception]] = []
-
-        def bisect(lo: int, hi: int) -> None:
-            mid = (lo + hi) // 2
-            for a, b in ((lo, mid), (mid, hi)):
-                sub = _subset(batch, a, b)
-                try:
-                    good.extend(self._process(name, sub))
-                except Exception as exc:  # noqa: BLE001
-                    if b - a == 1:
-                        bad.append((sub, exc))
-                    else:
-                        bisect(a, b)
-
-        bisect(0, n)
-        if len(bad) == n:
-            errors = {sid: f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-                      for sub, exc in bad for sid in _letter_ids(sub) or []}
-            return [], [(batch, first, None, errors)]
-        return good, [(sub, exc, batch.batch_id, None) for sub, exc in bad]
+        # every failure of process is a dead letter, as in the runner (a replay retries nothing)
+        split = process_or_split(batch, lambda b: self._process(name, b))
+        if split.first is None:
+            return split.outputs, []
+        if split.samples <= 1:
+            return [], [(batch, split.first, None, None)]
+        if split.whole:
+            return [], [(batch, split.first, None, sample_errors(split.bad, lambda exc: type(exc).__name__))]
+        return split.outputs, [(sub, exc, batch.batch_id, None) for sub, exc in split.bad]
 
     def _letter(self, name: str, item: ReplayItem, batch: Any, exc: Exception, split_from: str | None,
                 errors: dict[str, str] | None = None) -> None:
