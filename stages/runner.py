@@ -68,14 +68,7 @@ start, polling and committing retry the same way; a commit refused because the g
 is idempotent. SIGTERM/SIGINT finish the micro-batch in hand, commit, and exit 0; a stop during a
 retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
 
-Rewind (expstream/tools/rewind.py has the whole handshake). Between two records, at most every
-``REWIND_CHECK_INTERVAL_S``, the loop reads the stage's rewind request from the run state. When one
-is set: 1. the micro-batch in hand is already done and committed (the check is between records);
-records polled but not handled yet are fetched again (their positions are set back); 2. every
-assigned partition is paused and the replica keeps polling (it stays in the group: no rebalance);
-3. it acknowledges each step under its heartbeat name ``<replica>:<pid>``; at the ``move`` step it
-seeks every partition it owns to the target and commits it (as a member: the commit is accepted);
-4. once the request is gone (cleared, or expired: the tool died) it resumes.
+Rewind: the replica's side of the handshake is stages/rewinding.py (the whole of it: expstream/tools/rewind.py).
 """
 
 from __future__ import annotations
@@ -92,7 +85,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka import TopicPartition
 from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
@@ -130,6 +123,8 @@ from schemas.codec import peek_header
 from schemas.errors import SchemaError
 from stages.context import StageContext
 from stages.pausing import PausedPolling
+from stages.revocations import RevocationTracker
+from stages.rewinding import ReplicaRewind
 from stages.slowwatch import SlowWatch
 from stages.splitting import (
     first_line,
@@ -165,12 +160,6 @@ MAX_COMMIT_GROUP = 16
 COMMIT_GROUP_MAX_S = 0.05
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
-# Why 0.5 s: how often a replica reads its stage's rewind request between records; one Redis GET per
-# replica per half second is nothing, and a rewind waits at most this long for an idle replica.
-REWIND_CHECK_INTERVAL_S = 0.5
-# Why 30 s: a waiting replica's acknowledgement lives this long unless renewed (every check), so a
-# replica that dies while waiting stops counting as acknowledged.
-REWIND_ACK_TTL_S = 30.0
 # Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
 UNASSIGNED_LOG_INTERVAL_S = 30.0
 
@@ -192,32 +181,6 @@ class RecordTooLargeError(PoisonRecordError):
 
 class TombstoneRecordError(PoisonRecordError):
     """A record with no value (a tombstone): dead-lettered with ``value_omitted``, nothing to decode."""
-
-
-class _RevocationTracker(ConsumerRebalanceListener):
-    """Runs on the client's IO thread: only records what happened; the main loop acts on it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.revoked: set[TopicPartition] = set()
-        self.assigned: set[TopicPartition] = set()
-        self.changes = 0  # bumped on every callback: "the assignment may have moved"
-
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        with self.lock:
-            self.revoked.update(revoked)
-            self.assigned.difference_update(revoked)
-            self.changes += 1
-
-    def on_partitions_assigned(self, assigned: Any) -> None:
-        with self.lock:
-            self.assigned.update(assigned)
-            self.revoked.difference_update(assigned)
-            self.changes += 1
-
-    def owns(self, tp: TopicPartition) -> bool:
-        with self.lock:
-            return tp in self.assigned
 
 
 @dataclasses.dataclass
@@ -295,8 +258,7 @@ class StageRunner:
         self._unassigned_since: float | None = None
         self._poll_backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
         self.pausing: PausedPolling | None = None
-        self.rewinds = 0  # rewind requests this replica left its group for
-        self._next_rewind_check = 0.0
+        self.rewinding: ReplicaRewind | None = None  # made once the consumer is subscribed
         # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
         self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
         ctx.metrics = self.metrics
@@ -318,6 +280,11 @@ class StageRunner:
     def rewound(self) -> int:
         """Records a poll returned for a partition assigned during a pause, rewound (stages/pausing.py)."""
         return self.pausing.rewound if self.pausing is not None else 0
+
+    @property
+    def rewinds(self) -> int:
+        """Rewind requests this replica left its group for (stages/rewinding.py)."""
+        return self.rewinding.rewinds if self.rewinding is not None else 0
 
     @property
     def stop_requested(self) -> bool:
@@ -344,10 +311,12 @@ class StageRunner:
         return f"{self.ctx.replica_id}:{os.getpid()}"
 
     def _subscribe(self) -> None:
-        self.tracker = _RevocationTracker()
+        self.tracker = RevocationTracker()
         self.consumer.subscribe([self.stage.input], listener=self.tracker)
         self.pausing = PausedPolling(self.consumer, self._poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
+        self.rewinding = ReplicaRewind(self.ctx, self.consumer, self.pausing, self.replica_key, self.log,
+                                       lambda: self.stop_requested)
 
     def start_joining(self) -> None:
         """Connect and join the consumer group on a thread while the stage's ``setup`` loads its models.
@@ -403,9 +372,9 @@ class StageRunner:
         threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
-                if self._group and self._rewind_due():
+                if self._group and self.rewinding.due():
                     self._finish_group(self._group)  # a rewind starts with nothing in hand
-                if self._maybe_rewind():
+                if self.rewinding.maybe_rewind():
                     continue
                 polled = self._poll(self._poll_timeout_ms())
                 if any(polled.values()):
@@ -480,76 +449,6 @@ class StageRunner:
             if self.consumer is not None:
                 self.consumer.close(autocommit=False)
 
-    # -- rewind (main thread; expstream/tools/rewind.py drives the handshake) --------------------------------
-    def _maybe_rewind(self, pending: dict[TopicPartition, int] | None = None) -> bool:
-        """Between records: when the stage has a rewind request, pause, acknowledge, move the owned
-        partitions when told, and resume once the request is gone. True when that happened.
-
-        ``pending``: the first record not handled yet of each partition polled (they are fetched again).
-        """
-        now = time.monotonic()
-        if now < self._next_rewind_check:
-            return False
-        self._next_rewind_check = now + REWIND_CHECK_INTERVAL_S
-        try:
-            request = self.ctx.state.rewind_request(self.stage.name)
-        except ExpstreamError as exc:  # the state is away: the work path notices and retries; go on
-            self.log.warning("stage %s: could not read the rewind request: %s", self.stage.name, exc)
-            return False
-        if request is None:
-            return False
-        self.rewinds += 1
-        for tp, offset in (pending or {}).items():
-            self.pausing.reposition(tp, offset)
-        self.log.warning("stage %s replica %s: rewind request %s: pausing %s (last record committed)",
-                         self.stage.name, self.replica_key, request.split("/")[0], self.stage.input)
-        started, moved, acked = time.monotonic(), set(), None
-        while not self.stop_requested:
-            try:
-                request = self.ctx.state.rewind_request(self.stage.name)
-                if request is None:
-                    break
-                if self._rewind_move(request, moved):
-                    self.ctx.state.ack_rewind(self.stage.name, request, self.replica_key, REWIND_ACK_TTL_S)
-                    if request != acked:
-                        self.log.info("stage %s replica %s: acknowledged rewind step %s", self.stage.name,
-                                      self.replica_key, request)
-                        acked = request
-            except ExpstreamError as exc:
-                self.log.warning("stage %s: rewind handshake: run state unreachable (%s); still paused",
-                                 self.stage.name, exc)
-            self.pausing.poll_paused()  # keeps the membership; ~BUSY_POLL_MS
-        self.pausing.resume_all()
-        self.log.warning("stage %s replica %s: rewind done after %.1fs; resuming (moved here: %s)", self.stage.name,
-                         self.replica_key, time.monotonic() - started,
-                         ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(moved)) or "none")
-        return True
-
-    def _rewind_move(self, request: str, moved: set[TopicPartition]) -> bool:
-        """``<id>/move/<p:offset,...>``: seek and commit every owned partition named; True when each is done."""
-        _, _, rest = request.partition("/")
-        if not rest.startswith("move/"):
-            return True  # the pause step: paused is all it asks
-        targets = dict(tuple(int(x) for x in item.split(":")) for item in filter(None, rest[5:].split(",")))
-        ok = True
-        for tp in sorted(self.consumer.assignment()):
-            if tp in moved or tp.partition not in targets:
-                continue
-            offset = targets[tp.partition]
-            try:
-                self.consumer.seek(tp, offset)
-                self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1)},
-                                     timeout_ms=self.ctx.topology.kafka.request_timeout_ms)
-            except (kafka_errors.KafkaError, AssertionError) as exc:  # rebalanced meanwhile: tried again
-                self.log.warning("stage %s: rewind of %s[%d] to %d not committed yet (%s); retrying",
-                                 self.stage.name, tp.topic, tp.partition, offset, exc)
-                ok = False
-                continue
-            moved.add(tp)
-            self.log.warning("stage %s replica %s: rewound %s[%d] to %d (committed)", self.stage.name,
-                             self.replica_key, tp.topic, tp.partition, offset)
-        return ok
-
     def _heartbeats(self) -> None:
         """Redis heartbeats on their own thread: a slow Redis must never delay the consumer's polls."""
         while True:
@@ -617,9 +516,9 @@ class StageRunner:
         for i, (tp, record) in enumerate(todo):
             if self.stop_requested:
                 break
-            if self._rewind_due():
+            if self.rewinding.due():
                 self._finish_group(group)  # a rewind starts with nothing in hand
-                if self._maybe_rewind(first_offsets(todo[i:])):
+                if self.rewinding.maybe_rewind(first_offsets(todo[i:])):
                     return
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
@@ -645,9 +544,6 @@ class StageRunner:
             self._finish_group(group)
         for other, offset in (moved or {}).items():
             self.pausing.reposition(other, offset)
-
-    def _rewind_due(self) -> bool:
-        return time.monotonic() >= self._next_rewind_check
 
     # -- one record -----------------------------------------------------------------------------
     def _start(self, tp: TopicPartition, record: Any, group: list[_Pending]) -> _Pending | None:

@@ -11,7 +11,7 @@
 * a batch id, ``batch:p000003/m0``: the first record carrying it goes back to its own offset (it is
   reprocessed); the other partitions go to the same moment (first record at or after its timestamp).
 
-The handshake (the tool T, each replica R of the stage; R's side is in stages/runner.py). The
+The handshake (the tool T, each replica R of the stage; R's side is in stages/rewinding.py). The
 replicas stay in their consumer group throughout: no member leaves or joins, so no rebalance
 (measured on the embedded Tansu: two replicas that leave an emptied group and rejoin together
 waited over 90 s for an assignment; paused members move in about a second).
@@ -21,7 +21,7 @@ waited over 90 s for an assignment; paused members move in about a second).
    ``--yes`` T asks on a terminal and refuses without one.
 2. T sets the stage's rewind request ``<id>`` in the run's state, with a TTL it refreshes on every
    round (``REQUEST_TTL_S``): a T that dies leaves no replica paused for ever.
-3. R, between two records (at most every ``stages.runner.REWIND_CHECK_INTERVAL_S``), sees it: the
+3. R, between two records (at most every ``stages.rewinding.REWIND_CHECK_INTERVAL_S``), sees it: the
    micro-batch it had is committed already; records it polled but did not handle are set back; it
    pauses every assigned partition, keeps polling (membership kept) and acknowledges ``<id>`` under its
    heartbeat name ``<replica>:<pid>``.
@@ -414,7 +414,7 @@ def live_replicas(state: Any, stage: str, now: float | None = None) -> set[str]:
 
 
 def move_request(request: str, targets: dict[int, int]) -> str:
-    """The ``move`` step's request text: ``<id>/move/<p:offset,...>`` (stages/runner.py parses it)."""
+    """The ``move`` step's request text: ``<id>/move/<p:offset,...>`` (stages/rewinding.py parses it)."""
     return f"{request}/move/" + ",".join(f"{p}:{o}" for p, o in sorted(targets.items()))
 
 
