@@ -38,13 +38,7 @@ resumed; the commit is made only if the record's partition is still ours, and if
 changed meanwhile, the fetch position of the partition is set past the record so that it is not
 fetched a second time from the (older) committed offset.
 
-Bad input goes to ``<input topic>.dlq`` and the partition moves on: a record with no value (a
-tombstone), undecodable bytes, an unknown schema or version, missing/mistyped/inconsistent fields or
-non-finite floats (all ``SchemaError``), a record over ``max_record_bytes``, a ``PoisonRecordError``
-or any other non-retriable exception from ``process``. A letter carries the original bytes and key
-and the headers listed in expstream/kafka/letters.py; when the broker refuses it, it is sent again with
-the record's own headers left out, then without the value (``_deliver``), so no record a stage
-cannot handle stops the partition. ``ShutdownRequested`` is never dead-lettered.
+Dead letters and their fallbacks: stages/deadletters.py. Sends and work retries: stages/sending.py.
 
 Splitting. When ``process`` fails with a non-retriable error on a micro-batch of B > 1 samples
 (a SampleBatch, or a PromptBatch of several prompts), the batch is bisected: each half is
@@ -89,7 +83,7 @@ from kafka import TopicPartition
 from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
-from expstream.errors import BrokerUnavailableError, ExpstreamError, PoisonRecordError, ShutdownRequested
+from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
 from expstream.faults import FAULT_ENV, RUNNER_POINTS, fault_plan
 from expstream.kafka.clients import (
     confirm_all,
@@ -97,19 +91,6 @@ from expstream.kafka.clients import (
     make_consumer,
     make_producer,
     send_all,
-    send_all_and_confirm,
-)
-from expstream.kafka.letters import (
-    H_BATCH_ID,
-    H_ERROR_CLASS,
-    H_ERROR_MESSAGE,
-    H_SAMPLE_IDS,
-    H_SPLIT_FROM,
-    RUNNER_HEADERS,
-    header_value,
-    headers_omitted_headers,
-    letter_headers,
-    value_omitted_headers,
 )
 from expstream.kafka.provenance import provenance_headers, read_provenance
 from expstream.kafka.topics import dlq_topic
@@ -117,14 +98,28 @@ from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
 from expstream.retry import Attempt, Backoff, Policy, retry
-from expstream.rl.admission import admission_id
 from schemas import PromptBatch, SampleBatch, decode, encode
-from schemas.codec import peek_header
 from schemas.errors import SchemaError
 from stages.context import StageContext
+from stages.deadletters import (
+    DeadLetters,
+    ProcessFailure,
+    RecordTooLargeError,
+    TombstoneRecordError,
+    error_class,
+)
 from stages.pausing import PausedPolling
 from stages.revocations import RevocationTracker
 from stages.rewinding import ReplicaRewind
+from stages.sending import (
+    RETRY_BACKOFF_MAX_S,
+    RETRY_BACKOFF_START_S,
+    SLOW_SEND_WARN_S,
+    WORK_RETRY,
+    Out,
+    Sender,
+    retriable,
+)
 from stages.slowwatch import SlowWatch
 from stages.splitting import (
     first_line,
@@ -137,21 +132,10 @@ from stages.splitting import (
 
 # Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
 POLL_TIMEOUT_MS = 500
-# Why these bounds: a retriable failure (broker or Redis briefly away) is retried with exponential
-# backoff up to 10 s between tries, so a stage neither crash-loops nor hammers a recovering service.
-RETRY_BACKOFF_START_S = 0.2
-RETRY_BACKOFF_MAX_S = 10.0
-# Why 5 minutes: after this long a retriable error is treated as a stage failure (exit 1) so the
-# supervisor restarts the process and the record is redelivered to a fresh one.
-RETRY_GIVE_UP_S = 300.0
 # Why 60 s: a commit that cannot reach the broker for a minute is given up (logged); the record is
 # redelivered after the next rebalance, and a later commit on the partition covers it anyway.
 COMMIT_GIVE_UP_S = 60.0
-_WORK_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, RETRY_GIVE_UP_S)  # connect, process, send
 _COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_UP_S)
-# Why 5 s: an acknowledgement normally takes milliseconds; after 5 s the operator should hear that the
-# broker is slow or away, long before kafka.produce_timeout_s (30 s) turns it into a retry.
-SLOW_SEND_WARN_S = 5.0
 # Why 16 and 50 ms: consecutive records are flushed, confirmed and committed together (one flush, one
 # commit per partition: the per-record broker round trips are what a hop costs), but a group closes
 # after 16 records or once its first record has waited 50 ms, so a slow stage's outputs are not held
@@ -175,26 +159,6 @@ _REBALANCED = tuple(
 )  # fmt: skip
 
 
-class RecordTooLargeError(PoisonRecordError):
-    """A record over the runner's ``max_record_bytes``: dead-lettered before decoding."""
-
-
-class TombstoneRecordError(PoisonRecordError):
-    """A record with no value (a tombstone): dead-lettered with ``value_omitted``, nothing to decode."""
-
-
-@dataclasses.dataclass
-class _Out:
-    """One record to send (an output or a dead letter)."""
-
-    topic: str
-    value: bytes | None
-    key: bytes | None
-    headers: list[tuple[str, bytes]] | None = None
-    samples: int = 0  # samples in an output SampleBatch (0 for a PromptBatch or a letter)
-    batch: Any = None  # a letter's decoded batch (the record's, or a split sub-batch), for lost accounting
-
-
 @dataclasses.dataclass
 class _Done:
     """What the worker did with one record."""
@@ -214,8 +178,8 @@ class _Pending:
     record: Any
     where: str  # topic[partition]@offset, for log lines
     batch: Any  # the decoded batch; None when the record could not be decoded
-    outputs: list[_Out]
-    letters: list[_Out]
+    outputs: list[Out]
+    letters: list[Out]
     sent: list | None  # (record, future) pairs of outputs + letters; None: the producer refused them at once
     started: float  # time.monotonic() when the work began
 
@@ -246,12 +210,13 @@ class StageRunner:
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
         self.handled = 0
-        self.dead_lettered = 0
         self.split_batches = 0
         self.commits_skipped = 0
         self.longest_busy_s = 0.0
         self.producer: Any = None
         self.consumer: Any = None
+        self.sender: Sender | None = None  # made once the producer is there (run)
+        self.dead_letters: DeadLetters | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # decode, process, hand over
         self._confirmer: concurrent.futures.ThreadPoolExecutor | None = None  # flush, confirm, statistics
         self._closing = threading.Event()
@@ -280,6 +245,11 @@ class StageRunner:
     def rewound(self) -> int:
         """Records a poll returned for a partition assigned during a pause, rewound (stages/pausing.py)."""
         return self.pausing.rewound if self.pausing is not None else 0
+
+    @property
+    def dead_lettered(self) -> int:
+        """Letters sent (stages/deadletters.py)."""
+        return self.dead_letters.dead_lettered if self.dead_letters is not None else 0
 
     @property
     def rewinds(self) -> int:
@@ -363,6 +333,8 @@ class StageRunner:
                 self._log_stopped()
                 return 0
             self._subscribe()
+        self.sender = Sender(self.ctx, self.producer, self.log, self._stop, self.metrics, self._slow)
+        self.dead_letters = DeadLetters(self.ctx, self.log, self.sender)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
@@ -429,7 +401,7 @@ class StageRunner:
                 raise ShutdownRequested("stop requested while connecting")
 
         try:
-            return retry(connect, policy=_WORK_RETRY, retriable=lambda exc: isinstance(exc, BrokerUnavailableError),
+            return retry(connect, policy=WORK_RETRY, retriable=lambda exc: isinstance(exc, BrokerUnavailableError),
                          on_retry=lambda a: self.log.warning(
                              "stage %s: broker %s unreachable (%s); retrying in %.1fs (%.0fs so far)", self.stage.name,
                              self.bootstrap, a.exc, a.delay_s, a.waited_s),
@@ -662,22 +634,22 @@ class StageRunner:
         value = record.value
         size = len(value) if value is not None else 0
         batch = None
-        outputs: list[_Out] = []
+        outputs: list[Out] = []
         if value is None:
             exc: Exception = TombstoneRecordError(
                 "record has no value (a Kafka tombstone, value=None); there is nothing to decode. Stage input "
                 "topics carry one message per record: find the writer of null values")
-            letters = [self._letter(record, exc)]
+            letters = [self.dead_letters.letter(record, exc)]
         elif size > self.max_record_bytes:
             exc = RecordTooLargeError(
                 f"record is {size} bytes, over max_record_bytes={self.max_record_bytes}; not decoded. Split the "
                 "micro-batch upstream (smaller algo.micro_rollout_batch_size) or raise the limit")
-            letters = [self._letter(record, exc)]
+            letters = [self.dead_letters.letter(record, exc)]
         else:
             try:
                 batch = decode(value)
             except SchemaError as exc:
-                letters = [self._letter(record, exc)]
+                letters = [self.dead_letters.letter(record, exc)]
             else:
                 if self.metrics is not None:
                     self._observe_input(record, batch)
@@ -714,12 +686,12 @@ class StageRunner:
                                  "record by record", self.stage.name, what, len(p.outputs) + len(p.letters),
                                  "retriable" if exc.retriable else "non-retriable", type(exc).__name__,
                                  first_line(exc))
-                self._deliver(p.record, p.where, p.outputs, p.letters, p.batch)
+                self.dead_letters.deliver(p.record, p.where, p.outputs, p.letters, p.batch)
                 if exc.retriable:
                     self.log.info("stage %s %s: sent after retrying record by record (%.1fs); broker reachable "
                                   "again", self.stage.name, what, time.monotonic() - started)
             else:
-                self._after_delivery(p.letters, p.where, what)
+                self.dead_letters.after_delivery(p.letters, p.where, what)
         if self.metrics is not None:
             self.metrics.send_seconds.observe(time.monotonic() - started)
         self._maybe_fault("after_produce")
@@ -753,49 +725,17 @@ class StageRunner:
         return _Done(p.batch_id, samples, len(outputs), len(letters), seconds), row
 
     # -- process, with retries and splitting (worker thread) ---------------------------------------
-    def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
-        return self._retry_work(lambda: self._process_or_split(batch, record, where),
+    def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[Out], list[Out]]:
+        return self.sender.retry_work(lambda: self._process_or_split(batch, record, where),
                                 f"{where} batch={batch.batch_id}", "process")
 
-    def _retry_work(self, fn: Callable[[], T], what: str, step: str,
-                    recovered: Callable[[Attempt], None] | None = None) -> T:
-        """``fn`` retried on retriable errors (worker thread): after RETRY_GIVE_UP_S the error is raised so
-        the supervisor restarts the stage; a stop request abandons the record (ShutdownRequested)."""
-        last: list[Attempt] = []
-
-        def stopping(a: Attempt) -> ShutdownRequested:
-            return ShutdownRequested(f"stop requested while retrying {step} ({type(a.exc).__name__}: {a.exc})")
-
-        def give_up(a: Attempt) -> T:
-            self.log.error("stage %s %s: %s still failing after %.0fs (%s: %s); giving up so the supervisor "
-                           "restarts the stage", self.stage.name, what, step, a.waited_s, type(a.exc).__name__, a.exc)
-            raise a.exc
-
-        def on_retry(a: Attempt) -> None:
-            if self.stop_requested:
-                raise stopping(a)
-            self.log.warning("stage %s %s: %s failed with retriable %s: %s; retry %d in %.1fs (%.1fs so far)",
-                             self.stage.name, what, step, type(a.exc).__name__, a.exc, a.number, a.delay_s, a.waited_s)
-            last[:] = [a]
-            if self.metrics is not None:
-                self.metrics.retry(step.split(" ", 1)[0])
-
-        def wait(seconds: float) -> None:
-            if self._stop.wait(seconds):
-                raise stopping(last[0])
-
-        out = retry(fn, policy=_WORK_RETRY, retriable=_retriable, on_retry=on_retry, on_give_up=give_up, sleep=wait)
-        if last and recovered is not None:
-            recovered(last[0])
-        return out
-
-    def _run_process(self, batch: Any) -> list[_Out]:
+    def _run_process(self, batch: Any) -> list[Out]:
         """``process`` + encode; non-retriable failures come out as SchemaError, ExpstreamError or _Poison."""
         try:
             outs = self.process(batch, self.ctx)
             if isinstance(outs, (SampleBatch, PromptBatch)):
                 outs = [outs]
-            return [_Out(self.stage.output, encode(o), record_key(o),
+            return [Out(self.stage.output, encode(o), record_key(o),
                          headers=provenance_headers(self.stage.name, getattr(o, "policy_version", 0)),
                          samples=len(o) if isinstance(o, SampleBatch) else 0)
                     for o in outs]
@@ -803,31 +743,31 @@ class StageRunner:
             raise
         except Exception as exc:  # a bug or a bad sample: data routed to the DLQ, never swallowed
             # the class travels in the error_class header; the message gets a short traceback
-            raise _Poison(f"{exc}\n{traceback.format_exc(limit=6)}") from exc
+            raise ProcessFailure(f"{exc}\n{traceback.format_exc(limit=6)}") from exc
 
-    def _process_or_split(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
+    def _process_or_split(self, batch: Any, record: Any, where: str) -> tuple[list[Out], list[Out]]:
         def on_split(first: Exception, n: int) -> None:
             self.split_batches += 1
             self.log.warning("stage %s %s batch=%s: failed as a whole (%s: %s); splitting its %d samples to isolate "
-                             "the bad ones", self.stage.name, where, batch.batch_id, _error_class(first),
+                             "the bad ones", self.stage.name, where, batch.batch_id, error_class(first),
                              first_line(first), n)
 
         # a stop request (e.g. a generation abandoned on SIGTERM) is never a bad record
         split = process_or_split(batch, self._run_process, on_split=on_split,
-                                 reraise=lambda exc: _retriable(exc) or isinstance(exc, ShutdownRequested))
+                                 reraise=lambda exc: retriable(exc) or isinstance(exc, ShutdownRequested))
         first, bad, n = split.first, split.bad, split.samples
         if first is None:
             return split.outputs, []
         if n <= 1:
-            return [], [self._letter(record, first, batch=batch)]
+            return [], [self.dead_letters.letter(record, first, batch=batch)]
         if split.whole:
             # Nothing salvaged: a batch-level problem, or every sample bad. Keep the record whole (a
             # redrive reproduces it), with each sample's own reason beside the record's.
-            errors = sample_errors(bad, _error_class)
+            errors = sample_errors(bad, error_class)
             self.log.warning("stage %s %s batch=%s: every sample fails on its own too; dead-lettering the record "
                              "whole (%s)", self.stage.name, where, batch.batch_id,
                              "; ".join(f"{sid}: {why}" for sid, why in errors.items())[:1000])
-            return [], [self._letter(record, first, batch=batch, errors=errors)]
+            return [], [self.dead_letters.letter(record, first, batch=batch, errors=errors)]
         letters = []
         for sub, exc in bad:
             try:
@@ -835,143 +775,12 @@ class StageRunner:
             except SchemaError as enc_exc:  # cannot happen for a select() of a decoded batch; be safe
                 self.log.error("stage %s %s: bad sample %s cannot be re-encoded (%s); dead-lettering the record "
                                "whole", self.stage.name, where, sub.batch_id, enc_exc)
-                return [], [self._letter(record, first, batch=batch)]
-            letters.append(self._letter(record, exc, value=value, batch=sub, split_from=batch.batch_id))
+                return [], [self.dead_letters.letter(record, first, batch=batch)]
+            letters.append(self.dead_letters.letter(record, exc, value=value, batch=sub, split_from=batch.batch_id))
         self.log.warning("stage %s %s batch=%s: split: %d of %d samples dead-lettered (%s), the rest produced",
                          self.stage.name, where, batch.batch_id, len(bad), n,
                          ", ".join(",".join(sample_ids(sub)) for sub, _ in bad)[:500])
         return split.outputs, letters
-
-    # -- dead letters and sends (worker thread) ---------------------------------------------------
-    def _letter(self, record: Any, exc: Exception, *, value: Any = ..., batch: Any = None,
-                split_from: str | None = None, errors: dict[str, str] | None = None) -> _Out:
-        value = record.value if value is ... else value
-        headers = letter_headers(
-            record, stage=self.stage.name, replica=self.ctx.replica_id, error_class=_error_class(exc),
-            error_message=str(exc), value=value, sample_ids=sample_ids(batch) if batch is not None else None,
-            split_from=split_from, errors=errors)
-        if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted
-            return _Out(self.dlq_topic, b"", record.key, value_omitted_headers(
-                headers, "the record had no value (a tombstone); there is nothing to carry or redrive"))
-        return _Out(self.dlq_topic, value, record.key, headers, batch=batch)
-
-    def _send(self, items: list[_Out], what: str) -> None:
-        """Send and confirm ``items``, retrying retriable failures; raises a non-retriable ProduceError."""
-        started = time.monotonic()
-
-        def send() -> None:
-            with self._slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge %d records "
-                               "after %.0fs (broker unreachable or paused?); retrying after "
-                               "kafka.produce_timeout_s=%.0fs", self.stage.name, what, len(items),
-                               SLOW_SEND_WARN_S, self.ctx.topology.kafka.produce_timeout_s):
-                send_all_and_confirm(self.producer, [(o.topic, o.value, o.key, o.headers) for o in items],
-                                     self.ctx.topology.kafka.produce_timeout_s)
-
-        self._retry_work(send, what, f"sending {len(items)} records", recovered=lambda a: self.log.info(
-            "stage %s %s: sent after %d retries (%.1fs); broker reachable again", self.stage.name, what, a.number,
-            time.monotonic() - started))
-        if self.metrics is not None:
-            self.metrics.send_seconds.observe(time.monotonic() - started)
-
-    def _deliver(self, record: Any, where: str, outputs: list[_Out], letters: list[_Out], batch: Any) -> None:
-        """Send the outputs and letters of one record; when the broker refuses one (non-retriable), fall
-        back step by step, so that a record always leaves as a letter and the partition moves on:
-
-        1. everything as computed;
-        2. the input record whole as one letter (the outputs dropped), with the refusal as the reason
-           unless the record already was a single whole-record letter (its own reason is kept);
-        3. that letter without the record's own headers (``headers_omitted``), the value kept;
-        4. with the headers but without the value (``value_omitted``: the original stays at its
-           topic[partition]@offset), then 5. without both.
-
-        A stop request (ShutdownRequested) is never a refusal: it propagates, the record stays uncommitted.
-        """
-        what = f"{where} batch={batch.batch_id if batch is not None else peek_header(record.value)[2]}"
-        try:
-            self._send(outputs + letters, what)
-        except ShutdownRequested:
-            raise
-        except ExpstreamError as exc:  # non-retriable: the broker refuses a record (e.g. too large)
-            if exc.retriable:  # still failing after RETRY_GIVE_UP_S: the stage fails, the record is redelivered
-                raise
-            whole = len(letters) == 1 and not outputs and _header(letters[0], H_SPLIT_FROM) == ""
-            self.log.error("stage %s %s: the broker refused %s (%s); dead-lettering the input record whole%s",
-                           self.stage.name, what, "the letter" if whole else "an output or letter", exc,
-                           "" if whole else " instead")
-            first = letters[0] if whole else self._letter(record, exc, batch=batch)
-            outputs[:] = []
-            letters[:] = [self._send_letter_somehow(first, where, what, exc, tried=whole)]
-        self._after_delivery(letters, where, what)
-
-    def _after_delivery(self, letters: list[_Out], where: str, what: str) -> None:
-        """Once a record's outputs and letters are acknowledged: lost-sample accounting, one log line per letter."""
-        if letters and self.ctx.topology.train.enabled:
-            self._retry_work(lambda: self._record_lost(letters, where), what, "recording lost samples")
-        for letter in letters:
-            self.dead_lettered += 1
-            self.log.error("stage %s %s batch=%s: dead-lettered %s to %s: %s: %s", self.stage.name, where,
-                           _header(letter, H_BATCH_ID) or "?", _header(letter, H_SAMPLE_IDS) or "the record",
-                           self.dlq_topic, _header(letter, H_ERROR_CLASS), first_line(_header(letter, H_ERROR_MESSAGE)))
-
-    def _record_lost(self, letters: list[_Out], where: str) -> None:
-        """The continuous loop's accounting (expstream/rl/admission.py): samples of admitted work that were
-        dead-lettered never reach the trainer; count them lost (idempotent per batch id) before the commit.
-        A PromptBatch counts its G x n samples under the version its root record was admitted with (not
-        admitted: nothing to count); a SampleBatch counts B under its policy_version, except one read from
-        the prompt topic (never admitted)."""
-        n = self.ctx.topology.generate.n_samples_per_prompt
-        for letter in letters:
-            b = letter.batch
-            if isinstance(b, PromptBatch):
-                version, samples = self.ctx.state.admitted_version(admission_id(b.batch_id)), len(b) * n
-            elif isinstance(b, SampleBatch) and self.stage.input != self.ctx.topology.topics.input:
-                version, samples = b.policy_version, len(b)
-            else:
-                continue
-            if version is not None and samples and self.ctx.state.record_lost(b.batch_id, int(version), samples):
-                self.log.warning("stage %s %s batch=%s: %d samples of policy version %d counted lost (dead-lettered)",
-                                 self.stage.name, where, b.batch_id, samples, version)
-
-    def _send_letter_somehow(self, letter: _Out, where: str, what: str, refusal: Exception, *,
-                             tried: bool) -> _Out:
-        """Steps 2-4 of :meth:`_deliver`: ``letter`` (unless ``tried`` already), then without the record's
-        own headers, then without the value, then without both; returns the one the broker took."""
-        own = _own_headers(letter)
-        runner_only = [(k, v) for k, v in letter.headers or [] if k in RUNNER_HEADERS]
-
-        def no_headers(out: _Out, exc: Exception) -> _Out:
-            return dataclasses.replace(out, headers=headers_omitted_headers(
-                [(k, v) for k, v in out.headers or [] if k in RUNNER_HEADERS],
-                f"{len(own)} header(s) of the original record dropped ({', '.join(sorted({k for k, _ in own}))[:200]}): "
-                f"the broker refused them ({exc}); read them at {where}"))
-
-        def no_value(out: _Out, exc: Exception) -> _Out:
-            return dataclasses.replace(out, value=b"", headers=value_omitted_headers(
-                out.headers, f"the broker refused the original value ({exc}); read it at {where}"))
-
-        steps: list[Callable[[Exception], _Out]] = [] if tried else [lambda exc: letter]
-        if own:
-            steps.append(lambda exc: no_headers(letter, exc))
-        if letter.value:
-            steps.append(lambda exc: no_value(letter, exc))
-            if own:
-                steps.append(lambda exc: no_value(no_headers(dataclasses.replace(letter, headers=runner_only), exc),
-                                                  exc))
-        last = refusal
-        for step in steps:
-            candidate = step(last)
-            try:
-                self._send([candidate], what)
-                return candidate
-            except ShutdownRequested:
-                raise
-            except ExpstreamError as exc:
-                if exc.retriable:
-                    raise
-                self.log.error("stage %s %s: the broker refused the letter too (%s); trying it with less in it",
-                               self.stage.name, what, first_line(exc))
-                last = exc
-        raise last  # even the smallest letter is refused (a broken dead-letter topic): the stage fails
 
     def _maybe_fault(self, point: str) -> None:
         if self.fault is not None and self.fault[0] == point and self._worked >= self.fault[1]:
@@ -1025,26 +834,3 @@ class StageRunner:
         return retry(commit, policy=_COMMIT_RETRY, retriable=lambda exc: isinstance(exc, kafka_errors.KafkaError),
                      on_retry=on_retry, on_give_up=give_up, stop=lambda: self.stop_requested,
                      sleep=lambda seconds: self.pausing.sleep(seconds, lambda: self.stop_requested))
-
-
-class _Poison(Exception):
-    """A failure inside process() that is not retriable: the record goes to the DLQ."""
-
-
-def _retriable(exc: BaseException) -> bool:
-    return bool(getattr(exc, "retriable", False)) and isinstance(exc, ExpstreamError)
-
-
-def _error_class(exc: BaseException) -> str:
-    if isinstance(exc, _Poison) and exc.__cause__ is not None:
-        return type(exc.__cause__).__name__
-    return type(exc).__name__
-
-
-def _header(out: _Out, name: str) -> str:
-    return header_value(out.headers, name)
-
-
-def _own_headers(out: _Out) -> list[tuple[str, bytes]]:
-    """The headers of a letter that came from the original record (not written by the runner)."""
-    return [(k, v) for k, v in out.headers or [] if k not in RUNNER_HEADERS]
