@@ -1,32 +1,7 @@
 """The one Kafka loop every stage runs in: consume -> decode -> process -> produce -> commit.
 
-Commit protocol, per input record (one record = one micro-batch, polled one at a time), with steps
-3-4 done for a *commit group*: consecutive records, at most ``MAX_COMMIT_GROUP`` of them, closed once
-its first record has waited ``COMMIT_GROUP_MAX_S`` or a poll finds nothing more (so a slow stage's
-records are each their own group, and a backlog pays one flush and one commit per group instead of
-per record):
-
-1. A record larger than ``max_record_bytes`` is dead-lettered without being decoded. Otherwise its
-   bytes are decoded inside the stage (never in the fetcher), under try/except.
-2. ``process(batch, ctx)`` returns zero or more output batches (Redis updates inside it are
-   idempotent by batch id, so a redelivered record changes nothing twice). Outputs are encoded
-   (and so validated) right away: an output that breaks the contract is a failure of ``process``.
-3. Every output and dead letter is handed to the producer as soon as its record is done; at the
-   end of the group the producer is flushed once and every send future ``.get()``-ed (``flush()``
-   does not raise per-record errors). A record with a failed future is sent again the per-record
-   way (retries, then the dead-letter fallbacks of ``_deliver``) before anything is committed.
-   Then each record's statistics go to the run state.
-4. ``offset + 1`` of the group's last record of each partition is committed, only if this consumer
-   still owns the partition. Nothing is committed before every output of every record up to it is
-   acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
-   group at most (downstream is idempotent by batch id).
-   Rebalance listeners run on kafka-python's IO thread, so they only record revocations; the
-   loop acts on them.
-5. The stage's optional ``committed(batches, ctx)`` hook gets the decoded batches of the records
-   now committed (a record whose partition's commit failed waits for the next commit that
-   succeeds on its partition): run state that only a redelivery could still need is released
-   there (advantage frees settled group buffers, generate marks its admissions delivered). A crash
-   between 4 and 5 leaves that state to its TTL; nothing is lost or doubled.
+The commit protocol (steps 1-5: decode, process, confirm, commit, the ``committed`` hook) is in
+stages/commitgroup.py's docstring; the collaborators of the loop are listed in docs/ARCHITECTURE.md.
 
 Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
 that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while
@@ -68,8 +43,6 @@ Rewind: the replica's side of the handshake is stages/rewinding.py (the whole of
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -81,13 +54,10 @@ from typing import Any, TypeVar
 
 from kafka import TopicPartition
 from kafka import errors as kafka_errors
-from kafka.structs import OffsetAndMetadata
 
 from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
 from expstream.faults import FAULT_ENV, RUNNER_POINTS, fault_plan
 from expstream.kafka.clients import (
-    confirm_all,
-    flush,
     make_consumer,
     make_producer,
     send_all,
@@ -97,9 +67,10 @@ from expstream.kafka.topics import dlq_topic
 from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
-from expstream.retry import Attempt, Backoff, Policy, retry
+from expstream.retry import Backoff, retry
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.errors import SchemaError
+from stages.commitgroup import COMMIT_GROUP_MAX_S, Clients, CommitGroup, Pending
 from stages.context import StageContext
 from stages.deadletters import (
     DeadLetters,
@@ -132,16 +103,6 @@ from stages.splitting import (
 
 # Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
 POLL_TIMEOUT_MS = 500
-# Why 60 s: a commit that cannot reach the broker for a minute is given up (logged); the record is
-# redelivered after the next rebalance, and a later commit on the partition covers it anyway.
-COMMIT_GIVE_UP_S = 60.0
-_COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_UP_S)
-# Why 16 and 50 ms: consecutive records are flushed, confirmed and committed together (one flush, one
-# commit per partition: the per-record broker round trips are what a hop costs), but a group closes
-# after 16 records or once its first record has waited 50 ms, so a slow stage's outputs are not held
-# back behind its next records, and a crash redoes at most that much work.
-MAX_COMMIT_GROUP = 16
-COMMIT_GROUP_MAX_S = 0.05
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
 # Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
@@ -150,44 +111,6 @@ UNASSIGNED_LOG_INTERVAL_S = 30.0
 ProcessFn = Callable[[Any, StageContext], list]
 CommittedFn = Callable[[list, StageContext], None]
 T = TypeVar("T")
-# Commit errors that mean "the group moved on": retrying cannot succeed, redelivery covers it.
-_REBALANCED = tuple(
-    t for t in (getattr(kafka_errors, n, None) for n in (
-        "CommitFailedError", "IllegalGenerationError", "UnknownMemberIdError", "RebalanceInProgressError",
-        "FencedMemberEpochError", "StaleMemberEpochError"))
-    if isinstance(t, type)
-)  # fmt: skip
-
-
-@dataclasses.dataclass
-class _Done:
-    """What the worker did with one record."""
-
-    batch_id: str | None
-    samples: int
-    outputs: int
-    letters: int
-    seconds: float
-
-
-@dataclasses.dataclass
-class _Pending:
-    """One record worked on, its outputs and letters handed to the producer, not yet confirmed."""
-
-    tp: TopicPartition
-    record: Any
-    where: str  # topic[partition]@offset, for log lines
-    batch: Any  # the decoded batch; None when the record could not be decoded
-    outputs: list[Out]
-    letters: list[Out]
-    sent: list | None  # (record, future) pairs of outputs + letters; None: the producer refused them at once
-    started: float  # time.monotonic() when the work began
-
-    @property
-    def batch_id(self) -> str | None:
-        return self.batch.batch_id if self.batch is not None else None
-
-
 class StageRunner:
     """Runs ``process`` for one stage replica against Kafka until stopped."""
 
@@ -197,8 +120,6 @@ class StageRunner:
         self.ctx = ctx
         self.process = process
         self.committed = committed  # the stage's hook after a commit (step 5 of the module docstring)
-        # batches handled but not known committed yet, per partition (only kept with a hook)
-        self._uncommitted: dict[TopicPartition, list[Any]] = {}
         self.bootstrap = bootstrap
         self.max_records = max_records
         self.max_record_bytes = int(max_record_bytes or ctx.topology.kafka.max_request_size)
@@ -209,9 +130,7 @@ class StageRunner:
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
-        self.handled = 0
         self.split_batches = 0
-        self.commits_skipped = 0
         self.longest_busy_s = 0.0
         self.producer: Any = None
         self.consumer: Any = None
@@ -231,7 +150,7 @@ class StageRunner:
         self._join_error: BaseException | None = None
         self._assigned_marked = False
         self._first_marked = False
-        self._group: list[_Pending] = []  # the open commit group: worked on, not yet confirmed
+        self.group: CommitGroup | None = None  # the open commit group (made in run)
         self._worked = 0
         self._setup_done = threading.Event()
         self._slow = SlowWatch(SLOW_SEND_WARN_S, name=f"slow-watch-{self.stage.name}")
@@ -245,6 +164,16 @@ class StageRunner:
     def rewound(self) -> int:
         """Records a poll returned for a partition assigned during a pause, rewound (stages/pausing.py)."""
         return self.pausing.rewound if self.pausing is not None else 0
+
+    @property
+    def handled(self) -> int:
+        """Records confirmed and committed (or given up on) by the commit group."""
+        return self.group.handled if self.group is not None else 0
+
+    @property
+    def commits_skipped(self) -> int:
+        """Commits not made: partition revoked, rebalanced, or the broker away too long."""
+        return self.group.commits_skipped if self.group is not None else 0
 
     @property
     def dead_lettered(self) -> int:
@@ -337,6 +266,10 @@ class StageRunner:
         self.dead_letters = DeadLetters(self.ctx, self.log, self.sender)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
+        self.group = CommitGroup(self.ctx, self.log, Clients(self.consumer, self.producer, self.tracker, self.pausing,
+                                                             self._confirmer), self.dead_letters,
+                                 metrics=self.metrics, slow=self._slow, commit=self._commit, committed=self.committed,
+                                 stopping=lambda: self.stop_requested, fault=self._maybe_fault)
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
                       self.group_id, self.stage.output, self.ctx.topology.kafka.max_poll_interval_ms,
@@ -344,18 +277,18 @@ class StageRunner:
         threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
-                if self._group and self.rewinding.due():
-                    self._finish_group(self._group)  # a rewind starts with nothing in hand
+                if self.group.records and self.rewinding.due():
+                    self.group.finish()  # a rewind starts with nothing in hand
                 if self.rewinding.maybe_rewind():
                     continue
                 polled = self._poll(self._poll_timeout_ms())
                 if any(polled.values()):
                     self._handle_polled(polled)
                 else:  # nothing more came within the group's time: confirm and commit what is in hand
-                    self._finish_group(self._group)
+                    self.group.finish()
                 if self.max_records is not None and self.handled >= self.max_records:
                     break
-            self._finish_group(self._group)  # a stop: the records in hand are done; confirm and commit them
+            self.group.finish()  # a stop: the records in hand are done; confirm and commit them
         finally:
             self._closing.set()
             self._close()
@@ -473,9 +406,9 @@ class StageRunner:
 
     def _poll_timeout_ms(self) -> int:
         """How long a poll may wait: POLL_TIMEOUT_MS, or what is left of the open group's time."""
-        if not self._group:
+        if not self.group.records:
             return POLL_TIMEOUT_MS
-        left = COMMIT_GROUP_MAX_S - (time.monotonic() - self._group[0].started)
+        left = COMMIT_GROUP_MAX_S - self.group.age_s()
         return max(0, int(1000 * left))
 
     def _handle_polled(self, polled: dict) -> None:
@@ -483,13 +416,13 @@ class StageRunner:
         group is confirmed and committed when it is full or old, on a stop, a rewind or a rebalance,
         and when a poll finds nothing more (the run loop)."""
         todo = [(tp, rec) for tp, records in polled.items() for rec in records]
-        group = self._group
+        group = self.group.records
         moved: dict[TopicPartition, int] | None = None
         for i, (tp, record) in enumerate(todo):
             if self.stop_requested:
                 break
             if self.rewinding.due():
-                self._finish_group(group)  # a rewind starts with nothing in hand
+                self.group.finish()  # a rewind starts with nothing in hand
                 if self.rewinding.maybe_rewind(first_offsets(todo[i:])):
                     return
             if not self.tracker.owns(tp):
@@ -508,17 +441,17 @@ class StageRunner:
                     moved.setdefault(other, rec.offset)
                 break
             if self.max_records is not None and self.handled + len(group) >= self.max_records:
-                self._finish_group(group)
+                self.group.finish()
                 return
-            if len(group) >= MAX_COMMIT_GROUP or time.monotonic() - group[0].started >= COMMIT_GROUP_MAX_S:
-                self._finish_group(group)
+            if self.group.closes():
+                self.group.finish()
         if moved is not None or self.stop_requested:
-            self._finish_group(group)
+            self.group.finish()
         for other, offset in (moved or {}).items():
             self.pausing.reposition(other, offset)
 
     # -- one record -----------------------------------------------------------------------------
-    def _start(self, tp: TopicPartition, record: Any, group: list[_Pending]) -> _Pending | None:
+    def _start(self, tp: TopicPartition, record: Any, group: list[Pending]) -> Pending | None:
         """Steps 1-3 of one record on the worker (its outputs handed to the producer, not confirmed).
 
         If this record's work outlasts what is left of the open ``group``'s COMMIT_GROUP_MAX_S, the
@@ -533,7 +466,7 @@ class StageRunner:
         if group:
             budget = COMMIT_GROUP_MAX_S - (time.monotonic() - group[0].started)
             if not concurrent.futures.wait([fut], timeout=max(budget, 0.0)).done:
-                self._finish_group(group)
+                self.group.finish()
         busy = self.pausing.wait(fut, where)
         if busy is not None:
             self.longest_busy_s = max(self.longest_busy_s, busy)
@@ -542,77 +475,6 @@ class StageRunner:
         except ShutdownRequested as exc:
             self.log.warning("stage %s %s: %s; not committing it (it is redelivered)", self.stage.name, where, exc)
             return None
-
-    def _finish_group(self, group: list[_Pending]) -> None:
-        """Steps 3-4 for the records in hand: one flush, every future checked (a record whose sends
-        failed goes the per-record way: retries, then the dead-letter fallbacks), the statistics,
-        then one commit of the highest offset per partition. Empties ``group``."""
-        if not group:
-            return
-        items = group[:]
-        group.clear()
-        fut = self._confirmer.submit(self._confirm_group, items)
-        self.pausing.wait(fut, items[-1].where)
-        try:
-            dones = fut.result()
-        except ShutdownRequested as exc:
-            self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage.name,
-                             items[0].where, exc, len(items))
-            return
-        last: dict[TopicPartition, _Pending] = {}
-        for p in items:  # offsets rise within a partition: the last one of each is the highest
-            last[p.tp] = p
-            if self.committed is not None and p.batch is not None:
-                self._uncommitted.setdefault(p.tp, []).append(p.batch)
-        committed = [tp for tp, p in last.items() if self._commit(tp, p.record.offset, p.where, p.batch_id)]
-        self._maybe_fault("after_commit")
-        if self.committed is not None:
-            self._after_commit([b for tp in committed for b in self._uncommitted.pop(tp, [])], items[-1].where)
-        for p, done in zip(items, dones, strict=True):
-            self.handled += 1
-            if self.metrics is not None:
-                self._observe(done, p.tp)
-            if done.batch_id is not None:
-                self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
-                              self.stage.name, p.where, done.batch_id, done.samples, done.outputs, done.letters,
-                              done.seconds)
-
-    def _after_commit(self, batches: list, where: str) -> None:
-        """Step 5: the stage's ``committed`` hook on the confirm thread (the main thread keeps polling).
-        A failure is logged and dropped: what the hook would release stays until its TTL."""
-        if not batches:
-            return
-
-        def run() -> None:
-            try:
-                self.committed(batches, self.ctx)
-            except ExpstreamError as exc:
-                self.log.warning("stage %s %s: after the commit of %d records (batches %s..%s), releasing their "
-                                 "run state failed (%s: %s); it stays until it expires", self.stage.name, where,
-                                 len(batches), batches[0].batch_id, batches[-1].batch_id, type(exc).__name__,
-                                 first_line(exc))
-            except Exception:  # a bug in the hook: loud, but it never costs a record
-                self.log.exception("stage %s %s: the committed hook failed after the commit of %d records",
-                                   self.stage.name, where, len(batches))
-
-        self.pausing.wait(self._confirmer.submit(run), where)
-
-    def _observe(self, done: _Done, tp: TopicPartition) -> None:
-        """Per-record metrics after the commit; the lag reads the consumer's own fetch metadata (no round trip)."""
-        m = self.metrics
-        m.records.inc()
-        m.samples.inc(done.samples)
-        m.batch_seconds.observe(done.seconds)
-        if done.letters:
-            m.dead_letters.inc(done.letters)
-        with contextlib.suppress(Exception):  # measurement only
-            lag = 0
-            for part in self.consumer.assignment():
-                if part.topic == tp.topic:
-                    high = self.consumer.highwater(part)
-                    if high is not None:
-                        lag += max(0, int(high) - int(self.consumer.position(part)))
-            m.lag(tp.topic, lag)
 
     def _observe_input(self, record: Any, batch: Any) -> None:
         """Record age (now - produced_at_ms header) and staleness (announced - the batch's policy version)."""
@@ -626,7 +488,7 @@ class StageRunner:
             m.policy_version.set(version)
             m.staleness.observe(max(0, m.announced(self.ctx.state) - int(version)))
 
-    def _work(self, tp: TopicPartition, record: Any, where: str) -> _Pending:
+    def _work(self, tp: TopicPartition, record: Any, where: str) -> Pending:
         """Worker thread: decode, process (split on failure), hand the outputs to the producer.
         Never touches the consumer."""
         started = time.monotonic()
@@ -660,69 +522,7 @@ class StageRunner:
             sent = send_all(self.producer, [(o.topic, o.value, o.key, o.headers) for o in outputs + letters])
         except (ExpstreamError, TypeError):
             pass
-        return _Pending(tp, record, where, batch, outputs, letters, sent, started)
-
-    def _confirm_group(self, items: list[_Pending]) -> list[_Done]:
-        """Confirm thread: flush once, check each record's futures (the per-record way for one that
-        failed), then each record's statistics."""
-        started = time.monotonic()
-        timeout_s = self.ctx.topology.kafka.produce_timeout_s
-        if any(p.sent for p in items):
-            with self._slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge the "
-                                  "outputs of %d records after %.0fs (broker unreachable or paused?)",
-                                  self.stage.name, items[0].where, len(items), SLOW_SEND_WARN_S):
-                flush(self.producer, timeout_s)
-        for p in items:
-            what = f"{p.where} batch={p.batch_id}"
-            try:
-                if p.sent is None:
-                    raise ExpstreamError("not handed to the producer")
-                confirm_all(p.sent, max(timeout_s - (time.monotonic() - started), 0.0))
-            except ExpstreamError as exc:  # again the per-record way: retries, then dead-letter fallbacks
-                if self.stop_requested:  # as a retry would: the group stays uncommitted (redelivered)
-                    raise ShutdownRequested(f"stop requested while the outputs of {what} were unconfirmed "
-                                            f"({first_line(exc)})") from exc
-                self.log.warning("stage %s %s: sending %d records failed with %s %s: %s; sending them again "
-                                 "record by record", self.stage.name, what, len(p.outputs) + len(p.letters),
-                                 "retriable" if exc.retriable else "non-retriable", type(exc).__name__,
-                                 first_line(exc))
-                self.dead_letters.deliver(p.record, p.where, p.outputs, p.letters, p.batch)
-                if exc.retriable:
-                    self.log.info("stage %s %s: sent after retrying record by record (%.1fs); broker reachable "
-                                  "again", self.stage.name, what, time.monotonic() - started)
-            else:
-                self.dead_letters.after_delivery(p.letters, p.where, what)
-        if self.metrics is not None:
-            self.metrics.send_seconds.observe(time.monotonic() - started)
-        self._maybe_fault("after_produce")
-        dones, rows = [], []
-        for p in items:
-            done, row = self._account(p)
-            dones.append(done)
-            if row is not None:
-                rows.append(row)
-        try:  # the group's statistics in one Redis round trip, before the commit
-            self.ctx.state.record_batches(self.stage.name, rows)
-        except ExpstreamError as exc:  # statistics only
-            self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
-                             self.stage.name, items[0].where, len(rows), exc)
-        return dones
-
-    def _account(self, p: _Pending) -> tuple[_Done, tuple | None]:
-        """Statistics of one record: the time of every record the stage did its work on, including
-        those parked in a group buffer (no output yet), samples the record's own or, for a prompt
-        record, the samples generated from it; and the accounting (status, summary.json): in = out
-        + dead + dropped + in flight. Returns the record's row for ``state.record_batches``."""
-        batch, outputs, letters = p.batch, p.outputs, p.letters
-        seconds = time.monotonic() - p.started
-        samples, row = 0, None
-        if batch is not None:
-            samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
-            per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(batch, PromptBatch) else 1
-            flow = {"in": len(batch) * per, "out": sum(o.samples for o in outputs),
-                    "dead": sum(len(lt.batch) * per if lt.batch is not None else len(batch) * per for lt in letters)}
-            row = (batch.batch_id, flow, seconds if (outputs or not letters) else None, samples)
-        return _Done(p.batch_id, samples, len(outputs), len(letters), seconds), row
+        return Pending(tp, record, where, batch, outputs, letters, sent, started)
 
     # -- process, with retries and splitting (worker thread) ---------------------------------------
     def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[Out], list[Out]]:
@@ -789,48 +589,5 @@ class StageRunner:
 
     # -- commit (main thread) --------------------------------------------------------------------
     def _commit(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
-        timeout_ms = self.ctx.topology.kafka.request_timeout_ms
-        retries = [0]
-
-        def commit() -> bool:
-            if not self.tracker.owns(tp):
-                self.commits_skipped += 1
-                self.log.warning("stage %s %s batch=%s: partition revoked meanwhile; not committing (the new owner "
-                                 "re-processes it, idempotently)", self.stage.name, where, batch_id)
-                return False
-            try:
-                with self._slow.watch(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
-                                   "%.0fs (broker unreachable or paused?)", self.stage.name, where, batch_id,
-                                   SLOW_SEND_WARN_S):
-                    t0 = time.monotonic()
-                    self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
-                    if self.metrics is not None:
-                        self.metrics.commit_seconds.observe(time.monotonic() - t0)
-            except _REBALANCED as exc:
-                self.commits_skipped += 1
-                self.log.warning("stage %s %s batch=%s: commit refused, the group rebalanced (%s); the record is "
-                                 "redelivered to the partition's owner and re-processed idempotently",
-                                 self.stage.name, where, batch_id, type(exc).__name__)
-                return False
-            if retries[0]:
-                self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage.name, where,
-                              batch_id, retries[0])
-            return True
-
-        def on_retry(a: Attempt) -> None:
-            retries[0] = a.number
-            self.log.warning("stage %s %s batch=%s: commit failed (%s: %s; broker unreachable?); retry %d in "
-                             "%.1fs", self.stage.name, where, batch_id, type(a.exc).__name__, a.exc, a.number,
-                             a.delay_s)
-
-        def give_up(a: Attempt) -> bool:
-            self.commits_skipped += 1
-            self.log.error("stage %s %s batch=%s: commit failed for %.0fs (%s: %s); giving up on it, the "
-                           "record is redelivered after the next rebalance or restart", self.stage.name,
-                           where, batch_id, a.waited_s, type(a.exc).__name__, a.exc)
-            return False
-
-        # the backoff is spent polling with paused partitions, so the consumer stays in its group
-        return retry(commit, policy=_COMMIT_RETRY, retriable=lambda exc: isinstance(exc, kafka_errors.KafkaError),
-                     on_retry=on_retry, on_give_up=give_up, stop=lambda: self.stop_requested,
-                     sleep=lambda seconds: self.pausing.sleep(seconds, lambda: self.stop_requested))
+        """Step 4 for one partition (stages/commitgroup.py); the seam a test overrides to count or refuse commits."""
+        return self.group.commit_offset(tp, offset, where, batch_id)

@@ -4,10 +4,14 @@ Shared by the stage runner (stages/runner.py) and the in-process replay (expstre
 so that a replay bisects exactly as the runner did. When ``process`` fails on a batch of B > 1
 samples (a SampleBatch, or a PromptBatch of several prompts), each half is processed as the
 sub-batch ``f"{batch_id}~{lo}-{hi}"`` (absolute, deterministic indices: a redelivered record gives
-the same ids), a failing half is halved again, down to single samples. What a caller does with the
-samples that fail alone (dead letters, the whole record when none succeeds) is its own; the
-dead-letter rules are in docs/ARCHITECTURE.md and expstream/kafka/letters.py. One bad sample in B
-costs about 2·log2(B) extra ``process`` calls.
+the same ids), a failing half is halved again, down to single samples. The outputs of the
+sub-batches that succeed are produced; each sample that fails on its own is dead-lettered as a 1-row
+batch ``f"{batch_id}~{i}-{i+1}"`` with the headers ``split_from=<batch_id>`` and ``sample_ids``
+(stages/deadletters.py, expstream/kafka/letters.py). If no sub-batch succeeds (a batch-level problem
+rather than a bad sample), nothing is salvaged and the original record is dead-lettered whole, bytes
+untouched, so a redrive reproduces it exactly. One bad sample in B costs about 2·log2(B) extra
+``process`` calls. Sub-batches that fail may have done idempotent-by-id Redis updates under their own
+ids before failing; stages validate before writing.
 """
 
 from __future__ import annotations
