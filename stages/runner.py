@@ -1,43 +1,32 @@
 """The one Kafka loop every stage runs in: consume -> decode -> process -> produce -> commit.
 
-The commit protocol (steps 1-5: decode, process, confirm, commit, the ``committed`` hook) is in
-stages/commitgroup.py's docstring; the collaborators of the loop are listed in docs/ARCHITECTURE.md.
+:class:`StageRunner` keeps the loop and the replica's lifecycle (connect, join the group while the
+stage's ``setup`` runs, poll one record at a time, heartbeats, signals, stop) and hands the rest to
+plain collaborators, one concern each (the seams of quixstreams' Checkpoint, PausingManager and
+ProcessingContext):
+
+* stages/commitgroup.py: the commit group (confirm, account, commit, the ``committed`` hook), with
+  the numbered commit protocol in its docstring;
+* stages/working.py: one record decoded, processed, handed to the producer (and the fault plan);
+* stages/splitting.py: bisecting a failing batch (pure functions, shared with replay);
+* stages/deadletters.py: dead letters and their fallbacks; stages/sending.py: sends and work retries;
+* stages/pausing.py: pause/poll/resume while a record is in hand; stages/revocations.py: the
+  rebalance listener; stages/rewinding.py: the replica's side of the rewind handshake.
 
 Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
 that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while
-the next record is still in work); the main thread owns the consumer (which is not thread-safe). When the worker takes longer than a short grace, the main thread pauses every
-assigned partition and keeps polling so that kafka-python does not drop the group membership
-after ``max_poll_interval_ms``; a partition assigned meanwhile is paused too and anything it
-returned is rewound with ``seek`` (stages/pausing.py). When the work is done, everything paused is
-resumed; the commit is made only if the record's partition is still ours, and if the assignment
-changed meanwhile, the fetch position of the partition is set past the record so that it is not
-fetched a second time from the (older) committed offset.
+the next record is still in work); the main thread owns the consumer (which is not thread-safe).
+When the worker takes longer than a short grace, the main thread pauses every assigned partition and
+keeps polling so that kafka-python does not drop the group membership after
+``max_poll_interval_ms``; a partition assigned meanwhile is paused too and anything it returned is
+rewound with ``seek``. When the work is done, everything paused is resumed; the commit is made only
+if the record's partition is still ours, and if the assignment changed meanwhile, the fetch position
+of the partition is set past the record so that it is not fetched a second time from the (older)
+committed offset.
 
-Dead letters and their fallbacks: stages/deadletters.py. Sends and work retries: stages/sending.py.
-
-Splitting. When ``process`` fails with a non-retriable error on a micro-batch of B > 1 samples
-(a SampleBatch, or a PromptBatch of several prompts), the batch is bisected: each half is
-processed as ``select``-ed sub-batch ``f"{batch_id}~{start}-{end}"`` (absolute, deterministic
-indices, so a redelivered record gives the same ids), a failing half is halved again, down to
-single samples. The outputs of the sub-batches that succeed are produced; each sample that fails
-on its own is dead-lettered as a 1-row batch with the id ``f"{batch_id}~{i}-{i+1}"`` and the
-headers ``split_from=<batch_id>`` and ``sample_ids``, plus the original position. If no sub-batch
-succeeds (a batch-level problem rather than a bad sample), nothing is salvaged and the original
-record is dead-lettered whole, bytes untouched, so a redrive reproduces it exactly. One bad sample
-in B costs about 2·log2(B) extra ``process`` calls. Sub-batches that fail may have done
-idempotent-by-id Redis updates under their own ids before failing; stages validate before writing.
-
-Retries (expstream/retry.py). A retriable error (``ExpstreamError.retriable``: broker or Redis
-briefly away) is retried with exponential backoff from ``RETRY_BACKOFF_START_S`` to
-``RETRY_BACKOFF_MAX_S``, naming the record and batch in the log; ``process`` is retried alone for
-its errors and the sends alone for theirs (the model is not re-run because the broker was away). After ``RETRY_GIVE_UP_S`` the error
-is raised (the process exits 1 and the supervisor restarts it with its own backoff). Connecting at
-start, polling and committing retry the same way; a commit refused because the group rebalanced
-(``CommitFailedError``) is logged and skipped: the new owner gets the record again and processing
-is idempotent. SIGTERM/SIGINT finish the micro-batch in hand, commit, and exit 0; a stop during a
-retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
-
-Rewind: the replica's side of the handshake is stages/rewinding.py (the whole of it: expstream/tools/rewind.py).
+Connecting at start and polling retry like the work does (stages/sending.py). SIGTERM/SIGINT finish
+the micro-batch in hand, commit, and exit 0; a stop during a retry backoff abandons the record
+uncommitted (it is redelivered) and exits 0.
 """
 
 from __future__ import annotations
@@ -48,36 +37,27 @@ import os
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from kafka import TopicPartition
 from kafka import errors as kafka_errors
 
 from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
-from expstream.faults import FAULT_ENV, RUNNER_POINTS, fault_plan
+from expstream.faults import RUNNER_POINTS, fault_plan
 from expstream.kafka.clients import (
     make_consumer,
     make_producer,
-    send_all,
 )
-from expstream.kafka.provenance import provenance_headers, read_provenance
 from expstream.kafka.topics import dlq_topic
 from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
 from expstream.retry import Backoff, retry
-from schemas import PromptBatch, SampleBatch, decode, encode
-from schemas.errors import SchemaError
 from stages.commitgroup import COMMIT_GROUP_MAX_S, Clients, CommitGroup, Pending
 from stages.context import StageContext
 from stages.deadletters import (
     DeadLetters,
-    ProcessFailure,
-    RecordTooLargeError,
-    TombstoneRecordError,
-    error_class,
 )
 from stages.pausing import PausedPolling
 from stages.revocations import RevocationTracker
@@ -87,19 +67,13 @@ from stages.sending import (
     RETRY_BACKOFF_START_S,
     SLOW_SEND_WARN_S,
     WORK_RETRY,
-    Out,
     Sender,
-    retriable,
 )
 from stages.slowwatch import SlowWatch
 from stages.splitting import (
-    first_line,
     first_offsets,
-    process_or_split,
-    record_key,
-    sample_errors,
-    sample_ids,
 )
+from stages.working import Worker
 
 # Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
 POLL_TIMEOUT_MS = 500
@@ -110,7 +84,6 @@ UNASSIGNED_LOG_INTERVAL_S = 30.0
 
 ProcessFn = Callable[[Any, StageContext], list]
 CommittedFn = Callable[[list, StageContext], None]
-T = TypeVar("T")
 class StageRunner:
     """Runs ``process`` for one stage replica against Kafka until stopped."""
 
@@ -130,12 +103,12 @@ class StageRunner:
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
-        self.split_batches = 0
         self.longest_busy_s = 0.0
         self.producer: Any = None
         self.consumer: Any = None
         self.sender: Sender | None = None  # made once the producer is there (run)
         self.dead_letters: DeadLetters | None = None
+        self.worker: Worker | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # decode, process, hand over
         self._confirmer: concurrent.futures.ThreadPoolExecutor | None = None  # flush, confirm, statistics
         self._closing = threading.Event()
@@ -151,7 +124,6 @@ class StageRunner:
         self._assigned_marked = False
         self._first_marked = False
         self.group: CommitGroup | None = None  # the open commit group (made in run)
-        self._worked = 0
         self._setup_done = threading.Event()
         self._slow = SlowWatch(SLOW_SEND_WARN_S, name=f"slow-watch-{self.stage.name}")
 
@@ -174,6 +146,11 @@ class StageRunner:
     def commits_skipped(self) -> int:
         """Commits not made: partition revoked, rebalanced, or the broker away too long."""
         return self.group.commits_skipped if self.group is not None else 0
+
+    @property
+    def split_batches(self) -> int:
+        """Batches bisected to isolate their bad samples (stages/splitting.py)."""
+        return self.worker.split_batches if self.worker is not None else 0
 
     @property
     def dead_lettered(self) -> int:
@@ -264,12 +241,15 @@ class StageRunner:
             self._subscribe()
         self.sender = Sender(self.ctx, self.producer, self.log, self._stop, self.metrics, self._slow)
         self.dead_letters = DeadLetters(self.ctx, self.log, self.sender)
+        self.worker = Worker(self.ctx, self.process, self.log, producer=self.producer, sender=self.sender,
+                             dead_letters=self.dead_letters, metrics=self.metrics,
+                             max_record_bytes=self.max_record_bytes, fault=self.fault)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
         self.group = CommitGroup(self.ctx, self.log, Clients(self.consumer, self.producer, self.tracker, self.pausing,
                                                              self._confirmer), self.dead_letters,
                                  metrics=self.metrics, slow=self._slow, commit=self._commit, committed=self.committed,
-                                 stopping=lambda: self.stop_requested, fault=self._maybe_fault)
+                                 stopping=lambda: self.stop_requested, fault=self.worker.maybe_fault)
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
                       self.group_id, self.stage.output, self.ctx.topology.kafka.max_poll_interval_ms,
@@ -462,7 +442,7 @@ class StageRunner:
         if not self._first_marked:
             self._first_marked = True
             self._mark("first_record")
-        fut = self._executor.submit(self._work, tp, record, where)
+        fut = self._executor.submit(self.worker.work, tp, record, where)
         if group:
             budget = COMMIT_GROUP_MAX_S - (time.monotonic() - group[0].started)
             if not concurrent.futures.wait([fut], timeout=max(budget, 0.0)).done:
@@ -475,117 +455,6 @@ class StageRunner:
         except ShutdownRequested as exc:
             self.log.warning("stage %s %s: %s; not committing it (it is redelivered)", self.stage.name, where, exc)
             return None
-
-    def _observe_input(self, record: Any, batch: Any) -> None:
-        """Record age (now - produced_at_ms header) and staleness (announced - the batch's policy version)."""
-        m = self.metrics
-        prov = read_provenance(record.headers)
-        age = prov.age_s() if prov is not None else None
-        if age is not None:
-            m.record_age.observe(age)
-        version = getattr(batch, "policy_version", None)
-        if version is not None:
-            m.policy_version.set(version)
-            m.staleness.observe(max(0, m.announced(self.ctx.state) - int(version)))
-
-    def _work(self, tp: TopicPartition, record: Any, where: str) -> Pending:
-        """Worker thread: decode, process (split on failure), hand the outputs to the producer.
-        Never touches the consumer."""
-        started = time.monotonic()
-        self._worked += 1  # the fault injection's record count: the k-th record this process works on
-        value = record.value
-        size = len(value) if value is not None else 0
-        batch = None
-        outputs: list[Out] = []
-        if value is None:
-            exc: Exception = TombstoneRecordError(
-                "record has no value (a Kafka tombstone, value=None); there is nothing to decode. Stage input "
-                "topics carry one message per record: find the writer of null values")
-            letters = [self.dead_letters.letter(record, exc)]
-        elif size > self.max_record_bytes:
-            exc = RecordTooLargeError(
-                f"record is {size} bytes, over max_record_bytes={self.max_record_bytes}; not decoded. Split the "
-                "micro-batch upstream (smaller algo.micro_rollout_batch_size) or raise the limit")
-            letters = [self.dead_letters.letter(record, exc)]
-        else:
-            try:
-                batch = decode(value)
-            except SchemaError as exc:
-                letters = [self.dead_letters.letter(record, exc)]
-            else:
-                if self.metrics is not None:
-                    self._observe_input(record, batch)
-                outputs, letters = self._compute(batch, record, where)
-        self._maybe_fault("before_produce")
-        sent = None
-        try:  # a refusal here (e.g. a record over max_request_size) is handled at the confirmation
-            sent = send_all(self.producer, [(o.topic, o.value, o.key, o.headers) for o in outputs + letters])
-        except (ExpstreamError, TypeError):
-            pass
-        return Pending(tp, record, where, batch, outputs, letters, sent, started)
-
-    # -- process, with retries and splitting (worker thread) ---------------------------------------
-    def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[Out], list[Out]]:
-        return self.sender.retry_work(lambda: self._process_or_split(batch, record, where),
-                                f"{where} batch={batch.batch_id}", "process")
-
-    def _run_process(self, batch: Any) -> list[Out]:
-        """``process`` + encode; non-retriable failures come out as SchemaError, ExpstreamError or _Poison."""
-        try:
-            outs = self.process(batch, self.ctx)
-            if isinstance(outs, (SampleBatch, PromptBatch)):
-                outs = [outs]
-            return [Out(self.stage.output, encode(o), record_key(o),
-                         headers=provenance_headers(self.stage.name, getattr(o, "policy_version", 0)),
-                         samples=len(o) if isinstance(o, SampleBatch) else 0)
-                    for o in outs]
-        except (SchemaError, ExpstreamError):
-            raise
-        except Exception as exc:  # a bug or a bad sample: data routed to the DLQ, never swallowed
-            # the class travels in the error_class header; the message gets a short traceback
-            raise ProcessFailure(f"{exc}\n{traceback.format_exc(limit=6)}") from exc
-
-    def _process_or_split(self, batch: Any, record: Any, where: str) -> tuple[list[Out], list[Out]]:
-        def on_split(first: Exception, n: int) -> None:
-            self.split_batches += 1
-            self.log.warning("stage %s %s batch=%s: failed as a whole (%s: %s); splitting its %d samples to isolate "
-                             "the bad ones", self.stage.name, where, batch.batch_id, error_class(first),
-                             first_line(first), n)
-
-        # a stop request (e.g. a generation abandoned on SIGTERM) is never a bad record
-        split = process_or_split(batch, self._run_process, on_split=on_split,
-                                 reraise=lambda exc: retriable(exc) or isinstance(exc, ShutdownRequested))
-        first, bad, n = split.first, split.bad, split.samples
-        if first is None:
-            return split.outputs, []
-        if n <= 1:
-            return [], [self.dead_letters.letter(record, first, batch=batch)]
-        if split.whole:
-            # Nothing salvaged: a batch-level problem, or every sample bad. Keep the record whole (a
-            # redrive reproduces it), with each sample's own reason beside the record's.
-            errors = sample_errors(bad, error_class)
-            self.log.warning("stage %s %s batch=%s: every sample fails on its own too; dead-lettering the record "
-                             "whole (%s)", self.stage.name, where, batch.batch_id,
-                             "; ".join(f"{sid}: {why}" for sid, why in errors.items())[:1000])
-            return [], [self.dead_letters.letter(record, first, batch=batch, errors=errors)]
-        letters = []
-        for sub, exc in bad:
-            try:
-                value = encode(sub)
-            except SchemaError as enc_exc:  # cannot happen for a select() of a decoded batch; be safe
-                self.log.error("stage %s %s: bad sample %s cannot be re-encoded (%s); dead-lettering the record "
-                               "whole", self.stage.name, where, sub.batch_id, enc_exc)
-                return [], [self.dead_letters.letter(record, first, batch=batch)]
-            letters.append(self.dead_letters.letter(record, exc, value=value, batch=sub, split_from=batch.batch_id))
-        self.log.warning("stage %s %s batch=%s: split: %d of %d samples dead-lettered (%s), the rest produced",
-                         self.stage.name, where, batch.batch_id, len(bad), n,
-                         ", ".join(",".join(sample_ids(sub)) for sub, _ in bad)[:500])
-        return split.outputs, letters
-
-    def _maybe_fault(self, point: str) -> None:
-        if self.fault is not None and self.fault[0] == point and self._worked >= self.fault[1]:
-            self.log.warning("stage %s: fault injection %s: SIGKILL at %s", self.stage.name, FAULT_ENV, point)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     # -- commit (main thread) --------------------------------------------------------------------
     def _commit(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
