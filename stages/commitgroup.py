@@ -28,7 +28,7 @@ per record):
    there (advantage frees settled group buffers, generate marks its admissions delivered). A crash
    between 4 and 5 leaves that state to its TTL; nothing is lost or doubled.
 
-Steps 1-2 (and the hand-over of step 3) are the runner's worker (stages/runner.py); this module
+Steps 1-2 (and the hand-over of step 3) are the runner's worker (stages/working.py); this module
 does the rest of 3, and 4-5: the confirmation and the hook on the confirm thread, the commit on the
 main thread (the consumer is not thread-safe). Committing retries like the work does; a commit
 refused because the group rebalanced (``CommitFailedError``) is logged and skipped: the new owner

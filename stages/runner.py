@@ -10,8 +10,9 @@ ProcessingContext):
 * stages/working.py: one record decoded, processed, handed to the producer (and the fault plan);
 * stages/splitting.py: bisecting a failing batch (pure functions, shared with replay);
 * stages/deadletters.py: dead letters and their fallbacks; stages/sending.py: sends and work retries;
-* stages/pausing.py: pause/poll/resume while a record is in hand; stages/revocations.py: the
-  rebalance listener; stages/rewinding.py: the replica's side of the rewind handshake.
+* stages/polling.py: one record per poll; stages/pausing.py: pause/poll/resume while a record is in
+  hand; stages/revocations.py: the rebalance listener; stages/rewinding.py: the replica's side of
+  the rewind handshake.
 
 Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
 that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while
@@ -41,7 +42,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kafka import TopicPartition
-from kafka import errors as kafka_errors
 
 from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
 from expstream.faults import RUNNER_POINTS, fault_plan
@@ -53,18 +53,17 @@ from expstream.kafka.topics import dlq_topic
 from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
-from expstream.retry import Backoff, retry
+from expstream.retry import retry
 from stages.commitgroup import COMMIT_GROUP_MAX_S, Clients, CommitGroup, Pending
 from stages.context import StageContext
 from stages.deadletters import (
     DeadLetters,
 )
 from stages.pausing import PausedPolling
+from stages.polling import POLL_TIMEOUT_MS, Poller
 from stages.revocations import RevocationTracker
 from stages.rewinding import ReplicaRewind
 from stages.sending import (
-    RETRY_BACKOFF_MAX_S,
-    RETRY_BACKOFF_START_S,
     SLOW_SEND_WARN_S,
     WORK_RETRY,
     Sender,
@@ -75,13 +74,8 @@ from stages.splitting import (
 )
 from stages.working import Worker
 
-# Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
-POLL_TIMEOUT_MS = 500
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
-# Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
-UNASSIGNED_LOG_INTERVAL_S = 30.0
-
 ProcessFn = Callable[[Any, StageContext], list]
 CommittedFn = Callable[[list, StageContext], None]
 class StageRunner:
@@ -112,8 +106,6 @@ class StageRunner:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # decode, process, hand over
         self._confirmer: concurrent.futures.ThreadPoolExecutor | None = None  # flush, confirm, statistics
         self._closing = threading.Event()
-        self._unassigned_since: float | None = None
-        self._poll_backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
         self.pausing: PausedPolling | None = None
         self.rewinding: ReplicaRewind | None = None  # made once the consumer is subscribed
         # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
@@ -189,7 +181,9 @@ class StageRunner:
     def _subscribe(self) -> None:
         self.tracker = RevocationTracker()
         self.consumer.subscribe([self.stage.input], listener=self.tracker)
-        self.pausing = PausedPolling(self.consumer, self._poll, self.tracker.owns, self.log, self.stage.name,
+        self.poller = Poller(self.consumer, self.tracker, self.log, stage=self.stage, group_id=self.group_id,
+                             bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
+        self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
         self.rewinding = ReplicaRewind(self.ctx, self.consumer, self.pausing, self.replica_key, self.log,
                                        lambda: self.stop_requested)
@@ -261,7 +255,7 @@ class StageRunner:
                     self.group.finish()  # a rewind starts with nothing in hand
                 if self.rewinding.maybe_rewind():
                     continue
-                polled = self._poll(self._poll_timeout_ms())
+                polled = self.poller.poll(self._poll_timeout_ms())
                 if any(polled.values()):
                     self._handle_polled(polled)
                 else:  # nothing more came within the group's time: confirm and commit what is in hand
@@ -345,44 +339,11 @@ class StageRunner:
                 return
 
     # -- polling (main thread only) -------------------------------------------------------------
-    def _poll(self, timeout_ms: int) -> dict:
-        try:
-            # One record per poll, whatever kafka.max_poll_records says: the fetch position is then
-            # never more than one past the record in hand. With several records returned at once, a
-            # partition revoked and given back while one of them was in work kept its advanced position
-            # and the rest were never handled (found with max_poll_records=16 by test_scale's
-            # autoscaler test). Commit groups span polls instead (see _handle_polled).
-            polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=1)
-        except kafka_errors.KafkaError as exc:
-            delay = self._poll_backoff.next()
-            self.log.warning("stage %s: poll of %s failed (%s: %s); retrying in %.1fs", self.stage.name,
-                             self.stage.input, type(exc).__name__, exc, delay)
-            if self.stop_requested:  # still polling for a micro-batch in hand: do not spin
-                time.sleep(min(delay, 1.0))
-            else:
-                self._stop.wait(delay)
-            return {}
-        self._poll_backoff.reset()
-        self._note_assignment()
-        return polled
-
-    def _note_assignment(self) -> None:
-        now = time.monotonic()
-        if self.tracker.assigned:
-            if not self.handled and not self._assigned_marked:
-                self._assigned_marked = True
-                self._mark("assigned")
-            if self._unassigned_since is not None and now - self._unassigned_since > UNASSIGNED_LOG_INTERVAL_S:
-                self.log.info("stage %s: partitions assigned again: %s", self.stage.name,
-                              sorted(tp.partition for tp in self.tracker.assigned))
-            self._unassigned_since = None
-        elif self._unassigned_since is None:
-            self._unassigned_since = self._unassigned_logged = now
-        elif now - self._unassigned_logged > UNASSIGNED_LOG_INTERVAL_S:
-            self._unassigned_logged = now
-            self.log.warning("stage %s: no partition of %s assigned for %.0fs (group %s still joining, more "
-                             "replicas than partitions, or the broker %s unreachable)", self.stage.name,
-                             self.stage.input, now - self._unassigned_since, self.group_id, self.bootstrap)
+    def _on_assigned(self) -> None:
+        """After a poll with partitions assigned: the start-up mark ``assigned``, once, before any record."""
+        if not self.handled and not self._assigned_marked:
+            self._assigned_marked = True
+            self._mark("assigned")
 
     def _poll_timeout_ms(self) -> int:
         """How long a poll may wait: POLL_TIMEOUT_MS, or what is left of the open group's time."""

@@ -33,7 +33,7 @@ The original record's own headers are copied byte for byte, except that a null h
 by the protocol, refused by kafka-python's producer) travels as an empty one, and headers named like
 the ones above are replaced, never duplicated: a forged ``original_topic`` cannot survive a letter.
 
-The writer is stages/runner.py (through :func:`letter_headers`), the reader is ``expstream dlq``
+The writer is stages/deadletters.py (through :func:`letter_headers`), the reader is ``expstream dlq``
 (expstream/tools/dlq.py, through :func:`decode_headers` and :func:`redrive_headers`): one module, so the
 two cannot drift apart.
 """

@@ -38,7 +38,7 @@ When a replica's process is gone for good (retired after a scale-down, or stoppe
 replica's metrics discovery file with it: a file left behind would point ``expstream status`` at
 a port some other process may own by now).
 
-Fault injection (``EXPSTREAM_FAULT``, see stages/runner.py) is one-shot per replica: the first
+Fault injection (``EXPSTREAM_FAULT``, see stages/working.py) is one-shot per replica: the first
 process of a replica gets the variable as given, a restarted one gets it without the entries that
 name its own stage. Otherwise a fault planned at the k-th record would fire again in every
 replacement (a crash loop of k-1 records per life).
