@@ -81,8 +81,8 @@ from common import (
 from expstream.config.topology import Topology, load_topology
 from expstream.launch.prompts import prompt_batches, read_prompts
 from schemas import decode, encode
+from stages.commitgroup import MAX_COMMIT_GROUP
 from stages.local import LocalChain
-from stages.runner import MAX_COMMIT_GROUP
 
 HOP_TOPIC = "bench.hop"
 # records per commit group in the backlog hop measurement: what stages/runner.py does with a backlog

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 __all__ = ["FAULT_ENV", "RUNNER_POINTS", "TRAINER_POINTS", "fault_plan"]
 
 FAULT_ENV = "EXPSTREAM_FAULT"
-#: Crash points of a stage replica (stages/runner.py): around its produce and its commit.
+#: Crash points of a stage replica (stages/working.py, stages/commitgroup.py): around its produce and its commit.
 RUNNER_POINTS = ("before_produce", "after_produce", "after_commit")
 #: Crash points of the trainer (expstream/train/trainer.py), right after each of a step's effects.
 TRAINER_POINTS = ("after_publish", "after_checkpoint", "after_announce")

@@ -160,7 +160,7 @@ def end_of_input(ctx: StageContext) -> list[SampleBatch]:
 
 
 def committed(batches: list, ctx: StageContext) -> None:
-    """Stage hook (stages/runner.py step 5): these records are committed; settle their groups' members
+    """Stage hook (stages/commitgroup.py step 5): these records are committed; settle their groups' members
     in ctx.state, which frees every group whose completing record and members' records are all committed."""
     if not ctx.topology.is_group_estimator:
         return

@@ -52,7 +52,7 @@ def teardown(ctx: StageContext) -> None:
 
 
 def committed(batches: list, ctx: StageContext) -> None:
-    """Stage hook (stages/runner.py step 5): these prompt records are committed, so their samples are on
+    """Stage hook (stages/commitgroup.py step 5): these prompt records are committed, so their samples are on
     their way; a rewind that reads one again regenerates it without counting it for admission again
     (expstream/rl/admission.py "Rewinds")."""
     if backpressure_on(ctx.topology):

@@ -1,258 +1,83 @@
 """The one Kafka loop every stage runs in: consume -> decode -> process -> produce -> commit.
 
-Commit protocol, per input record (one record = one micro-batch, polled one at a time), with steps
-3-4 done for a *commit group*: consecutive records, at most ``MAX_COMMIT_GROUP`` of them, closed once
-its first record has waited ``COMMIT_GROUP_MAX_S`` or a poll finds nothing more (so a slow stage's
-records are each their own group, and a backlog pays one flush and one commit per group instead of
-per record):
+:class:`StageRunner` keeps the loop and the replica's lifecycle (connect, join the group while the
+stage's ``setup`` runs, poll one record at a time, heartbeats, signals, stop) and hands the rest to
+plain collaborators, one concern each (the seams of quixstreams' Checkpoint, PausingManager and
+ProcessingContext):
 
-1. A record larger than ``max_record_bytes`` is dead-lettered without being decoded. Otherwise its
-   bytes are decoded inside the stage (never in the fetcher), under try/except.
-2. ``process(batch, ctx)`` returns zero or more output batches (Redis updates inside it are
-   idempotent by batch id, so a redelivered record changes nothing twice). Outputs are encoded
-   (and so validated) right away: an output that breaks the contract is a failure of ``process``.
-3. Every output and dead letter is handed to the producer as soon as its record is done; at the
-   end of the group the producer is flushed once and every send future ``.get()``-ed (``flush()``
-   does not raise per-record errors). A record with a failed future is sent again the per-record
-   way (retries, then the dead-letter fallbacks of ``_deliver``) before anything is committed.
-   Then each record's statistics go to the run state.
-4. ``offset + 1`` of the group's last record of each partition is committed, only if this consumer
-   still owns the partition. Nothing is committed before every output of every record up to it is
-   acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
-   group at most (downstream is idempotent by batch id).
-   Rebalance listeners run on kafka-python's IO thread, so they only record revocations; the
-   loop acts on them.
-5. The stage's optional ``committed(batches, ctx)`` hook gets the decoded batches of the records
-   now committed (a record whose partition's commit failed waits for the next commit that
-   succeeds on its partition): run state that only a redelivery could still need is released
-   there (advantage frees settled group buffers, generate marks its admissions delivered). A crash
-   between 4 and 5 leaves that state to its TTL; nothing is lost or doubled.
+* stages/commitgroup.py: the commit group (confirm, account, commit, the ``committed`` hook), with
+  the numbered commit protocol in its docstring;
+* stages/working.py: one record decoded, processed, handed to the producer (and the fault plan);
+* stages/splitting.py: bisecting a failing batch (pure functions, shared with replay);
+* stages/deadletters.py: dead letters and their fallbacks; stages/sending.py: sends and work retries;
+* stages/polling.py: one record per poll; stages/pausing.py: pause/poll/resume while a record is in
+  hand; stages/revocations.py: the rebalance listener; stages/rewinding.py: the replica's side of
+  the rewind handshake.
 
 Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
 that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while
-the next record is still in work); the main thread owns the consumer (which is not thread-safe). When the worker takes longer than a short grace, the main thread pauses every
-assigned partition and keeps polling so that kafka-python does not drop the group membership
-after ``max_poll_interval_ms``; a partition assigned meanwhile is paused too and anything it
-returned is rewound with ``seek`` (stages/pausing.py). When the work is done, everything paused is
-resumed; the commit is made only if the record's partition is still ours, and if the assignment
-changed meanwhile, the fetch position of the partition is set past the record so that it is not
-fetched a second time from the (older) committed offset.
+the next record is still in work); the main thread owns the consumer (which is not thread-safe).
+When the worker takes longer than a short grace, the main thread pauses every assigned partition and
+keeps polling so that kafka-python does not drop the group membership after
+``max_poll_interval_ms``; a partition assigned meanwhile is paused too and anything it returned is
+rewound with ``seek``. When the work is done, everything paused is resumed; the commit is made only
+if the record's partition is still ours, and if the assignment changed meanwhile, the fetch position
+of the partition is set past the record so that it is not fetched a second time from the (older)
+committed offset.
 
-Bad input goes to ``<input topic>.dlq`` and the partition moves on: a record with no value (a
-tombstone), undecodable bytes, an unknown schema or version, missing/mistyped/inconsistent fields or
-non-finite floats (all ``SchemaError``), a record over ``max_record_bytes``, a ``PoisonRecordError``
-or any other non-retriable exception from ``process``. A letter carries the original bytes and key
-and the headers listed in expstream/kafka/letters.py; when the broker refuses it, it is sent again with
-the record's own headers left out, then without the value (``_deliver``), so no record a stage
-cannot handle stops the partition. ``ShutdownRequested`` is never dead-lettered.
-
-Splitting. When ``process`` fails with a non-retriable error on a micro-batch of B > 1 samples
-(a SampleBatch, or a PromptBatch of several prompts), the batch is bisected: each half is
-processed as ``select``-ed sub-batch ``f"{batch_id}~{start}-{end}"`` (absolute, deterministic
-indices, so a redelivered record gives the same ids), a failing half is halved again, down to
-single samples. The outputs of the sub-batches that succeed are produced; each sample that fails
-on its own is dead-lettered as a 1-row batch with the id ``f"{batch_id}~{i}-{i+1}"`` and the
-headers ``split_from=<batch_id>`` and ``sample_ids``, plus the original position. If no sub-batch
-succeeds (a batch-level problem rather than a bad sample), nothing is salvaged and the original
-record is dead-lettered whole, bytes untouched, so a redrive reproduces it exactly. One bad sample
-in B costs about 2·log2(B) extra ``process`` calls. Sub-batches that fail may have done
-idempotent-by-id Redis updates under their own ids before failing; stages validate before writing.
-
-Retries (expstream/retry.py). A retriable error (``ExpstreamError.retriable``: broker or Redis
-briefly away) is retried with exponential backoff from ``RETRY_BACKOFF_START_S`` to
-``RETRY_BACKOFF_MAX_S``, naming the record and batch in the log; ``process`` is retried alone for
-its errors and the sends alone for theirs (the model is not re-run because the broker was away). After ``RETRY_GIVE_UP_S`` the error
-is raised (the process exits 1 and the supervisor restarts it with its own backoff). Connecting at
-start, polling and committing retry the same way; a commit refused because the group rebalanced
-(``CommitFailedError``) is logged and skipped: the new owner gets the record again and processing
-is idempotent. SIGTERM/SIGINT finish the micro-batch in hand, commit, and exit 0; a stop during a
-retry backoff abandons the record uncommitted (it is redelivered) and exits 0.
-
-Rewind (expstream/tools/rewind.py has the whole handshake). Between two records, at most every
-``REWIND_CHECK_INTERVAL_S``, the loop reads the stage's rewind request from the run state. When one
-is set: 1. the micro-batch in hand is already done and committed (the check is between records);
-records polled but not handled yet are fetched again (their positions are set back); 2. every
-assigned partition is paused and the replica keeps polling (it stays in the group: no rebalance);
-3. it acknowledges each step under its heartbeat name ``<replica>:<pid>``; at the ``move`` step it
-seeks every partition it owns to the target and commits it (as a member: the commit is accepted);
-4. once the request is gone (cleared, or expired: the tool died) it resumes.
+Connecting at start and polling retry like the work does (stages/sending.py). SIGTERM/SIGINT finish
+the micro-batch in hand, commit, and exit 0; a stop during a retry backoff abandons the record
+uncommitted (it is redelivered) and exits 0.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka import errors as kafka_errors
-from kafka.structs import OffsetAndMetadata
+from kafka import TopicPartition
 
-from expstream.errors import BrokerUnavailableError, ExpstreamError, PoisonRecordError, ShutdownRequested
-from expstream.faults import FAULT_ENV, RUNNER_POINTS, fault_plan
+from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
+from expstream.faults import RUNNER_POINTS, fault_plan
 from expstream.kafka.clients import (
-    confirm_all,
-    flush,
     make_consumer,
     make_producer,
-    send_all,
-    send_all_and_confirm,
 )
-from expstream.kafka.letters import (
-    H_BATCH_ID,
-    H_ERROR_CLASS,
-    H_ERROR_MESSAGE,
-    H_SAMPLE_IDS,
-    H_SPLIT_FROM,
-    RUNNER_HEADERS,
-    header_value,
-    headers_omitted_headers,
-    letter_headers,
-    value_omitted_headers,
-)
-from expstream.kafka.provenance import provenance_headers, read_provenance
 from expstream.kafka.topics import dlq_topic
 from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
-from expstream.retry import Attempt, Backoff, Policy, retry
-from expstream.rl.admission import admission_id
-from schemas import PromptBatch, SampleBatch, decode, encode
-from schemas.codec import peek_header
-from schemas.errors import SchemaError
+from expstream.retry import retry
+from stages.commitgroup import COMMIT_GROUP_MAX_S, Clients, CommitGroup, Pending
 from stages.context import StageContext
+from stages.deadletters import (
+    DeadLetters,
+)
 from stages.pausing import PausedPolling
+from stages.polling import POLL_TIMEOUT_MS, Poller
+from stages.revocations import RevocationTracker
+from stages.rewinding import ReplicaRewind
+from stages.sending import (
+    SLOW_SEND_WARN_S,
+    WORK_RETRY,
+    Sender,
+)
 from stages.slowwatch import SlowWatch
+from stages.splitting import (
+    first_offsets,
+)
+from stages.working import Worker
 
-# Why 500 ms: short enough that SIGTERM is noticed quickly, long enough not to spin on an idle topic.
-POLL_TIMEOUT_MS = 500
-# Why these bounds: a retriable failure (broker or Redis briefly away) is retried with exponential
-# backoff up to 10 s between tries, so a stage neither crash-loops nor hammers a recovering service.
-RETRY_BACKOFF_START_S = 0.2
-RETRY_BACKOFF_MAX_S = 10.0
-# Why 5 minutes: after this long a retriable error is treated as a stage failure (exit 1) so the
-# supervisor restarts the process and the record is redelivered to a fresh one.
-RETRY_GIVE_UP_S = 300.0
-# Why 60 s: a commit that cannot reach the broker for a minute is given up (logged); the record is
-# redelivered after the next rebalance, and a later commit on the partition covers it anyway.
-COMMIT_GIVE_UP_S = 60.0
-_WORK_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, RETRY_GIVE_UP_S)  # connect, process, send
-_COMMIT_RETRY = Policy(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S, COMMIT_GIVE_UP_S)
-# Why 5 s: an acknowledgement normally takes milliseconds; after 5 s the operator should hear that the
-# broker is slow or away, long before kafka.produce_timeout_s (30 s) turns it into a retry.
-SLOW_SEND_WARN_S = 5.0
-# Why 16 and 50 ms: consecutive records are flushed, confirmed and committed together (one flush, one
-# commit per partition: the per-record broker round trips are what a hop costs), but a group closes
-# after 16 records or once its first record has waited 50 ms, so a slow stage's outputs are not held
-# back behind its next records, and a crash redoes at most that much work.
-MAX_COMMIT_GROUP = 16
-COMMIT_GROUP_MAX_S = 0.05
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
-# Why 0.5 s: how often a replica reads its stage's rewind request between records; one Redis GET per
-# replica per half second is nothing, and a rewind waits at most this long for an idle replica.
-REWIND_CHECK_INTERVAL_S = 0.5
-# Why 30 s: a waiting replica's acknowledgement lives this long unless renewed (every check), so a
-# replica that dies while waiting stops counting as acknowledged.
-REWIND_ACK_TTL_S = 30.0
-# Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
-UNASSIGNED_LOG_INTERVAL_S = 30.0
-
 ProcessFn = Callable[[Any, StageContext], list]
 CommittedFn = Callable[[list, StageContext], None]
-T = TypeVar("T")
-# Commit errors that mean "the group moved on": retrying cannot succeed, redelivery covers it.
-_REBALANCED = tuple(
-    t for t in (getattr(kafka_errors, n, None) for n in (
-        "CommitFailedError", "IllegalGenerationError", "UnknownMemberIdError", "RebalanceInProgressError",
-        "FencedMemberEpochError", "StaleMemberEpochError"))
-    if isinstance(t, type)
-)  # fmt: skip
-
-
-class RecordTooLargeError(PoisonRecordError):
-    """A record over the runner's ``max_record_bytes``: dead-lettered before decoding."""
-
-
-class TombstoneRecordError(PoisonRecordError):
-    """A record with no value (a tombstone): dead-lettered with ``value_omitted``, nothing to decode."""
-
-
-class _RevocationTracker(ConsumerRebalanceListener):
-    """Runs on the client's IO thread: only records what happened; the main loop acts on it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.revoked: set[TopicPartition] = set()
-        self.assigned: set[TopicPartition] = set()
-        self.changes = 0  # bumped on every callback: "the assignment may have moved"
-
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        with self.lock:
-            self.revoked.update(revoked)
-            self.assigned.difference_update(revoked)
-            self.changes += 1
-
-    def on_partitions_assigned(self, assigned: Any) -> None:
-        with self.lock:
-            self.assigned.update(assigned)
-            self.revoked.difference_update(assigned)
-            self.changes += 1
-
-    def owns(self, tp: TopicPartition) -> bool:
-        with self.lock:
-            return tp in self.assigned
-
-
-@dataclasses.dataclass
-class _Out:
-    """One record to send (an output or a dead letter)."""
-
-    topic: str
-    value: bytes | None
-    key: bytes | None
-    headers: list[tuple[str, bytes]] | None = None
-    samples: int = 0  # samples in an output SampleBatch (0 for a PromptBatch or a letter)
-    batch: Any = None  # a letter's decoded batch (the record's, or a split sub-batch), for lost accounting
-
-
-@dataclasses.dataclass
-class _Done:
-    """What the worker did with one record."""
-
-    batch_id: str | None
-    samples: int
-    outputs: int
-    letters: int
-    seconds: float
-
-
-@dataclasses.dataclass
-class _Pending:
-    """One record worked on, its outputs and letters handed to the producer, not yet confirmed."""
-
-    tp: TopicPartition
-    record: Any
-    where: str  # topic[partition]@offset, for log lines
-    batch: Any  # the decoded batch; None when the record could not be decoded
-    outputs: list[_Out]
-    letters: list[_Out]
-    sent: list | None  # (record, future) pairs of outputs + letters; None: the producer refused them at once
-    started: float  # time.monotonic() when the work began
-
-    @property
-    def batch_id(self) -> str | None:
-        return self.batch.batch_id if self.batch is not None else None
-
-
 class StageRunner:
     """Runs ``process`` for one stage replica against Kafka until stopped."""
 
@@ -262,8 +87,6 @@ class StageRunner:
         self.ctx = ctx
         self.process = process
         self.committed = committed  # the stage's hook after a commit (step 5 of the module docstring)
-        # batches handled but not known committed yet, per partition (only kept with a hook)
-        self._uncommitted: dict[TopicPartition, list[Any]] = {}
         self.bootstrap = bootstrap
         self.max_records = max_records
         self.max_record_bytes = int(max_record_bytes or ctx.topology.kafka.max_request_size)
@@ -274,21 +97,17 @@ class StageRunner:
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
-        self.handled = 0
-        self.dead_lettered = 0
-        self.split_batches = 0
-        self.commits_skipped = 0
         self.longest_busy_s = 0.0
         self.producer: Any = None
         self.consumer: Any = None
+        self.sender: Sender | None = None  # made once the producer is there (run)
+        self.dead_letters: DeadLetters | None = None
+        self.worker: Worker | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # decode, process, hand over
         self._confirmer: concurrent.futures.ThreadPoolExecutor | None = None  # flush, confirm, statistics
         self._closing = threading.Event()
-        self._unassigned_since: float | None = None
-        self._poll_backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
         self.pausing: PausedPolling | None = None
-        self.rewinds = 0  # rewind requests this replica left its group for
-        self._next_rewind_check = 0.0
+        self.rewinding: ReplicaRewind | None = None  # made once the consumer is subscribed
         # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
         self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
         ctx.metrics = self.metrics
@@ -296,8 +115,7 @@ class StageRunner:
         self._join_error: BaseException | None = None
         self._assigned_marked = False
         self._first_marked = False
-        self._group: list[_Pending] = []  # the open commit group: worked on, not yet confirmed
-        self._worked = 0
+        self.group: CommitGroup | None = None  # the open commit group (made in run)
         self._setup_done = threading.Event()
         self._slow = SlowWatch(SLOW_SEND_WARN_S, name=f"slow-watch-{self.stage.name}")
 
@@ -310,6 +128,31 @@ class StageRunner:
     def rewound(self) -> int:
         """Records a poll returned for a partition assigned during a pause, rewound (stages/pausing.py)."""
         return self.pausing.rewound if self.pausing is not None else 0
+
+    @property
+    def handled(self) -> int:
+        """Records confirmed and committed (or given up on) by the commit group."""
+        return self.group.handled if self.group is not None else 0
+
+    @property
+    def commits_skipped(self) -> int:
+        """Commits not made: partition revoked, rebalanced, or the broker away too long."""
+        return self.group.commits_skipped if self.group is not None else 0
+
+    @property
+    def split_batches(self) -> int:
+        """Batches bisected to isolate their bad samples (stages/splitting.py)."""
+        return self.worker.split_batches if self.worker is not None else 0
+
+    @property
+    def dead_lettered(self) -> int:
+        """Letters sent (stages/deadletters.py)."""
+        return self.dead_letters.dead_lettered if self.dead_letters is not None else 0
+
+    @property
+    def rewinds(self) -> int:
+        """Rewind requests this replica left its group for (stages/rewinding.py)."""
+        return self.rewinding.rewinds if self.rewinding is not None else 0
 
     @property
     def stop_requested(self) -> bool:
@@ -336,10 +179,14 @@ class StageRunner:
         return f"{self.ctx.replica_id}:{os.getpid()}"
 
     def _subscribe(self) -> None:
-        self.tracker = _RevocationTracker()
+        self.tracker = RevocationTracker()
         self.consumer.subscribe([self.stage.input], listener=self.tracker)
-        self.pausing = PausedPolling(self.consumer, self._poll, self.tracker.owns, self.log, self.stage.name,
+        self.poller = Poller(self.consumer, self.tracker, self.log, stage=self.stage, group_id=self.group_id,
+                             bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
+        self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
+        self.rewinding = ReplicaRewind(self.ctx, self.consumer, self.pausing, self.replica_key, self.log,
+                                       lambda: self.stop_requested)
 
     def start_joining(self) -> None:
         """Connect and join the consumer group on a thread while the stage's ``setup`` loads its models.
@@ -386,8 +233,17 @@ class StageRunner:
                 self._log_stopped()
                 return 0
             self._subscribe()
+        self.sender = Sender(self.ctx, self.producer, self.log, self._stop, self.metrics, self._slow)
+        self.dead_letters = DeadLetters(self.ctx, self.log, self.sender)
+        self.worker = Worker(self.ctx, self.process, self.log, producer=self.producer, sender=self.sender,
+                             dead_letters=self.dead_letters, metrics=self.metrics,
+                             max_record_bytes=self.max_record_bytes, fault=self.fault)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
+        self.group = CommitGroup(self.ctx, self.log, Clients(self.consumer, self.producer, self.tracker, self.pausing,
+                                                             self._confirmer), self.dead_letters,
+                                 metrics=self.metrics, slow=self._slow, commit=self._commit, committed=self.committed,
+                                 stopping=lambda: self.stop_requested, fault=self.worker.maybe_fault)
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
                       self.group_id, self.stage.output, self.ctx.topology.kafka.max_poll_interval_ms,
@@ -395,18 +251,18 @@ class StageRunner:
         threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
-                if self._group and self._rewind_due():
-                    self._finish_group(self._group)  # a rewind starts with nothing in hand
-                if self._maybe_rewind():
+                if self.group.records and self.rewinding.due():
+                    self.group.finish()  # a rewind starts with nothing in hand
+                if self.rewinding.maybe_rewind():
                     continue
-                polled = self._poll(self._poll_timeout_ms())
+                polled = self.poller.poll(self._poll_timeout_ms())
                 if any(polled.values()):
                     self._handle_polled(polled)
                 else:  # nothing more came within the group's time: confirm and commit what is in hand
-                    self._finish_group(self._group)
+                    self.group.finish()
                 if self.max_records is not None and self.handled >= self.max_records:
                     break
-            self._finish_group(self._group)  # a stop: the records in hand are done; confirm and commit them
+            self.group.finish()  # a stop: the records in hand are done; confirm and commit them
         finally:
             self._closing.set()
             self._close()
@@ -452,7 +308,7 @@ class StageRunner:
                 raise ShutdownRequested("stop requested while connecting")
 
         try:
-            return retry(connect, policy=_WORK_RETRY, retriable=lambda exc: isinstance(exc, BrokerUnavailableError),
+            return retry(connect, policy=WORK_RETRY, retriable=lambda exc: isinstance(exc, BrokerUnavailableError),
                          on_retry=lambda a: self.log.warning(
                              "stage %s: broker %s unreachable (%s); retrying in %.1fs (%.0fs so far)", self.stage.name,
                              self.bootstrap, a.exc, a.delay_s, a.waited_s),
@@ -472,76 +328,6 @@ class StageRunner:
             if self.consumer is not None:
                 self.consumer.close(autocommit=False)
 
-    # -- rewind (main thread; expstream/tools/rewind.py drives the handshake) --------------------------------
-    def _maybe_rewind(self, pending: dict[TopicPartition, int] | None = None) -> bool:
-        """Between records: when the stage has a rewind request, pause, acknowledge, move the owned
-        partitions when told, and resume once the request is gone. True when that happened.
-
-        ``pending``: the first record not handled yet of each partition polled (they are fetched again).
-        """
-        now = time.monotonic()
-        if now < self._next_rewind_check:
-            return False
-        self._next_rewind_check = now + REWIND_CHECK_INTERVAL_S
-        try:
-            request = self.ctx.state.rewind_request(self.stage.name)
-        except ExpstreamError as exc:  # the state is away: the work path notices and retries; go on
-            self.log.warning("stage %s: could not read the rewind request: %s", self.stage.name, exc)
-            return False
-        if request is None:
-            return False
-        self.rewinds += 1
-        for tp, offset in (pending or {}).items():
-            self.pausing.reposition(tp, offset)
-        self.log.warning("stage %s replica %s: rewind request %s: pausing %s (last record committed)",
-                         self.stage.name, self.replica_key, request.split("/")[0], self.stage.input)
-        started, moved, acked = time.monotonic(), set(), None
-        while not self.stop_requested:
-            try:
-                request = self.ctx.state.rewind_request(self.stage.name)
-                if request is None:
-                    break
-                if self._rewind_move(request, moved):
-                    self.ctx.state.ack_rewind(self.stage.name, request, self.replica_key, REWIND_ACK_TTL_S)
-                    if request != acked:
-                        self.log.info("stage %s replica %s: acknowledged rewind step %s", self.stage.name,
-                                      self.replica_key, request)
-                        acked = request
-            except ExpstreamError as exc:
-                self.log.warning("stage %s: rewind handshake: run state unreachable (%s); still paused",
-                                 self.stage.name, exc)
-            self.pausing.poll_paused()  # keeps the membership; ~BUSY_POLL_MS
-        self.pausing.resume_all()
-        self.log.warning("stage %s replica %s: rewind done after %.1fs; resuming (moved here: %s)", self.stage.name,
-                         self.replica_key, time.monotonic() - started,
-                         ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(moved)) or "none")
-        return True
-
-    def _rewind_move(self, request: str, moved: set[TopicPartition]) -> bool:
-        """``<id>/move/<p:offset,...>``: seek and commit every owned partition named; True when each is done."""
-        _, _, rest = request.partition("/")
-        if not rest.startswith("move/"):
-            return True  # the pause step: paused is all it asks
-        targets = dict(tuple(int(x) for x in item.split(":")) for item in filter(None, rest[5:].split(",")))
-        ok = True
-        for tp in sorted(self.consumer.assignment()):
-            if tp in moved or tp.partition not in targets:
-                continue
-            offset = targets[tp.partition]
-            try:
-                self.consumer.seek(tp, offset)
-                self.consumer.commit({tp: OffsetAndMetadata(offset, "", -1)},
-                                     timeout_ms=self.ctx.topology.kafka.request_timeout_ms)
-            except (kafka_errors.KafkaError, AssertionError) as exc:  # rebalanced meanwhile: tried again
-                self.log.warning("stage %s: rewind of %s[%d] to %d not committed yet (%s); retrying",
-                                 self.stage.name, tp.topic, tp.partition, offset, exc)
-                ok = False
-                continue
-            moved.add(tp)
-            self.log.warning("stage %s replica %s: rewound %s[%d] to %d (committed)", self.stage.name,
-                             self.replica_key, tp.topic, tp.partition, offset)
-        return ok
-
     def _heartbeats(self) -> None:
         """Redis heartbeats on their own thread: a slow Redis must never delay the consumer's polls."""
         while True:
@@ -553,50 +339,17 @@ class StageRunner:
                 return
 
     # -- polling (main thread only) -------------------------------------------------------------
-    def _poll(self, timeout_ms: int) -> dict:
-        try:
-            # One record per poll, whatever kafka.max_poll_records says: the fetch position is then
-            # never more than one past the record in hand. With several records returned at once, a
-            # partition revoked and given back while one of them was in work kept its advanced position
-            # and the rest were never handled (found with max_poll_records=16 by test_scale's
-            # autoscaler test). Commit groups span polls instead (see _handle_polled).
-            polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=1)
-        except kafka_errors.KafkaError as exc:
-            delay = self._poll_backoff.next()
-            self.log.warning("stage %s: poll of %s failed (%s: %s); retrying in %.1fs", self.stage.name,
-                             self.stage.input, type(exc).__name__, exc, delay)
-            if self.stop_requested:  # still polling for a micro-batch in hand: do not spin
-                time.sleep(min(delay, 1.0))
-            else:
-                self._stop.wait(delay)
-            return {}
-        self._poll_backoff.reset()
-        self._note_assignment()
-        return polled
-
-    def _note_assignment(self) -> None:
-        now = time.monotonic()
-        if self.tracker.assigned:
-            if not self.handled and not self._assigned_marked:
-                self._assigned_marked = True
-                self._mark("assigned")
-            if self._unassigned_since is not None and now - self._unassigned_since > UNASSIGNED_LOG_INTERVAL_S:
-                self.log.info("stage %s: partitions assigned again: %s", self.stage.name,
-                              sorted(tp.partition for tp in self.tracker.assigned))
-            self._unassigned_since = None
-        elif self._unassigned_since is None:
-            self._unassigned_since = self._unassigned_logged = now
-        elif now - self._unassigned_logged > UNASSIGNED_LOG_INTERVAL_S:
-            self._unassigned_logged = now
-            self.log.warning("stage %s: no partition of %s assigned for %.0fs (group %s still joining, more "
-                             "replicas than partitions, or the broker %s unreachable)", self.stage.name,
-                             self.stage.input, now - self._unassigned_since, self.group_id, self.bootstrap)
+    def _on_assigned(self) -> None:
+        """After a poll with partitions assigned: the start-up mark ``assigned``, once, before any record."""
+        if not self.handled and not self._assigned_marked:
+            self._assigned_marked = True
+            self._mark("assigned")
 
     def _poll_timeout_ms(self) -> int:
         """How long a poll may wait: POLL_TIMEOUT_MS, or what is left of the open group's time."""
-        if not self._group:
+        if not self.group.records:
             return POLL_TIMEOUT_MS
-        left = COMMIT_GROUP_MAX_S - (time.monotonic() - self._group[0].started)
+        left = COMMIT_GROUP_MAX_S - self.group.age_s()
         return max(0, int(1000 * left))
 
     def _handle_polled(self, polled: dict) -> None:
@@ -604,14 +357,14 @@ class StageRunner:
         group is confirmed and committed when it is full or old, on a stop, a rewind or a rebalance,
         and when a poll finds nothing more (the run loop)."""
         todo = [(tp, rec) for tp, records in polled.items() for rec in records]
-        group = self._group
+        group = self.group.records
         moved: dict[TopicPartition, int] | None = None
         for i, (tp, record) in enumerate(todo):
             if self.stop_requested:
                 break
-            if self._rewind_due():
-                self._finish_group(group)  # a rewind starts with nothing in hand
-                if self._maybe_rewind(_first_offsets(todo[i:])):
+            if self.rewinding.due():
+                self.group.finish()  # a rewind starts with nothing in hand
+                if self.rewinding.maybe_rewind(first_offsets(todo[i:])):
                     return
             if not self.tracker.owns(tp):
                 continue  # revoked: the new owner fetches it from the committed offset
@@ -629,20 +382,17 @@ class StageRunner:
                     moved.setdefault(other, rec.offset)
                 break
             if self.max_records is not None and self.handled + len(group) >= self.max_records:
-                self._finish_group(group)
+                self.group.finish()
                 return
-            if len(group) >= MAX_COMMIT_GROUP or time.monotonic() - group[0].started >= COMMIT_GROUP_MAX_S:
-                self._finish_group(group)
+            if self.group.closes():
+                self.group.finish()
         if moved is not None or self.stop_requested:
-            self._finish_group(group)
+            self.group.finish()
         for other, offset in (moved or {}).items():
             self.pausing.reposition(other, offset)
 
-    def _rewind_due(self) -> bool:
-        return time.monotonic() >= self._next_rewind_check
-
     # -- one record -----------------------------------------------------------------------------
-    def _start(self, tp: TopicPartition, record: Any, group: list[_Pending]) -> _Pending | None:
+    def _start(self, tp: TopicPartition, record: Any, group: list[Pending]) -> Pending | None:
         """Steps 1-3 of one record on the worker (its outputs handed to the producer, not confirmed).
 
         If this record's work outlasts what is left of the open ``group``'s COMMIT_GROUP_MAX_S, the
@@ -653,11 +403,11 @@ class StageRunner:
         if not self._first_marked:
             self._first_marked = True
             self._mark("first_record")
-        fut = self._executor.submit(self._work, tp, record, where)
+        fut = self._executor.submit(self.worker.work, tp, record, where)
         if group:
             budget = COMMIT_GROUP_MAX_S - (time.monotonic() - group[0].started)
             if not concurrent.futures.wait([fut], timeout=max(budget, 0.0)).done:
-                self._finish_group(group)
+                self.group.finish()
         busy = self.pausing.wait(fut, where)
         if busy is not None:
             self.longest_busy_s = max(self.longest_busy_s, busy)
@@ -667,534 +417,7 @@ class StageRunner:
             self.log.warning("stage %s %s: %s; not committing it (it is redelivered)", self.stage.name, where, exc)
             return None
 
-    def _finish_group(self, group: list[_Pending]) -> None:
-        """Steps 3-4 for the records in hand: one flush, every future checked (a record whose sends
-        failed goes the per-record way: retries, then the dead-letter fallbacks), the statistics,
-        then one commit of the highest offset per partition. Empties ``group``."""
-        if not group:
-            return
-        items = group[:]
-        group.clear()
-        fut = self._confirmer.submit(self._confirm_group, items)
-        self.pausing.wait(fut, items[-1].where)
-        try:
-            dones = fut.result()
-        except ShutdownRequested as exc:
-            self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage.name,
-                             items[0].where, exc, len(items))
-            return
-        last: dict[TopicPartition, _Pending] = {}
-        for p in items:  # offsets rise within a partition: the last one of each is the highest
-            last[p.tp] = p
-            if self.committed is not None and p.batch is not None:
-                self._uncommitted.setdefault(p.tp, []).append(p.batch)
-        committed = [tp for tp, p in last.items() if self._commit(tp, p.record.offset, p.where, p.batch_id)]
-        self._maybe_fault("after_commit")
-        if self.committed is not None:
-            self._after_commit([b for tp in committed for b in self._uncommitted.pop(tp, [])], items[-1].where)
-        for p, done in zip(items, dones, strict=True):
-            self.handled += 1
-            if self.metrics is not None:
-                self._observe(done, p.tp)
-            if done.batch_id is not None:
-                self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
-                              self.stage.name, p.where, done.batch_id, done.samples, done.outputs, done.letters,
-                              done.seconds)
-
-    def _after_commit(self, batches: list, where: str) -> None:
-        """Step 5: the stage's ``committed`` hook on the confirm thread (the main thread keeps polling).
-        A failure is logged and dropped: what the hook would release stays until its TTL."""
-        if not batches:
-            return
-
-        def run() -> None:
-            try:
-                self.committed(batches, self.ctx)
-            except ExpstreamError as exc:
-                self.log.warning("stage %s %s: after the commit of %d records (batches %s..%s), releasing their "
-                                 "run state failed (%s: %s); it stays until it expires", self.stage.name, where,
-                                 len(batches), batches[0].batch_id, batches[-1].batch_id, type(exc).__name__,
-                                 _first_line(exc))
-            except Exception:  # a bug in the hook: loud, but it never costs a record
-                self.log.exception("stage %s %s: the committed hook failed after the commit of %d records",
-                                   self.stage.name, where, len(batches))
-
-        self.pausing.wait(self._confirmer.submit(run), where)
-
-    def _observe(self, done: _Done, tp: TopicPartition) -> None:
-        """Per-record metrics after the commit; the lag reads the consumer's own fetch metadata (no round trip)."""
-        m = self.metrics
-        m.records.inc()
-        m.samples.inc(done.samples)
-        m.batch_seconds.observe(done.seconds)
-        if done.letters:
-            m.dead_letters.inc(done.letters)
-        with contextlib.suppress(Exception):  # measurement only
-            lag = 0
-            for part in self.consumer.assignment():
-                if part.topic == tp.topic:
-                    high = self.consumer.highwater(part)
-                    if high is not None:
-                        lag += max(0, int(high) - int(self.consumer.position(part)))
-            m.lag(tp.topic, lag)
-
-    def _observe_input(self, record: Any, batch: Any) -> None:
-        """Record age (now - produced_at_ms header) and staleness (announced - the batch's policy version)."""
-        m = self.metrics
-        prov = read_provenance(record.headers)
-        age = prov.age_s() if prov is not None else None
-        if age is not None:
-            m.record_age.observe(age)
-        version = getattr(batch, "policy_version", None)
-        if version is not None:
-            m.policy_version.set(version)
-            m.staleness.observe(max(0, m.announced(self.ctx.state) - int(version)))
-
-    def _work(self, tp: TopicPartition, record: Any, where: str) -> _Pending:
-        """Worker thread: decode, process (split on failure), hand the outputs to the producer.
-        Never touches the consumer."""
-        started = time.monotonic()
-        self._worked += 1  # the fault injection's record count: the k-th record this process works on
-        value = record.value
-        size = len(value) if value is not None else 0
-        batch = None
-        outputs: list[_Out] = []
-        if value is None:
-            exc: Exception = TombstoneRecordError(
-                "record has no value (a Kafka tombstone, value=None); there is nothing to decode. Stage input "
-                "topics carry one message per record: find the writer of null values")
-            letters = [self._letter(record, exc)]
-        elif size > self.max_record_bytes:
-            exc = RecordTooLargeError(
-                f"record is {size} bytes, over max_record_bytes={self.max_record_bytes}; not decoded. Split the "
-                "micro-batch upstream (smaller algo.micro_rollout_batch_size) or raise the limit")
-            letters = [self._letter(record, exc)]
-        else:
-            try:
-                batch = decode(value)
-            except SchemaError as exc:
-                letters = [self._letter(record, exc)]
-            else:
-                if self.metrics is not None:
-                    self._observe_input(record, batch)
-                outputs, letters = self._compute(batch, record, where)
-        self._maybe_fault("before_produce")
-        sent = None
-        try:  # a refusal here (e.g. a record over max_request_size) is handled at the confirmation
-            sent = send_all(self.producer, [(o.topic, o.value, o.key, o.headers) for o in outputs + letters])
-        except (ExpstreamError, TypeError):
-            pass
-        return _Pending(tp, record, where, batch, outputs, letters, sent, started)
-
-    def _confirm_group(self, items: list[_Pending]) -> list[_Done]:
-        """Confirm thread: flush once, check each record's futures (the per-record way for one that
-        failed), then each record's statistics."""
-        started = time.monotonic()
-        timeout_s = self.ctx.topology.kafka.produce_timeout_s
-        if any(p.sent for p in items):
-            with self._slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge the "
-                                  "outputs of %d records after %.0fs (broker unreachable or paused?)",
-                                  self.stage.name, items[0].where, len(items), SLOW_SEND_WARN_S):
-                flush(self.producer, timeout_s)
-        for p in items:
-            what = f"{p.where} batch={p.batch_id}"
-            try:
-                if p.sent is None:
-                    raise ExpstreamError("not handed to the producer")
-                confirm_all(p.sent, max(timeout_s - (time.monotonic() - started), 0.0))
-            except ExpstreamError as exc:  # again the per-record way: retries, then dead-letter fallbacks
-                if self.stop_requested:  # as a retry would: the group stays uncommitted (redelivered)
-                    raise ShutdownRequested(f"stop requested while the outputs of {what} were unconfirmed "
-                                            f"({_first_line(exc)})") from exc
-                self.log.warning("stage %s %s: sending %d records failed with %s %s: %s; sending them again "
-                                 "record by record", self.stage.name, what, len(p.outputs) + len(p.letters),
-                                 "retriable" if exc.retriable else "non-retriable", type(exc).__name__,
-                                 _first_line(exc))
-                self._deliver(p.record, p.where, p.outputs, p.letters, p.batch)
-                if exc.retriable:
-                    self.log.info("stage %s %s: sent after retrying record by record (%.1fs); broker reachable "
-                                  "again", self.stage.name, what, time.monotonic() - started)
-            else:
-                self._after_delivery(p.letters, p.where, what)
-        if self.metrics is not None:
-            self.metrics.send_seconds.observe(time.monotonic() - started)
-        self._maybe_fault("after_produce")
-        dones, rows = [], []
-        for p in items:
-            done, row = self._account(p)
-            dones.append(done)
-            if row is not None:
-                rows.append(row)
-        try:  # the group's statistics in one Redis round trip, before the commit
-            self.ctx.state.record_batches(self.stage.name, rows)
-        except ExpstreamError as exc:  # statistics only
-            self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
-                             self.stage.name, items[0].where, len(rows), exc)
-        return dones
-
-    def _account(self, p: _Pending) -> tuple[_Done, tuple | None]:
-        """Statistics of one record: the time of every record the stage did its work on, including
-        those parked in a group buffer (no output yet), samples the record's own or, for a prompt
-        record, the samples generated from it; and the accounting (status, summary.json): in = out
-        + dead + dropped + in flight. Returns the record's row for ``state.record_batches``."""
-        batch, outputs, letters = p.batch, p.outputs, p.letters
-        seconds = time.monotonic() - p.started
-        samples, row = 0, None
-        if batch is not None:
-            samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
-            per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(batch, PromptBatch) else 1
-            flow = {"in": len(batch) * per, "out": sum(o.samples for o in outputs),
-                    "dead": sum(len(lt.batch) * per if lt.batch is not None else len(batch) * per for lt in letters)}
-            row = (batch.batch_id, flow, seconds if (outputs or not letters) else None, samples)
-        return _Done(p.batch_id, samples, len(outputs), len(letters), seconds), row
-
-    # -- process, with retries and splitting (worker thread) ---------------------------------------
-    def _compute(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
-        return self._retry_work(lambda: self._process_or_split(batch, record, where),
-                                f"{where} batch={batch.batch_id}", "process")
-
-    def _retry_work(self, fn: Callable[[], T], what: str, step: str,
-                    recovered: Callable[[Attempt], None] | None = None) -> T:
-        """``fn`` retried on retriable errors (worker thread): after RETRY_GIVE_UP_S the error is raised so
-        the supervisor restarts the stage; a stop request abandons the record (ShutdownRequested)."""
-        last: list[Attempt] = []
-
-        def stopping(a: Attempt) -> ShutdownRequested:
-            return ShutdownRequested(f"stop requested while retrying {step} ({type(a.exc).__name__}: {a.exc})")
-
-        def give_up(a: Attempt) -> T:
-            self.log.error("stage %s %s: %s still failing after %.0fs (%s: %s); giving up so the supervisor "
-                           "restarts the stage", self.stage.name, what, step, a.waited_s, type(a.exc).__name__, a.exc)
-            raise a.exc
-
-        def on_retry(a: Attempt) -> None:
-            if self.stop_requested:
-                raise stopping(a)
-            self.log.warning("stage %s %s: %s failed with retriable %s: %s; retry %d in %.1fs (%.1fs so far)",
-                             self.stage.name, what, step, type(a.exc).__name__, a.exc, a.number, a.delay_s, a.waited_s)
-            last[:] = [a]
-            if self.metrics is not None:
-                self.metrics.retry(step.split(" ", 1)[0])
-
-        def wait(seconds: float) -> None:
-            if self._stop.wait(seconds):
-                raise stopping(last[0])
-
-        out = retry(fn, policy=_WORK_RETRY, retriable=_retriable, on_retry=on_retry, on_give_up=give_up, sleep=wait)
-        if last and recovered is not None:
-            recovered(last[0])
-        return out
-
-    def _run_process(self, batch: Any) -> list[_Out]:
-        """``process`` + encode; non-retriable failures come out as SchemaError, ExpstreamError or _Poison."""
-        try:
-            outs = self.process(batch, self.ctx)
-            if isinstance(outs, (SampleBatch, PromptBatch)):
-                outs = [outs]
-            return [_Out(self.stage.output, encode(o), record_key(o),
-                         headers=provenance_headers(self.stage.name, getattr(o, "policy_version", 0)),
-                         samples=len(o) if isinstance(o, SampleBatch) else 0)
-                    for o in outs]
-        except (SchemaError, ExpstreamError):
-            raise
-        except Exception as exc:  # a bug or a bad sample: data routed to the DLQ, never swallowed
-            # the class travels in the error_class header; the message gets a short traceback
-            raise _Poison(f"{exc}\n{traceback.format_exc(limit=6)}") from exc
-
-    def _process_or_split(self, batch: Any, record: Any, where: str) -> tuple[list[_Out], list[_Out]]:
-        try:
-            return self._run_process(batch), []
-        except Exception as exc:
-            if _retriable(exc) or isinstance(exc, ShutdownRequested):
-                raise  # a stop request (e.g. a generation abandoned on SIGTERM) is never a bad record
-            first = exc
-        n = len(batch) if isinstance(batch, (SampleBatch, PromptBatch)) else 0
-        if n <= 1:
-            return [], [self._letter(record, first, batch=batch)]
-        self.split_batches += 1
-        self.log.warning("stage %s %s batch=%s: failed as a whole (%s: %s); splitting its %d samples to isolate "
-                         "the bad ones", self.stage.name, where, batch.batch_id, _error_class(first),
-                         _first_line(first), n)
-        good: list[_Out] = []
-        bad: list[tuple[Any, Exception]] = []
-        self._bisect(batch, 0, n, good, bad)
-        if len(bad) == n:
-            # Nothing salvaged: a batch-level problem, or every sample bad. Keep the record whole (a
-            # redrive reproduces it), with each sample's own reason beside the record's.
-            errors = {sid: f"{_error_class(exc)}: {_first_line(exc)}" for sub, exc in bad for sid in _sample_ids(sub)}
-            self.log.warning("stage %s %s batch=%s: every sample fails on its own too; dead-lettering the record "
-                             "whole (%s)", self.stage.name, where, batch.batch_id,
-                             "; ".join(f"{sid}: {why}" for sid, why in errors.items())[:1000])
-            return [], [self._letter(record, first, batch=batch, errors=errors)]
-        letters = []
-        for sub, exc in bad:
-            try:
-                value = encode(sub)
-            except SchemaError as enc_exc:  # cannot happen for a select() of a decoded batch; be safe
-                self.log.error("stage %s %s: bad sample %s cannot be re-encoded (%s); dead-lettering the record "
-                               "whole", self.stage.name, where, sub.batch_id, enc_exc)
-                return [], [self._letter(record, first, batch=batch)]
-            letters.append(self._letter(record, exc, value=value, batch=sub, split_from=batch.batch_id))
-        self.log.warning("stage %s %s batch=%s: split: %d of %d samples dead-lettered (%s), the rest produced",
-                         self.stage.name, where, batch.batch_id, len(bad), n,
-                         ", ".join(",".join(_sample_ids(sub)) for sub, _ in bad)[:500])
-        return good, letters
-
-    def _bisect(self, batch: Any, lo: int, hi: int, good: list[_Out], bad: list[tuple[Any, Exception]]) -> None:
-        """[lo, hi) failed as a whole (hi - lo > 1): process each half, recurse into failing ones."""
-        mid = (lo + hi) // 2
-        for a, b in ((lo, mid), (mid, hi)):
-            sub = subset_batch(batch, a, b)
-            try:
-                good.extend(self._run_process(sub))
-            except Exception as exc:
-                if _retriable(exc) or isinstance(exc, ShutdownRequested):
-                    raise
-                if b - a == 1:
-                    bad.append((sub, exc))
-                else:
-                    self._bisect(batch, a, b, good, bad)
-
-    # -- dead letters and sends (worker thread) ---------------------------------------------------
-    def _letter(self, record: Any, exc: Exception, *, value: Any = ..., batch: Any = None,
-                split_from: str | None = None, errors: dict[str, str] | None = None) -> _Out:
-        value = record.value if value is ... else value
-        headers = letter_headers(
-            record, stage=self.stage.name, replica=self.ctx.replica_id, error_class=_error_class(exc),
-            error_message=str(exc), value=value, sample_ids=_sample_ids(batch) if batch is not None else None,
-            split_from=split_from, errors=errors)
-        if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted
-            return _Out(self.dlq_topic, b"", record.key, value_omitted_headers(
-                headers, "the record had no value (a tombstone); there is nothing to carry or redrive"))
-        return _Out(self.dlq_topic, value, record.key, headers, batch=batch)
-
-    def _send(self, items: list[_Out], what: str) -> None:
-        """Send and confirm ``items``, retrying retriable failures; raises a non-retriable ProduceError."""
-        started = time.monotonic()
-
-        def send() -> None:
-            with self._slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge %d records "
-                               "after %.0fs (broker unreachable or paused?); retrying after "
-                               "kafka.produce_timeout_s=%.0fs", self.stage.name, what, len(items),
-                               SLOW_SEND_WARN_S, self.ctx.topology.kafka.produce_timeout_s):
-                send_all_and_confirm(self.producer, [(o.topic, o.value, o.key, o.headers) for o in items],
-                                     self.ctx.topology.kafka.produce_timeout_s)
-
-        self._retry_work(send, what, f"sending {len(items)} records", recovered=lambda a: self.log.info(
-            "stage %s %s: sent after %d retries (%.1fs); broker reachable again", self.stage.name, what, a.number,
-            time.monotonic() - started))
-        if self.metrics is not None:
-            self.metrics.send_seconds.observe(time.monotonic() - started)
-
-    def _deliver(self, record: Any, where: str, outputs: list[_Out], letters: list[_Out], batch: Any) -> None:
-        """Send the outputs and letters of one record; when the broker refuses one (non-retriable), fall
-        back step by step, so that a record always leaves as a letter and the partition moves on:
-
-        1. everything as computed;
-        2. the input record whole as one letter (the outputs dropped), with the refusal as the reason
-           unless the record already was a single whole-record letter (its own reason is kept);
-        3. that letter without the record's own headers (``headers_omitted``), the value kept;
-        4. with the headers but without the value (``value_omitted``: the original stays at its
-           topic[partition]@offset), then 5. without both.
-
-        A stop request (ShutdownRequested) is never a refusal: it propagates, the record stays uncommitted.
-        """
-        what = f"{where} batch={batch.batch_id if batch is not None else peek_header(record.value)[2]}"
-        try:
-            self._send(outputs + letters, what)
-        except ShutdownRequested:
-            raise
-        except ExpstreamError as exc:  # non-retriable: the broker refuses a record (e.g. too large)
-            if exc.retriable:  # still failing after RETRY_GIVE_UP_S: the stage fails, the record is redelivered
-                raise
-            whole = len(letters) == 1 and not outputs and _header(letters[0], H_SPLIT_FROM) == ""
-            self.log.error("stage %s %s: the broker refused %s (%s); dead-lettering the input record whole%s",
-                           self.stage.name, what, "the letter" if whole else "an output or letter", exc,
-                           "" if whole else " instead")
-            first = letters[0] if whole else self._letter(record, exc, batch=batch)
-            outputs[:] = []
-            letters[:] = [self._send_letter_somehow(first, where, what, exc, tried=whole)]
-        self._after_delivery(letters, where, what)
-
-    def _after_delivery(self, letters: list[_Out], where: str, what: str) -> None:
-        """Once a record's outputs and letters are acknowledged: lost-sample accounting, one log line per letter."""
-        if letters and self.ctx.topology.train.enabled:
-            self._retry_work(lambda: self._record_lost(letters, where), what, "recording lost samples")
-        for letter in letters:
-            self.dead_lettered += 1
-            self.log.error("stage %s %s batch=%s: dead-lettered %s to %s: %s: %s", self.stage.name, where,
-                           _header(letter, H_BATCH_ID) or "?", _header(letter, H_SAMPLE_IDS) or "the record",
-                           self.dlq_topic, _header(letter, H_ERROR_CLASS), _first_line(_header(letter, H_ERROR_MESSAGE)))
-
-    def _record_lost(self, letters: list[_Out], where: str) -> None:
-        """The continuous loop's accounting (expstream/rl/admission.py): samples of admitted work that were
-        dead-lettered never reach the trainer; count them lost (idempotent per batch id) before the commit.
-        A PromptBatch counts its G x n samples under the version its root record was admitted with (not
-        admitted: nothing to count); a SampleBatch counts B under its policy_version, except one read from
-        the prompt topic (never admitted)."""
-        n = self.ctx.topology.generate.n_samples_per_prompt
-        for letter in letters:
-            b = letter.batch
-            if isinstance(b, PromptBatch):
-                version, samples = self.ctx.state.admitted_version(admission_id(b.batch_id)), len(b) * n
-            elif isinstance(b, SampleBatch) and self.stage.input != self.ctx.topology.topics.input:
-                version, samples = b.policy_version, len(b)
-            else:
-                continue
-            if version is not None and samples and self.ctx.state.record_lost(b.batch_id, int(version), samples):
-                self.log.warning("stage %s %s batch=%s: %d samples of policy version %d counted lost (dead-lettered)",
-                                 self.stage.name, where, b.batch_id, samples, version)
-
-    def _send_letter_somehow(self, letter: _Out, where: str, what: str, refusal: Exception, *,
-                             tried: bool) -> _Out:
-        """Steps 2-4 of :meth:`_deliver`: ``letter`` (unless ``tried`` already), then without the record's
-        own headers, then without the value, then without both; returns the one the broker took."""
-        own = _own_headers(letter)
-        runner_only = [(k, v) for k, v in letter.headers or [] if k in RUNNER_HEADERS]
-
-        def no_headers(out: _Out, exc: Exception) -> _Out:
-            return dataclasses.replace(out, headers=headers_omitted_headers(
-                [(k, v) for k, v in out.headers or [] if k in RUNNER_HEADERS],
-                f"{len(own)} header(s) of the original record dropped ({', '.join(sorted({k for k, _ in own}))[:200]}): "
-                f"the broker refused them ({exc}); read them at {where}"))
-
-        def no_value(out: _Out, exc: Exception) -> _Out:
-            return dataclasses.replace(out, value=b"", headers=value_omitted_headers(
-                out.headers, f"the broker refused the original value ({exc}); read it at {where}"))
-
-        steps: list[Callable[[Exception], _Out]] = [] if tried else [lambda exc: letter]
-        if own:
-            steps.append(lambda exc: no_headers(letter, exc))
-        if letter.value:
-            steps.append(lambda exc: no_value(letter, exc))
-            if own:
-                steps.append(lambda exc: no_value(no_headers(dataclasses.replace(letter, headers=runner_only), exc),
-                                                  exc))
-        last = refusal
-        for step in steps:
-            candidate = step(last)
-            try:
-                self._send([candidate], what)
-                return candidate
-            except ShutdownRequested:
-                raise
-            except ExpstreamError as exc:
-                if exc.retriable:
-                    raise
-                self.log.error("stage %s %s: the broker refused the letter too (%s); trying it with less in it",
-                               self.stage.name, what, _first_line(exc))
-                last = exc
-        raise last  # even the smallest letter is refused (a broken dead-letter topic): the stage fails
-
-    def _maybe_fault(self, point: str) -> None:
-        if self.fault is not None and self.fault[0] == point and self._worked >= self.fault[1]:
-            self.log.warning("stage %s: fault injection %s: SIGKILL at %s", self.stage.name, FAULT_ENV, point)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     # -- commit (main thread) --------------------------------------------------------------------
     def _commit(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
-        timeout_ms = self.ctx.topology.kafka.request_timeout_ms
-        retries = [0]
-
-        def commit() -> bool:
-            if not self.tracker.owns(tp):
-                self.commits_skipped += 1
-                self.log.warning("stage %s %s batch=%s: partition revoked meanwhile; not committing (the new owner "
-                                 "re-processes it, idempotently)", self.stage.name, where, batch_id)
-                return False
-            try:
-                with self._slow.watch(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
-                                   "%.0fs (broker unreachable or paused?)", self.stage.name, where, batch_id,
-                                   SLOW_SEND_WARN_S):
-                    t0 = time.monotonic()
-                    self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
-                    if self.metrics is not None:
-                        self.metrics.commit_seconds.observe(time.monotonic() - t0)
-            except _REBALANCED as exc:
-                self.commits_skipped += 1
-                self.log.warning("stage %s %s batch=%s: commit refused, the group rebalanced (%s); the record is "
-                                 "redelivered to the partition's owner and re-processed idempotently",
-                                 self.stage.name, where, batch_id, type(exc).__name__)
-                return False
-            if retries[0]:
-                self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage.name, where,
-                              batch_id, retries[0])
-            return True
-
-        def on_retry(a: Attempt) -> None:
-            retries[0] = a.number
-            self.log.warning("stage %s %s batch=%s: commit failed (%s: %s; broker unreachable?); retry %d in "
-                             "%.1fs", self.stage.name, where, batch_id, type(a.exc).__name__, a.exc, a.number,
-                             a.delay_s)
-
-        def give_up(a: Attempt) -> bool:
-            self.commits_skipped += 1
-            self.log.error("stage %s %s batch=%s: commit failed for %.0fs (%s: %s); giving up on it, the "
-                           "record is redelivered after the next rebalance or restart", self.stage.name,
-                           where, batch_id, a.waited_s, type(a.exc).__name__, a.exc)
-            return False
-
-        # the backoff is spent polling with paused partitions, so the consumer stays in its group
-        return retry(commit, policy=_COMMIT_RETRY, retriable=lambda exc: isinstance(exc, kafka_errors.KafkaError),
-                     on_retry=on_retry, on_give_up=give_up, stop=lambda: self.stop_requested,
-                     sleep=lambda seconds: self.pausing.sleep(seconds, lambda: self.stop_requested))
-
-
-class _Poison(Exception):
-    """A failure inside process() that is not retriable: the record goes to the DLQ."""
-
-
-def _retriable(exc: BaseException) -> bool:
-    return bool(getattr(exc, "retriable", False)) and isinstance(exc, ExpstreamError)
-
-
-def _error_class(exc: BaseException) -> str:
-    if isinstance(exc, _Poison) and exc.__cause__ is not None:
-        return type(exc.__cause__).__name__
-    return type(exc).__name__
-
-
-def _first_line(exc: BaseException | str) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
-
-
-def _header(out: _Out, name: str) -> str:
-    return header_value(out.headers, name)
-
-
-def _own_headers(out: _Out) -> list[tuple[str, bytes]]:
-    """The headers of a letter that came from the original record (not written by the runner)."""
-    return [(k, v) for k, v in out.headers or [] if k not in RUNNER_HEADERS]
-
-
-def _sample_ids(batch: Any) -> list[str]:
-    if isinstance(batch, SampleBatch):
-        return batch.sample_ids()
-    if isinstance(batch, PromptBatch):
-        return list(batch.prompt_id)
-    return []
-
-
-def subset_batch(batch: Any, lo: int, hi: int) -> Any:
-    """Samples [lo, hi) of ``batch`` as a batch called ``f"{batch_id}~{lo}-{hi}"``."""
-    batch_id = f"{batch.batch_id}~{lo}-{hi}"
-    if isinstance(batch, SampleBatch):
-        return batch.select(list(range(lo, hi)), batch_id=batch_id)
-    return PromptBatch(batch_id=batch_id, prompt_id=batch.prompt_id[lo:hi], prompt=batch.prompt[lo:hi],
-                       label=batch.label[lo:hi], reference=batch.reference[lo:hi],
-                       images=batch.images[lo:hi], videos=batch.videos[lo:hi])
-
-
-def _first_offsets(todo: list[tuple[TopicPartition, Any]]) -> dict[TopicPartition, int]:
-    """The first offset of each partition in ``todo`` (records polled, not handled yet)."""
-    out: dict[TopicPartition, int] = {}
-    for tp, rec in todo:
-        out.setdefault(tp, rec.offset)
-    return out
-
-
-def record_key(batch: Any) -> bytes:
-    """The key of an output record: the batch's first group id (its batch id when it has none)."""
-    group_ids = getattr(batch, "group_id", None)
-    return (group_ids[0] if group_ids else batch.batch_id).encode()
+        """Step 4 for one partition (stages/commitgroup.py); the seam a test overrides to count or refuse commits."""
+        return self.group.commit_offset(tp, offset, where, batch_id)

@@ -1,7 +1,7 @@
 """One watchdog thread per stage replica that warns about a block still running after a deadline.
 
 The runner wraps every confirmed send and every synchronous commit in :meth:`SlowWatch.watch`: a
-broker that stops answering shows up in the log after :data:`stages.runner.SLOW_SEND_WARN_S`
+broker that stops answering shows up in the log after :data:`stages.sending.SLOW_SEND_WARN_S`
 instead of as silence. This used to be a ``threading.Timer`` per block, i.e. two thread starts per
 record on the hot path (~0.1 ms of CPU each in a profile); one long-lived thread that sleeps until
 the earliest deadline costs nothing while the broker answers in time.

@@ -2,7 +2,7 @@
 
 A dead letter is the record a stage could not process, sent to the dead-letter twin of the stage's
 input topic with its original bytes (or a 1-row batch cut out of a split micro-batch) and headers
-saying what went wrong and where it came from. The writer is stages/runner.py (through
+saying what went wrong and where it came from. The writer is stages/deadletters.py (through
 :func:`letter_headers`), the reader is ``expstream dlq`` (expstream/tools/dlq.py, through
 :func:`decode_headers` and :func:`redrive_headers`): one module, so the two cannot drift apart.
 Every header, and how the original record's own headers are carried: docs/dead-letters.md.

@@ -4,7 +4,7 @@
 stage's input topic (:func:`resolve_targets`) from the records' own timestamps, never the broker's
 time index. The tool and the replicas then run a seven-step handshake through the run state: the
 replicas pause in their consumer group (no rebalance), acknowledge, seek and commit the targets,
-and resume. This module is the tool's side; the replica's side is in stages/runner.py.
+and resume. This module is the tool's side; the replica's side is in stages/rewinding.py.
 Positions, the numbered handshake, and why the replicas stay in the group (measured on Tansu):
 docs/replay.md "Rewind".
 """
@@ -382,7 +382,7 @@ def live_replicas(state: Any, stage: str, now: float | None = None) -> set[str]:
 
 
 def move_request(request: str, targets: dict[int, int]) -> str:
-    """The ``move`` step's request text: ``<id>/move/<p:offset,...>`` (stages/runner.py parses it)."""
+    """The ``move`` step's request text: ``<id>/move/<p:offset,...>`` (stages/rewinding.py parses it)."""
     return f"{request}/move/" + ",".join(f"{p}:{o}" for p, o in sorted(targets.items()))
 
 
