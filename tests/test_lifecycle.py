@@ -49,8 +49,8 @@ def leftovers(run_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 def start_run(tmp_path: Path, cache: Path, prompts: int = 6) -> tuple[subprocess.Popen, Path]:

@@ -42,8 +42,8 @@ STOP_EXIT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 def alive(pid: int) -> bool:

@@ -59,8 +59,8 @@ def _start_run(out: Path, cache: Path, broker: str, redis_url: str, prefix: str,
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

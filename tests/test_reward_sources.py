@@ -42,8 +42,8 @@ def make_batch(labels, prompts=None, references=None, tokens=None):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return f"models.cache_dir={tmp_path_factory.mktemp('models')}"
+def cache(model_cache):
+    return f"models.cache_dir={model_cache}"
 
 
 def rewards_topology(cache, rewards: dict, *extra):

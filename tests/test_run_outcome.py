@@ -32,8 +32,8 @@ PARTITIONS = 2  # topology.yaml topics.partitions: the run's create_topics accep
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 def run(tmp_path: Path, cache: Path, rows: list[dict], *sets: str, bootstrap: str | None = None):
