@@ -1,4 +1,5 @@
-"""Shared fixtures: one real Tansu broker and one real redis-server per test session.
+"""Shared fixtures: one real Tansu broker, one real redis-server and one tiny-model cache per test
+session (helpers that start runs or chains: tests/harness.py).
 
 Both run on free loopback ports in a session temp dir and are stopped at session end; they also
 die with the test process (PR_SET_PDEATHSIG), so an interrupted session leaves no orphans.
@@ -21,6 +22,20 @@ from expstream.config.kafka import KafkaConfig  # noqa: E402
 from expstream.kafka.topics import create_topics  # noqa: E402
 from expstream.launch.localservers import LocalBroker, LocalRedis  # noqa: E402
 from expstream.state import MemoryState, RedisState, State  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's ``models.cache_dir``: the built-in tiny text models, built once here and only
+    read afterwards (the tiny VL family is added by the first test that asks for it). Pass it as
+    ``models.cache_dir=...`` (or ``cache=`` of tests/harness.py); a test that needs an empty or
+    unwritable cache makes its own."""
+    from expstream.config.topology import load_topology
+    from expstream.models.resolve import build_builtin_models
+
+    root = tmp_path_factory.mktemp("models")
+    build_builtin_models(load_topology(overrides=[f"models.cache_dir={root}"]))
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -322,10 +322,10 @@ def _outputs(broker, topo):
 
 @pytest.mark.integration
 def test_generate_blocks_at_the_bound_keeps_its_membership_and_resumes_after_a_publish(
-        broker, redis_url, tmp_path_factory):
+        broker, redis_url, model_cache):
     """max_staleness 0, batch_size 8 = one record of 2 prompts x 4: exactly one record comes out, then
     generate waits (alive in its group, the blocked counter growing) until version 1 is published."""
-    topo, ctx, runner = _generate_runner(broker, redis_url, tmp_path_factory.mktemp("models"),
+    topo, ctx, runner = _generate_runner(broker, redis_url, model_cache,
                                          "async.max_staleness=0", "kafka.max_poll_interval_ms=3000")
     src = topo.topics.input
     produce(broker, src, [_prompts(f"p{i}", ["Hello there", "Add two numbers"]) for i in range(4)])
@@ -358,8 +358,8 @@ def test_generate_blocks_at_the_bound_keeps_its_membership_and_resumes_after_a_p
 
 
 @pytest.mark.integration
-def test_dead_lettered_prompt_is_counted_lost_under_its_admitted_version(broker, redis_url, tmp_path_factory):
-    topo, ctx, runner = _generate_runner(broker, redis_url, tmp_path_factory.mktemp("models"),
+def test_dead_lettered_prompt_is_counted_lost_under_its_admitted_version(broker, redis_url, model_cache):
+    topo, ctx, runner = _generate_runner(broker, redis_url, model_cache,
                                          "async.max_staleness=1", "generate.truncate_prompts=false",
                                          "generate.prompt_max_len=40")
     ctx.state.set_policy_version(2)

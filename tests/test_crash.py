@@ -91,14 +91,6 @@ def log_path_of(label: str) -> str:
     return f"{name}-{replica}.log"
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One model cache for every crash/soak/outage run of the session (built on first use)."""
-    path = tmp_path_factory.getbasetemp() / "crash-models"
-    path.mkdir(exist_ok=True)
-    return path
-
-
 @dataclass
 class Kill:
     label: str

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -12,36 +10,29 @@ import pytest
 import torch
 
 from expstream import read_experiences
+from tests.harness import PROMPTS, ROOT, chain_experiences, run_expstream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
-ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ROOT / "examples" / "prompts.jsonl"
 N = 4
+COMMON = [f"generate.n_samples_per_prompt={N}", "generate.max_new_tokens=8"]
 
 
-def run_expstream(tmp_path: Path, cache: Path, *sets: str, timeout: int = 400) -> tuple[dict, list]:
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(PROMPTS), "--output", str(out),
-           "--no-progress", "--set", f"models.cache_dir={cache}", "--set", f"generate.n_samples_per_prompt={N}",
-           "--set", "generate.max_new_tokens=8", "--set", "run.timeout_s=120"]
-    for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+def run(tmp_path: Path, cache: Path, *sets: str, timeout: int = 400) -> tuple[dict, list]:
+    _, out = run_expstream(tmp_path, cache=cache, sets=[*COMMON, "run.timeout_s=120", *sets], timeout=timeout,
+                           check=True)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["topology"] == str(ROOT / "topology.yaml"), "run from the checkout: ./topology.yaml is read"
     return summary, read_experiences(out / "experiences.msgpack")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
 
 
 def check_common(summary: dict, exps: list, dropped: int = 0) -> dict[str, list[float]]:
     n_prompts = sum(1 for line in PROMPTS.read_text().splitlines() if line.strip()) - dropped
     assert summary["status"] == "ok" and summary["groups_complete"] == n_prompts
     assert summary["groups_dropped_dynamic_sampling"] == dropped
+    return check_experiences(exps, n_prompts)
+
+
+def check_experiences(exps: list, n_prompts: int) -> dict[str, list[float]]:
     ids = Counter(s for e in exps for s in e.sample_ids)
     assert len(ids) == n_prompts * N and set(ids.values()) == {1}, "every sample exactly once"
     per_group: dict[str, list[float]] = {}
@@ -61,8 +52,8 @@ def check_common(summary: dict, exps: list, dropped: int = 0) -> dict[str, list[
     return per_group
 
 
-def test_group_norm_end_to_end_with_two_advantage_replicas(tmp_path, cache):
-    summary, exps = run_expstream(tmp_path, cache, "algo.advantage_estimator=group_norm",
+def test_group_norm_end_to_end_with_two_advantage_replicas(tmp_path, model_cache):
+    summary, exps = run(tmp_path, model_cache, "algo.advantage_estimator=group_norm",
                                   "stages.advantage.replicas=2")
     per_group = check_common(summary, exps)
     for group, advs in per_group.items():
@@ -71,8 +62,8 @@ def test_group_norm_end_to_end_with_two_advantage_replicas(tmp_path, cache):
     assert summary["stages"]["advantage"]["batches"] >= 2
 
 
-def test_gae_end_to_end_with_critic(tmp_path, cache):
-    summary, exps = run_expstream(tmp_path, cache, "algo.advantage_estimator=gae")
+def test_gae_end_to_end_with_critic(tmp_path, model_cache):
+    summary, exps = run(tmp_path, model_cache, "algo.advantage_estimator=gae")
     check_common(summary, exps)
     assert "critic" in summary["stages"]
     assert all(e.values is not None and e.values.shape == e.action_mask.shape for e in exps)
@@ -85,9 +76,11 @@ def test_gae_end_to_end_with_critic(tmp_path, cache):
     ("grpo", ["algo.high_entropy_token_ratio=0.25", "algo.kl_estimator=k1"]),
     ("cpgd", ["algo.use_kl_loss=true"]),
 ])
-def test_every_estimator_end_to_end(tmp_path, cache, estimator, extra):
-    summary, exps = run_expstream(tmp_path, cache, f"algo.advantage_estimator={estimator}", *extra)
-    per_group = check_common(summary, exps)
+def test_every_estimator_through_the_stages(model_cache, estimator, extra):
+    """The estimators' numbers, in process (LocalChain, the codec between stages): what a whole run
+    adds (Kafka, replicas, the collector, the summary) is covered by the runs above and below."""
+    exps = chain_experiences(model_cache, *COMMON, f"algo.advantage_estimator={estimator}", *extra)
+    per_group = check_experiences(exps, n_prompts=6)
     if estimator == "rloo":  # leave-one-out shaped rewards of a group sum to zero (gamma 1, KL tiny)
         assert all("reward_metrics.model" in e.info and "reward_metrics.fn" in e.info for e in exps)
     if estimator == "grpo":
@@ -104,8 +97,8 @@ def test_every_estimator_end_to_end(tmp_path, cache, estimator, extra):
     assert len(per_group) == 6
 
 
-def test_dr_grpo_with_dynamic_sampling_drops_constant_groups(tmp_path, cache):
-    summary, exps = run_expstream(tmp_path, cache, "algo.advantage_estimator=dr_grpo", "algo.dynamic_sampling=true",
+def test_dr_grpo_with_dynamic_sampling_drops_constant_groups(tmp_path, model_cache):
+    summary, exps = run(tmp_path, model_cache, "algo.advantage_estimator=dr_grpo", "algo.dynamic_sampling=true",
                                   "models.reward=null", "models.reward_fn=tests.rewardfns:constant_for_arithmetic",
                                   "run.target_groups=4", "run.prompt_batch_size=1")
     per_group = check_common(summary, exps, dropped=2)  # the two "What is ..." prompts score 1.0 throughout
@@ -117,19 +110,16 @@ def test_dr_grpo_with_dynamic_sampling_drops_constant_groups(tmp_path, cache):
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "group_norm"])
-def test_dead_lettered_samples_do_not_stall_the_run(tmp_path, cache, estimator):
+def test_dead_lettered_samples_do_not_stall_the_run(tmp_path, model_cache, estimator):
     prompts = tmp_path / "p.jsonl"
     rows = [{"id": f"ok{i}", "prompt": f"Question {i}?"} for i in range(3)]
     rows += [{"id": "empty", "prompt": " "}, {"id": "bad", "prompt": "a poison question"}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out), "--no-progress",
-         "--set", f"models.cache_dir={cache}", "--set", "generate.max_new_tokens=4", "--set", "models.reward=null",
-         "--set", "models.reward_fn=tests.rewardfns:nan_for_poison", "--set", f"algo.advantage_estimator={estimator}",
-         "--set", "run.timeout_s=120", "--set", "run.prompt_batch_size=5",
-         "--set", "run.max_lost_group_share=0.5"],  # 2 of 5 groups are lost on purpose; the default fails on any
-        cwd=ROOT, capture_output=True, text=True, timeout=400)
+    proc, out = run_expstream(
+        tmp_path, prompts=prompts, cache=model_cache,
+        sets=["generate.max_new_tokens=4", "models.reward=null", "models.reward_fn=tests.rewardfns:nan_for_poison",
+              f"algo.advantage_estimator={estimator}", "run.timeout_s=120", "run.prompt_batch_size=5",
+              "run.max_lost_group_share=0.5"])  # 2 of 5 groups are lost on purpose; the default fails on any
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["groups_complete"] == 3 and summary["groups_dead_lettered"] == ["bad", "empty"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from expstream.launch.supervisor import Supervisor, SupervisorError
+from tests.harness import start_expstream
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,18 +50,15 @@ def leftovers(run_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 def start_run(tmp_path: Path, cache: Path, prompts: int = 6) -> tuple[subprocess.Popen, Path]:
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(prompts)))
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "expstream", "run", "--prompts", str(path), "--output", str(out),
-                             "--no-progress", "--set", f"models.cache_dir={cache}", "--set",
-                             "generate.max_new_tokens=6", "--set", "generate.n_samples_per_prompt=2"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, out = start_expstream(tmp_path, prompts=path, cache=cache,
+                                sets=["generate.max_new_tokens=6", "generate.n_samples_per_prompt=2"])
     return proc, out / "run"
 
 

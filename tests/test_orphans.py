@@ -30,6 +30,7 @@ from expstream.kafka.clients import make_producer
 from expstream.kafka.topics import create_topics
 from expstream.procs import ORPHAN_EXIT_CODE, die_with
 from schemas import PromptBatch, encode
+from tests.harness import start_expstream
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc")
@@ -42,8 +43,8 @@ STOP_EXIT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 def alive(pid: int) -> bool:
@@ -87,10 +88,9 @@ def test_kill_9_of_the_run_leaves_no_process_behind(tmp_path, cache):
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(300)))
     out = tmp_path / "out"
     run_id = f"orphans-{uuid.uuid4().hex[:6]}"
-    proc = subprocess.Popen([sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
-                             "--run-id", run_id, "--no-progress", "--set", f"models.cache_dir={cache}",
-                             "--set", "generate.max_new_tokens=6", "--set", "generate.n_samples_per_prompt=2"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, _ = start_expstream(tmp_path, "--run-id", run_id, prompts=prompts, out=out, cache=cache,
+                              stdout=subprocess.DEVNULL,
+                              sets=["generate.max_new_tokens=6", "generate.n_samples_per_prompt=2"])
     run_dir = out / "run"
     try:
         deadline = time.monotonic() + 180

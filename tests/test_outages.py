@@ -27,7 +27,6 @@ from test_crash import (
     PipelineRun,
     assert_exactly_once,
     finish,
-    model_cache,  # noqa: F401 - fixture
     parse_ts,
 )
 
@@ -71,7 +70,7 @@ def _stage_lines_between(run: PipelineRun, pattern: re.Pattern, start: float, en
 
 
 @pytest.fixture(scope="module")
-def redis_restart(tmp_path_factory: pytest.TempPathFactory, model_cache):  # noqa: F811 - fixture
+def redis_restart(tmp_path_factory: pytest.TempPathFactory, model_cache):
     run = PipelineRun(tmp_path_factory.mktemp("redis-restart"), model_cache, n_prompts=N_PROMPTS,
                       sets=["algo.advantage_estimator=group_norm", "algo.reward_running_norm=true"])
     try:
@@ -126,7 +125,7 @@ def test_redis_restart_stages_retry_without_crashing(redis_restart) -> None:
 
 
 @pytest.fixture(scope="module")
-def broker_pause(tmp_path_factory: pytest.TempPathFactory, model_cache):  # noqa: F811 - fixture
+def broker_pause(tmp_path_factory: pytest.TempPathFactory, model_cache):
     run = PipelineRun(tmp_path_factory.mktemp("broker-pause"), model_cache, n_prompts=N_PROMPTS,
                       sets=["algo.advantage_estimator=group_norm", "algo.reward_running_norm=true"])
     try:

@@ -99,8 +99,8 @@ def _kept_prompt_len(p, eos: int, pad: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
+def runs(model_cache):
+    cache = model_cache
     chain_padded = LocalChain(load_topology(overrides=_overrides(cache, False)), through_codec=True).setup()
     chain_packed = LocalChain(load_topology(overrides=_overrides(cache, True)), through_codec=True).setup()
     prompts = PromptBatch(batch_id="p000000", prompt_id=["a", "b", "c"],

@@ -35,6 +35,7 @@ from expstream.tools.recording import (
 )
 from expstream.tools.replay import Filters, parse_offsets, replay_run, republish, resolve_span
 from schemas import decode
+from tests.harness import start_expstream
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "prompts.jsonl"
@@ -46,21 +47,18 @@ OUTPUTS = {"generate": "rollouts", "shard-preprocess": "batches", "actor-logprob
 def _start_run(out: Path, cache: Path, broker: str, redis_url: str, prefix: str, *sets: str,
                new_session: bool = False) -> subprocess.Popen:
     names = [f"topics.input={prefix}-prompts"] + [f"stages.{s}.output={prefix}-{t}" for s, t in OUTPUTS.items()]
-    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(PROMPTS), "--output", str(out), "--no-progress",
-           "--bootstrap-servers", broker, "--redis-url", redis_url, "--run-id", prefix,
-           "--set", f"models.cache_dir={cache}", "--set", f"generate.n_samples_per_prompt={N}",
-           "--set", "generate.max_new_tokens=8", "--set", "run.timeout_s=120",
-           # 3 samples per micro-batch: groups of 4 are split, so they complete across records
-           "--set", "algo.micro_rollout_batch_size=3", "--set", "record.enabled=true"]
-    for s in [*names, *sets]:
-        cmd += ["--set", s]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=new_session)
+    proc, _ = start_expstream(out.parent, "--bootstrap-servers", broker, "--redis-url", redis_url, "--run-id", prefix,
+                              prompts=PROMPTS, out=out, cache=cache, start_new_session=new_session,
+                              sets=[f"generate.n_samples_per_prompt={N}", "generate.max_new_tokens=8",
+                                    "run.timeout_s=120",
+                                    # 3 samples per micro-batch: groups of 4 are split, so they complete across records
+                                    "algo.micro_rollout_batch_size=3", "record.enabled=true", *names, *sets])
+    return proc
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

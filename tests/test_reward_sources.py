@@ -19,6 +19,7 @@ from schemas import Ragged, SampleBatch, decode, encode
 from stages import reward
 from stages.context import make_context
 from tests import rewardfns
+from tests.harness import run_expstream
 
 EOS, PAD = 2, 0
 
@@ -42,8 +43,8 @@ def make_batch(labels, prompts=None, references=None, tokens=None):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return f"models.cache_dir={tmp_path_factory.mktemp('models')}"
+def cache(model_cache):
+    return f"models.cache_dir={model_cache}"
 
 
 def rewards_topology(cache, rewards: dict, *extra):
@@ -251,11 +252,10 @@ def test_the_documented_recipe_example_loads(cache):
 
 @pytest.mark.e2e
 @pytest.mark.integration
-def test_recipe_through_expstream_run_scores_by_route_and_dead_letters_only_the_unrouted_group(tmp_path):
+def test_recipe_through_expstream_run_scores_by_route_and_dead_letters_only_the_unrouted_group(tmp_path, model_cache):
     """Real broker and redis-server: math -> rule, chat -> rm, a label with no route -> its samples alone
     to the dead-letter topic (the micro-batch is bisected); every other sample once, with both metrics."""
     import json
-    import subprocess
     from collections import Counter
     from pathlib import Path
 
@@ -273,13 +273,9 @@ def test_recipe_through_expstream_run_scores_by_route_and_dead_letters_only_the_
             {"id": "c1", "prompt": "Say hello.", "label": "chat"},
             {"id": "poem", "prompt": "A line about the sea.", "label": "poem"}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "expstream", "run", "--topology", str(topo), "--prompts", str(prompts),
-         "--output", str(out), "--no-progress", "--set", f"models.cache_dir={tmp_path / 'models'}",
-         "--set", "generate.n_samples_per_prompt=2", "--set", "generate.max_new_tokens=6",
-         "--set", "run.prompt_batch_size=4", "--set", "run.timeout_s=120", "--set", "run.max_lost_group_share=0.5"],
-        cwd=root, capture_output=True, text=True, timeout=400)
+    proc, out = run_expstream(tmp_path, "--topology", str(topo), prompts=prompts, cache=model_cache, cwd=root,
+                              sets=["generate.n_samples_per_prompt=2", "generate.max_new_tokens=6",
+                                    "run.prompt_batch_size=4", "run.timeout_s=120", "run.max_lost_group_share=0.5"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["groups_dead_lettered"] == ["poem"] and summary["groups_complete"] == 3

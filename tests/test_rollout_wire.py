@@ -73,8 +73,8 @@ def test_shard_preprocess_aligns_rollout_log_probs_in_both_layouts(packing):
 
 
 @pytest.fixture(scope="module")
-def topo_models(tmp_path_factory):
-    return [f"models.cache_dir={tmp_path_factory.mktemp('models')}"]
+def topo_models(model_cache):
+    return [f"models.cache_dir={model_cache}"]
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import msgpack
@@ -22,6 +20,7 @@ from expstream.kafka.clients import make_producer
 from expstream.kafka.topics import create_topics
 from expstream.launch.localservers import LocalBroker
 from schemas import encode
+from tests.harness import run_expstream
 from tests.runners import exp_batch
 from tests.test_collector import GARBAGE, prompt_batch
 
@@ -32,24 +31,17 @@ PARTITIONS = 2  # topology.yaml topics.partitions: the run's create_topics accep
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def cache(model_cache: Path) -> Path:
+    return model_cache  # the session's tiny-model cache (tests/conftest.py)
 
 
 def run(tmp_path: Path, cache: Path, rows: list[dict], *sets: str, bootstrap: str | None = None):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out), "--no-progress",
-           "--set", f"models.cache_dir={cache}", "--set", "generate.max_new_tokens=4", "--set", "models.reward=null",
-           "--set", f"generate.n_samples_per_prompt={N}", "--set", "run.timeout_s=120",
-           "--set", "run.prompt_batch_size=4"]
-    if bootstrap:
-        cmd += ["--bootstrap-servers", bootstrap]
-    for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    return proc, out
+    return run_expstream(tmp_path, *(["--bootstrap-servers", bootstrap] if bootstrap else []), prompts=prompts,
+                         cache=cache, sets=["generate.max_new_tokens=4", "models.reward=null",
+                                            f"generate.n_samples_per_prompt={N}", "run.timeout_s=120",
+                                            "run.prompt_batch_size=4", *sets])
 
 
 def test_garbage_on_the_experiences_topic_is_kept_aside_and_the_run_finishes(tmp_path, cache):

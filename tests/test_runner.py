@@ -182,7 +182,7 @@ GOOD = ("good-", "flaky", "p-first", "p-after-", "p-last")
 
 
 @pytest.fixture(scope="module")
-def bad_input_run(broker, tmp_path_factory):
+def bad_input_run(broker, model_cache):
     """A shard-preprocess runner and a generate runner, concurrently, fed every kind of bad input
     between good records; returns what each put on its output and dead-letter topics."""
     log = LogCapture()
@@ -191,7 +191,7 @@ def bad_input_run(broker, tmp_path_factory):
     stage_log.setLevel(logging.INFO)
     stage_log.addHandler(log)
     try:
-        yield _run_bad_inputs(broker, tmp_path_factory.mktemp("models"), log)
+        yield _run_bad_inputs(broker, model_cache, log)
     finally:
         stage_log.removeHandler(log)
         stage_log.setLevel(old_level)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from expstream.config.redaction import REDIS_URL_ENV, redact_url, url_password, 
 from expstream.errors import StateUnavailableError
 from expstream.launch.localservers import LocalRedis, free_port
 from expstream.state import RedisState
+from tests.harness import start_expstream
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = "Pw-9f3c2e71d0aa"  # distinctive: any occurrence in a file, a log or a cmdline is a leak
@@ -82,18 +81,16 @@ def test_local_redis_password_lives_in_a_0600_file_only(secret_redis, caplog):
 
 @pytest.mark.e2e
 @pytest.mark.integration
-def test_a_run_against_a_password_protected_redis_shows_it_nowhere(tmp_path, secret_redis):
+def test_a_run_against_a_password_protected_redis_shows_it_nowhere(tmp_path, secret_redis, model_cache):
     """One real run (exec spawn: a stage's argv is its /proc/<pid>/cmdline) with the password given
     the recommended way, in $EXPSTREAM_REDIS_URL; every stage must reach Redis through it."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(2)))
-    out = tmp_path / "out"
-    env = {**os.environ, REDIS_URL_ENV: secret_redis.url,
+    env = {REDIS_URL_ENV: secret_redis.url,
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out), "--no-progress",
-           "--set", f"models.cache_dir={tmp_path / 'models'}", "--set", "generate.n_samples_per_prompt=2",
-           "--set", "generate.max_new_tokens=4", "--set", "run.timeout_s=120", "--set", "run.spawn=exec"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc, out = start_expstream(tmp_path, prompts=prompts, cache=model_cache, env=env, text=False,
+                                sets=["generate.n_samples_per_prompt=2", "generate.max_new_tokens=4",
+                                      "run.timeout_s=120", "run.spawn=exec"])
     seen: dict[str, bytes] = {}
     deadline = time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline:  # every stage's command line while it runs

@@ -45,9 +45,9 @@ def record_run(root, topics: dict[str, list], topo=None, partitions: int = 2) ->
 
 
 @pytest.fixture(scope="module")
-def chain_run(tmp_path_factory):
+def chain_run(tmp_path_factory, model_cache):
     """Two prompts through every stage in process; every stage's output topic recorded."""
-    cache = tmp_path_factory.mktemp("models")
+    cache = model_cache
     topo = load_topology(overrides=[f"models.cache_dir={cache}", "generate.n_samples_per_prompt=2",
                                     "generate.max_new_tokens=6", "algo.micro_rollout_batch_size=2",
                                     "algo.advantage_estimator=gae"])  # gae: the critic runs, values exist

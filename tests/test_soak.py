@@ -25,7 +25,6 @@ from test_crash import (
     PipelineRun,
     assert_exactly_once,
     finish,
-    model_cache,  # noqa: F401 - fixture
     parse_ts,
 )
 
@@ -51,7 +50,7 @@ SOAK_RUN_TIMEOUT_S = 240.0
 
 @soak
 def test_soak_random_kills_lose_and_double_nothing(tmp_path_factory: pytest.TempPathFactory,
-                                                   model_cache) -> None:  # noqa: F811 - fixture
+                                                   model_cache) -> None:
     seed = int(os.environ.get("EXPSTREAM_SOAK_SEED") or time.time_ns() % 1_000_000)
     rng = random.Random(seed)
     run = PipelineRun(tmp_path_factory.mktemp("soak"), model_cache, n_prompts=SOAK_PROMPTS,

@@ -41,9 +41,8 @@ def base_batch(prompts, responses, n=None, group_ids=None, **kw):
 
 
 @pytest.fixture(scope="module")
-def topo_models(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
-    return [f"models.cache_dir={cache}"]
+def topo_models(model_cache):
+    return [f"models.cache_dir={model_cache}"]
 
 
 def test_shard_preprocess_cuts_micro_batches_and_repairs_eos():

@@ -289,11 +289,6 @@ def test_announce_logs_on_the_policy_topic_and_sets_the_version(tmp_path, broker
 
 
 # --- hot reload in the stages (the test) -------------------------------------------------
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
-
-
 def loop_topology(cache, store_dir, *extra):
     return load_topology(overrides=[f"models.cache_dir={cache}", "train.enabled=true",
                                     f"train.weight_store={store_dir}", "generate.n_samples_per_prompt=2",

@@ -1,0 +1,86 @@
+"""Helpers shared by the test modules: start an ``expstream run`` for a test, and run the stages in
+process (LocalChain) over the example prompts.
+
+The session fixtures (broker, redis-server, the tiny-model cache) live in ``tests/conftest.py``;
+these are plain functions so that a module can call them with its own arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "examples" / "prompts.jsonl"
+
+
+def expstream_cmd(*args: str, prompts: Path | str | None = PROMPTS, out: Path | None = None,
+                  cache: Path | str | None = None, sets: Iterable[str] = (), command: str = "run") -> list[str]:
+    """The argv of ``python -m expstream <command>`` as the tests start it: ``--prompts``, ``--output``
+    and ``--no-progress`` (when given), the model cache, then ``args``, then one ``--set`` per entry."""
+    cmd = [sys.executable, "-m", "expstream", command, *args]
+    if prompts is not None:
+        cmd += ["--prompts", str(prompts)]
+    if out is not None:
+        cmd += ["--output", str(out)]
+    cmd.append("--no-progress")
+    if cache is not None:
+        cmd += ["--set", f"models.cache_dir={cache}"]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with ``env`` laid over it."""
+    merged = dict(os.environ)
+    merged.update(env or {})
+    return merged
+
+
+def run_expstream(tmp_path: Path, *args: str, prompts: Path | str | None = PROMPTS, out: Path | None = None,
+                  cache: Path | str | None = None, sets: Iterable[str] = (), env: Mapping[str, str] | None = None,
+                  timeout: float = 400, cwd: Path = ROOT,
+                  check: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run ``expstream run`` to its end from the checkout (so ``./topology.yaml`` is read and
+    ``tests.*`` reward functions import); returns the completed process and the output directory
+    (``tmp_path / "out"`` unless ``out`` is given). ``check`` asserts exit code 0 with the output shown."""
+    out = tmp_path / "out" if out is None else out
+    cmd = expstream_cmd(*args, prompts=prompts, out=out, cache=cache, sets=sets)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env(env))
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc, out
+
+
+def start_expstream(tmp_path: Path, *args: str, prompts: Path | str | None = PROMPTS, out: Path | None = None,
+                    cache: Path | str | None = None, sets: Iterable[str] = (), env: Mapping[str, str] | None = None,
+                    cwd: Path = ROOT, **popen: Any) -> tuple[subprocess.Popen, Path]:
+    """Start ``expstream run`` without waiting (a test that signals, pauses or watches it); returns
+    the process and the output directory. ``popen`` goes to :class:`subprocess.Popen` (default: text
+    mode, stdout and stderr piped)."""
+    out = tmp_path / "out" if out is None else out
+    cmd = expstream_cmd(*args, prompts=prompts, out=out, cache=cache, sets=sets)
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    popen.setdefault("text", True)
+    return subprocess.Popen(cmd, cwd=cwd, env=child_env(env), **popen), out
+
+
+def chain_experiences(cache: Path | str, *sets: str, prompts: Path | str = PROMPTS) -> list:
+    """The experiences of ``prompts`` through every enabled stage in this process (LocalChain with
+    the codec between stages), as ``expstream run`` would collect them; ``sets`` are topology
+    overrides. For checks about numbers, where a whole run adds nothing."""
+    from expstream.config.topology import load_topology
+    from expstream.launch.prompts import prompt_batches, read_prompts
+    from expstream.rl.experience import Experience
+    from stages.local import LocalChain
+
+    topo = load_topology(overrides=[f"models.cache_dir={cache}", *sets])
+    chain = LocalChain(topo, through_codec=True).setup()
+    batches = prompt_batches(read_prompts(prompts), topo.run.prompt_batch_size)
+    return [Experience.from_sample_batch(b) for b in chain.run(batches)]
