@@ -35,7 +35,7 @@ Preloading (:data:`PRELOAD`) never kills the server: multiprocessing ignores onl
 a preloaded module, so a syntax error in a stage module used to end the server and every later
 start with ``EOFError`` (after the run had waited on a stopped Redis). The server imports the
 modules itself (:func:`_preload`), reporting a failure on the run's stderr and going on; the stage
-that imports the module then fails with the error in its own log and exit code 2 (expstream/cli.py),
+that imports the module then fails with the error in its own log and exit code 2 (expstream/launch/commands.py),
 which the supervisor reports at once. A server that is gone all the same (killed) makes
 :class:`ForkedProcess` raise :class:`ForkServerError`, one line, instead of ``EOFError``.
 

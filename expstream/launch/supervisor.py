@@ -30,7 +30,7 @@ thread that runs the supervisor for the whole run (the run loop's main thread): 
 when the *thread* that forked a child ends, not only its process.
 
 A child that exits with code 2 (a configuration error, or code that cannot be imported:
-expstream/cli.py) fails the run at once, and the :class:`SupervisorError` quotes the last line of its
+expstream/launch/commands.py) fails the run at once, and the :class:`SupervisorError` quotes the last line of its
 log (the error itself), so the run's one-line failure says what went wrong without opening the log.
 
 When a replica's process is gone for good (retired after a scale-down, or stopped at the end), the
