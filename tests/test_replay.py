@@ -33,7 +33,8 @@ from expstream.tools.recording import (
     partition_path,
     recorded_topics,
 )
-from expstream.tools.replay import Filters, parse_offsets, replay_run, republish, resolve_span
+from expstream.tools.replay import Filters, replay_run, republish, resolve_span
+from expstream.tools.replayinput import parse_offsets
 from schemas import decode
 from tests.harness import start_expstream
 

@@ -180,6 +180,13 @@ class KafkaConfig:
         return KafkaConfig(**merged)
 
     def validate(self) -> None:
+        """Every field checked, in this order: numbers, named choices, extra and SASL (ConfigError naming
+        the field and the fix)."""
+        self._check_numbers()
+        self._check_choices()
+        self._check_extra_and_sasl()
+
+    def _check_numbers(self) -> None:
         def positive(name: str, *, allow_zero: bool = False) -> None:
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
@@ -214,6 +221,8 @@ class KafkaConfig:
                 field="kafka.heartbeat_interval_ms",
                 fix="use about a third of session_timeout_ms",
             )
+
+    def _check_choices(self) -> None:
         if self.acks not in _ACKS:
             raise ConfigError(f"unknown acks {self.acks!r}", field="kafka.acks", fix="use 0, 1 or 'all'")
         if self.compression_type not in _COMPRESSION:
@@ -234,6 +243,8 @@ class KafkaConfig:
                 field="kafka.security_protocol",
                 fix=f"use one of {', '.join(_PROTOCOLS)}",
             )
+
+    def _check_extra_and_sasl(self) -> None:
         if not isinstance(self.extra, Mapping) or any(k not in (*_ROLES, "all") for k in self.extra):
             raise ConfigError(
                 f"bad extra block {self.extra!r}",

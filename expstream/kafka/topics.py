@@ -13,6 +13,7 @@ import argparse
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_OK, ConfigError, InfraError
@@ -73,10 +74,22 @@ def create_topics(
     the topics without them (logged). Returns every topic name ensured, DLQ twins included, once
     metadata shows each with all its partitions led.
     """
-    from kafka.errors import KafkaError
-
     from expstream.kafka.clients import make_admin
 
+    wanted = _wanted(topics, with_dlq=with_dlq, dlq_partitions=dlq_partitions)
+    configs = dict(DEFAULT_TOPIC_CONFIG if config is None else config)
+    deadline = time.monotonic() + timeout_s
+    admin = make_admin(bootstrap, kafka_config)
+    try:
+        results = _request_creation(admin, bootstrap, wanted, configs, replication_factor, deadline)
+        _wait_until_led(admin, wanted, results, deadline, timeout_s)
+        return list(wanted)
+    finally:
+        admin.close()
+
+
+def _wanted(topics: Mapping[str, int], *, with_dlq: bool, dlq_partitions: int) -> dict[str, int]:
+    """Topic name -> partitions, each count checked, the ``.dlq`` twins added with ``with_dlq``."""
     wanted: dict[str, int] = {}
     for name, parts in topics.items():
         if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
@@ -90,77 +103,92 @@ def create_topics(
         for name in list(wanted):
             if not name.endswith(DLQ_SUFFIX):
                 wanted.setdefault(dlq_topic(name), dlq_partitions)
-    configs = dict(DEFAULT_TOPIC_CONFIG if config is None else config)
-    deadline = time.monotonic() + timeout_s
+    return wanted
 
-    admin = make_admin(bootstrap, kafka_config)
-    try:
 
-        def request(with_configs: bool) -> dict[str, tuple[int, str | None]]:
-            spec = {
-                name: {
-                    "num_partitions": n,
-                    "replication_factor": replication_factor,
-                    **({"configs": configs} if with_configs and configs else {}),
-                }
-                for name, n in wanted.items()
+def _request_creation(admin: Any, bootstrap: str, wanted: dict[str, int], configs: dict[str, str],
+                      replication_factor: int, deadline: float) -> dict[str, tuple[int, str | None]]:
+    """One CreateTopics request (again without the configs when the broker rejects them): name ->
+    (error code, message); an error other than "exists" is an InfraError."""
+    from kafka.errors import KafkaError
+
+    def request(with_configs: bool) -> dict[str, tuple[int, str | None]]:
+        spec = {
+            name: {
+                "num_partitions": n,
+                "replication_factor": replication_factor,
+                **({"configs": configs} if with_configs and configs else {}),
             }
-            resp = admin.create_topics(
-                spec, timeout_ms=int(max(deadline - time.monotonic(), 1) * 1000), raise_errors=False
+            for name, n in wanted.items()
+        }
+        resp = admin.create_topics(
+            spec, timeout_ms=int(max(deadline - time.monotonic(), 1) * 1000), raise_errors=False
+        )
+        return {t["name"]: (t["error_code"], t.get("error_message")) for t in resp.get("topics", [])}
+
+    try:
+        results = request(with_configs=True)
+        if any(code in _CONFIG_ERROR_CODES for code, _ in results.values()):
+            log.warning(
+                "broker rejected topic configs %s (%s); creating topics without them",
+                configs,
+                {n: m for n, (c, m) in results.items() if c in _CONFIG_ERROR_CODES},
             )
-            return {t["name"]: (t["error_code"], t.get("error_message")) for t in resp.get("topics", [])}
+            results = request(with_configs=False)
+    except KafkaError as exc:
+        raise InfraError(f"create_topics on {bootstrap} failed: {exc!r}") from exc
+    bad = {n: (c, m) for n, (c, m) in results.items() if c not in (0, _TOPIC_EXISTS)}
+    if bad:
+        raise InfraError(f"broker refused to create topics: {bad}")
+    return results
 
+
+def _wait_until_led(admin: Any, wanted: dict[str, int], results: dict[str, tuple[int, str | None]],
+                    deadline: float, timeout_s: float) -> None:
+    """Wait until metadata shows every topic with all its partitions led (InfraError at the deadline)."""
+    from kafka.errors import KafkaError
+
+    while True:
         try:
-            results = request(with_configs=True)
-            if any(code in _CONFIG_ERROR_CODES for code, _ in results.values()):
-                log.warning(
-                    "broker rejected topic configs %s (%s); creating topics without them",
-                    configs,
-                    {n: m for n, (c, m) in results.items() if c in _CONFIG_ERROR_CODES},
-                )
-                results = request(with_configs=False)
+            described = {t["name"]: t for t in admin.describe_topics(list(wanted))}
         except KafkaError as exc:
-            raise InfraError(f"create_topics on {bootstrap} failed: {exc!r}") from exc
-        bad = {n: (c, m) for n, (c, m) in results.items() if c not in (0, _TOPIC_EXISTS)}
-        if bad:
-            raise InfraError(f"broker refused to create topics: {bad}")
+            described, last = {}, exc
+        else:
+            last = None
+        missing = _not_ready(wanted, described, results)
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise InfraError(
+                f"topics {missing} not ready in metadata within {timeout_s:.1f}s"
+                + (f" (last error {last!r})" if last else "")
+            )
+        time.sleep(METADATA_POLL_INTERVAL_S)
 
-        # Wait until metadata shows every topic with all its partitions led.
-        while True:
-            try:
-                described = {t["name"]: t for t in admin.describe_topics(list(wanted))}
-            except KafkaError as exc:
-                described, last = {}, exc
-            else:
-                last = None
-            missing = []
-            for name, n in wanted.items():
-                t = described.get(name)
-                if t is None or t.get("error_code", 0) != 0:
-                    missing.append(name)
-                    continue
-                parts = t.get("partitions") or []
-                if len(parts) != n and len(parts) > 0 and all(p.get("error_code", 0) == 0 for p in parts):
-                    if results.get(name, (0,))[0] == _TOPIC_EXISTS:
-                        raise ConfigError(
-                            f"topic {name!r} already exists with {len(parts)} partitions, {n} wanted",
-                            field=f"topics.{name}",
-                            fix="use the existing count, delete the topic, or start a fresh run with new topic names",
-                        )
-                if len(parts) != n or any(
-                    p.get("error_code", 0) != 0 or p.get("leader_id", -1) < 0 for p in parts
-                ):
-                    missing.append(name)
-            if not missing:
-                return list(wanted)
-            if time.monotonic() >= deadline:
-                raise InfraError(
-                    f"topics {missing} not ready in metadata within {timeout_s:.1f}s"
-                    + (f" (last error {last!r})" if last else "")
+
+def _not_ready(wanted: dict[str, int], described: dict[str, Any],
+               results: dict[str, tuple[int, str | None]]) -> list[str]:
+    """The wanted topics metadata does not yet show with all their partitions led; a topic that
+    existed before with another partition count is a ConfigError."""
+    missing = []
+    for name, n in wanted.items():
+        t = described.get(name)
+        if t is None or t.get("error_code", 0) != 0:
+            missing.append(name)
+            continue
+        parts = t.get("partitions") or []
+        if len(parts) != n and len(parts) > 0 and all(p.get("error_code", 0) == 0 for p in parts):
+            if results.get(name, (0,))[0] == _TOPIC_EXISTS:
+                raise ConfigError(
+                    f"topic {name!r} already exists with {len(parts)} partitions, {n} wanted",
+                    field=f"topics.{name}",
+                    fix="use the existing count, delete the topic, or start a fresh run with new topic names",
                 )
-            time.sleep(METADATA_POLL_INTERVAL_S)
-    finally:
-        admin.close()
+        if len(parts) != n or any(
+            p.get("error_code", 0) != 0 or p.get("leader_id", -1) < 0 for p in parts
+        ):
+            missing.append(name)
+    return missing
 
 
 def topics_command(topo: Topology, args: argparse.Namespace) -> int:

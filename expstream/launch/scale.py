@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from expstream.config.cli_args import Command
 from expstream.config.topology import AutoscaleConfig, Topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError
 
@@ -247,8 +248,7 @@ def lag_reader(topo: Topology, bootstrap: str, run_id: str) -> Callable[[str], i
 
 
 # ---- the command -----------------------------------------------------------------------------
-def add_scale_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scale", help="change the replica count of stages of a running `expstream run`")
+def add_scale_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="the running run's --output directory")
     p.add_argument("counts", nargs="+", metavar="STAGE=N", help="e.g. reward=4 generate=1")
     p.add_argument("--timeout", type=float, default=ANSWER_TIMEOUT_S, help="seconds to wait for the run's answer")
@@ -293,3 +293,7 @@ def scale_command(args: argparse.Namespace) -> int:
     for name, n in answer["counts"].items():
         print(f"{name:<17} {n} replicas" + (f"  ({changed[name]})" if name in changed else ""))
     return EXIT_OK
+
+
+SCALE = Command("scale", "change the replica count of stages of a running `expstream run`", add_scale_arguments,
+                scale_command, reads_topology=False)

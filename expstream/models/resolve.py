@@ -15,12 +15,14 @@ importing torch); only building the tiny models imports it.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from collections.abc import Callable
 from pathlib import Path
 
+from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.topology import BUILTIN_TINY, BUILTIN_TINY_VL, RewardSourceConfig, Topology
-from expstream.errors import ConfigError
+from expstream.errors import EXIT_OK, ConfigError
 
 __all__ = ["model_roles", "check_models", "build_builtin_models", "model_dir", "reward_fn", "import_function",
            "source_model_dir", "combine_fn"]
@@ -195,3 +197,21 @@ def import_function(path: str, field: str) -> Callable:
         raise ConfigError(f"module {module_name} has no function {func_name!r}", field=field,
                           fix="write it as 'package.module:function' naming a function of that module")
     return fn
+
+
+# ---- the command -----------------------------------------------------------------------------
+def add_models_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["build"])
+    add_topology_args(p)
+
+
+def models_command(topo: Topology, args: argparse.Namespace) -> int:
+    """``expstream models build``: the tiny models are built by resolving each role's directory."""
+    for role in ("tokenizer", "actor", "critic", "reward"):
+        if getattr(topo.models, role):
+            print(f"{role}: {model_dir(topo, role)}")
+    return EXIT_OK
+
+
+MODELS = Command("models", "build the built-in tiny offline models", add_models_arguments, models_command,
+                 reads_topology=True)

@@ -11,6 +11,7 @@ does with a request".
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import ipaddress
@@ -22,11 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from expstream.config.cli_args import Command
 from expstream.config.redaction import REWARD_TOKEN_ENV, env_reward_token
 from expstream.errors import ConfigError
 
 __all__ = ["ServerConfig", "Scorer", "ModelScorer", "FnScorer", "BadItem", "build_app", "build_scorer",
-           "serve", "ServerThread", "validate_items", "add_serve_reward_parser", "serve_reward_command",
+           "serve", "ServerThread", "validate_items", "add_serve_reward_arguments", "serve_reward_command",
            "ScorerCrashed", "bind_warning", "model_max_len"]
 
 log = logging.getLogger("expstream.reward_server")
@@ -411,8 +413,7 @@ class ServerThread:
         self._loop = None
 
 
-def add_serve_reward_parser(sub: Any) -> None:
-    p = sub.add_parser("serve-reward", help="serve a reward model or function over HTTP (docs/reward.md)")
+def add_serve_reward_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="a saved reward model directory (sequence classification), or builtin:tiny")
     what.add_argument("--fn", help="a reward function module:function, called as fn(queries, prompts, labels)")
@@ -436,3 +437,6 @@ def serve_reward_command(args: Any) -> int:
     serve(cfg)
     return 0
 
+
+SERVE_REWARD = Command("serve-reward", "serve a reward model or function over HTTP (docs/reward.md)",
+                       add_serve_reward_arguments, serve_reward_command, reads_topology=False)

@@ -21,11 +21,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from expstream.config.cli_args import Command
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from expstream.tools.recording import Damage, RecordingError
 from expstream.tools.samples import EXPERIENCES_TOPIC, Sample, SampleSet, is_dlq, read_samples, refuse_damaged
 
-__all__ = ["Difference", "DiffResult", "add_diff_parser", "compare_samples", "diff_command", "diff_runs"]
+__all__ = ["Difference", "DiffResult", "add_diff_arguments", "compare_samples", "diff_command", "diff_runs"]
 
 #: Detail lines printed before "... N more" in the text view (--json always has them all).
 DEFAULT_MAX_LINES = 50
@@ -299,10 +300,8 @@ def diff_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return EXIT_OK if res.equal else EXIT_FAILED
 
 
-def add_diff_parser(sub: Any, add_topology_args: Any) -> None:
-    """``expstream diff`` (``add_topology_args`` is unused: each run directory holds its configuration)."""
-    p = sub.add_parser("diff", help="compare two runs' samples, prompts or dead letters of a topic, field by field "
-                                    "(exit 1 when they differ)")
+def add_diff_arguments(p: argparse.ArgumentParser) -> None:
+    """``expstream diff`` (no topology flags: each run directory holds its configuration)."""
     p.add_argument("run_a", metavar="RUN_A", help="a run directory (the one under test)")
     p.add_argument("run_b", metavar="RUN_B", help="a run directory (the reference: rel errors divide by B)")
     p.add_argument("--topic", default=EXPERIENCES_TOPIC, help="the recorded topic to compare (default: experiences)")
@@ -314,3 +313,7 @@ def add_diff_parser(sub: Any, add_topology_args: Any) -> None:
     p.add_argument("--max-lines", type=int, default=DEFAULT_MAX_LINES,
                    help=f"difference lines printed (default {DEFAULT_MAX_LINES}; --json has them all)")
     p.add_argument("--json", action="store_true", help="one JSON object (docs/replay.md, 'diff')")
+
+
+DIFF = Command("diff", "compare two runs' samples, prompts or dead letters of a topic, field by field "
+                        "(exit 1 when they differ)", add_diff_arguments, diff_command, reads_topology=False)

@@ -22,6 +22,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
+from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.kafka import KafkaConfig
 from expstream.errors import ConfigError, ExpstreamError
 from expstream.kafka.clients import end_offsets, make_admin, make_consumer, make_producer, send_and_confirm
@@ -356,9 +357,8 @@ def _dlq_action(args: argparse.Namespace, cfg: KafkaConfig, topo: Any) -> int:
     return 1 if report.refused else 0
 
 
-def add_dlq_parser(sub: Any, add_topology_args: Any) -> None:
-    """The ``dlq`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
-    dlq = sub.add_parser("dlq", help="inspect or re-drive dead letters (<topic>.dlq)")
+def add_dlq_arguments(dlq: argparse.ArgumentParser) -> None:
+    """The ``dlq`` subcommand's actions and their arguments."""
     actions = dlq.add_subparsers(dest="dlq_action", required=True)
     ins = actions.add_parser("inspect", help="print each dead letter's headers")
     add_topology_args(ins)
@@ -379,3 +379,7 @@ def add_dlq_parser(sub: Any, add_topology_args: Any) -> None:
     red.add_argument("--skip-refused", action="store_true",
                      help="commit past refused letters (no later redrive, --to included, sees them again); "
                           "default: a refused letter stops its partition until it is resolved")
+
+
+DLQ = Command("dlq", "inspect or re-drive dead letters (<topic>.dlq)", add_dlq_arguments, dlq_command,
+              reads_topology=True)

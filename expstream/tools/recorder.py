@@ -32,6 +32,7 @@ from typing import Any
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
+from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.kafka import KafkaConfig
 from expstream.errors import EXIT_OK, BrokerUnavailableError, ConfigError
 from expstream.kafka.clients import end_offsets, make_consumer
@@ -48,7 +49,7 @@ from expstream.tools.recording import (
 )
 
 __all__ = ["Position", "parse_position", "Recorder", "RecordStats", "record_topics", "SOURCE_FILE",
-           "recorder_argv", "recording_summary", "add_record_parser", "record_command", "RECORDER"]
+           "recorder_argv", "recording_summary", "add_record_arguments", "record_command", "RECORDER"]
 
 log = logging.getLogger("expstream.recorder")
 
@@ -348,84 +349,23 @@ class Recorder:
             tps = self._partitions(consumer)
             if not tps:
                 return self.stats
-            try:
-                if self.continue_recording:
-                    self._check_same_source(tps)
-                for tp in tps:
-                    path = partition_path(self.root, tp.topic, tp.partition)
-                    if path.exists():
-                        cut_torn_tail(path, tp.topic, tp.partition)
-            except RecordingError as exc:  # never append to a damaged file: new frames would follow the damage
-                raise ConfigError(f"--continue: {exc}", field="--output",
-                                  fix="give a new or empty --output (the damaged recording stays as it is)") from exc
-            self._write_source()
-            for tp in tps:
-                path = partition_path(self.root, tp.topic, tp.partition)
-                if not path.exists():  # an empty partition is recorded as empty (magic only), not left out
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(MAGIC)
-            begin = consumer.beginning_offsets(tps)
-            ends: dict[TopicPartition, int] | None = None
-            if not self.follow:
-                ends = end_offsets(self.bootstrap, self.cfg, tps, timeout_s=METADATA_TIMEOUT_S)
-            stop_at: dict[TopicPartition, int | None] = {}
-            consumer.assign(tps)
-            for tp in tps:
-                start = max(self._bound(self.start, tp) or 0, begin[tp])
-                last = writer.last_offset(tp.topic, tp.partition)
-                if last is not None and last + 1 > start:
-                    start = last + 1
-                consumer.seek(tp, start)
-                upper = self._bound(self.end, tp)
-                if ends is not None:
-                    upper = ends[tp] if upper is None else min(upper, ends[tp])
-                stop_at[tp] = upper
-                log.info("recorder: %s[%d] from offset %d to %s", tp.topic, tp.partition, start,
-                         "the end" if upper is None else f"offset {upper} (exclusive)")
+            self._prepare_files(tps)
+            stop_at = self._seek(consumer, writer, tps)
             t_from, t_to = self._time(self.start), self._time(self.end)
             active = {tp for tp in tps if stop_at[tp] is None or consumer.position(tp) < stop_at[tp]}
             drain_deadline: float | None = None
             while active:
                 if self._stop.is_set() and drain_deadline is None:
                     drain_deadline = time.monotonic() + DRAIN_DEADLINE_S
-                    try:
-                        now_ends = end_offsets(self.bootstrap, self.cfg, sorted(active), timeout_s=DRAIN_DEADLINE_S)
-                    except (KafkaError, BrokerUnavailableError) as exc:  # the broker went first: keep what was recorded
-                        log.error("recorder: stop requested but the end offsets could not be read (%s: %s); "
-                                  "records after the last poll are not recorded", type(exc).__name__, exc)
-                        self.stats.drained = False
+                    if not self._drain_to_end_offsets(active, stop_at):
                         break
-                    for tp in active:
-                        stop_at[tp] = now_ends[tp] if stop_at[tp] is None else min(stop_at[tp], now_ends[tp])
-                    log.info("recorder: stop requested; draining up to %s",
-                             ", ".join(f"{tp.topic}[{tp.partition}]@{stop_at[tp]}" for tp in sorted(active)))
                 if drain_deadline is not None and time.monotonic() > drain_deadline:
                     left = {f"{tp.topic}[{tp.partition}]": stop_at[tp] - consumer.position(tp) for tp in active}
                     log.error("recorder: drain deadline (%.0fs) passed; records left unrecorded: %s",
                               DRAIN_DEADLINE_S, left)
                     self.stats.drained = False
                     break
-                for tp, recs in consumer.poll(timeout_ms=POLL_MS).items():
-                    for rec in recs:
-                        if tp not in active:
-                            break
-                        limit = stop_at.get(tp)
-                        if limit is not None and rec.offset >= limit:
-                            active.discard(tp)
-                            break
-                        if t_to is not None and rec.timestamp >= t_to and self.follow:
-                            active.discard(tp)  # follow mode: the first record at or past --to ends it
-                            break
-                        if (t_from is not None and rec.timestamp < t_from) or (t_to is not None and rec.timestamp >= t_to):
-                            self.stats.filtered += 1
-                            continue
-                        if writer.append(RecordFrame.from_consumer_record(rec)):
-                            self.stats.records[tp.topic] = self.stats.records.get(tp.topic, 0) + 1
-                writer.flush()  # step 4: whole frames on disk after every poll
-                for tp in list(active):
-                    limit = stop_at.get(tp)
-                    if limit is not None and consumer.position(tp) >= limit:
-                        active.discard(tp)
+                self._poll_once(consumer, writer, active, stop_at, t_from, t_to)
             self.stats.skipped = writer.skipped
             return self.stats
         finally:
@@ -433,6 +373,90 @@ class Recorder:
             consumer.close(autocommit=False)
             log.info("recorder: recorded %s into %s", ", ".join(f"{t}: {n}" for t, n in sorted(
                 self.stats.records.items())) or "nothing", self.root)
+
+    def _prepare_files(self, tps: list[TopicPartition]) -> None:
+        """The files before polling: the same source (``--continue``), torn tails cut, source.json, a file
+        per partition (an empty one recorded as empty)."""
+        try:
+            if self.continue_recording:
+                self._check_same_source(tps)
+            for tp in tps:
+                path = partition_path(self.root, tp.topic, tp.partition)
+                if path.exists():
+                    cut_torn_tail(path, tp.topic, tp.partition)
+        except RecordingError as exc:  # never append to a damaged file: new frames would follow the damage
+            raise ConfigError(f"--continue: {exc}", field="--output",
+                              fix="give a new or empty --output (the damaged recording stays as it is)") from exc
+        self._write_source()
+        for tp in tps:
+            path = partition_path(self.root, tp.topic, tp.partition)
+            if not path.exists():  # an empty partition is recorded as empty (magic only), not left out
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(MAGIC)
+
+    def _seek(self, consumer: Any, writer: RecordingWriter,
+              tps: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        """Steps 2-3: each partition assigned and sought past what is recorded; returns where each stops
+        (exclusive; None: follow until stopped)."""
+        begin = consumer.beginning_offsets(tps)
+        ends: dict[TopicPartition, int] | None = None
+        if not self.follow:
+            ends = end_offsets(self.bootstrap, self.cfg, tps, timeout_s=METADATA_TIMEOUT_S)
+        stop_at: dict[TopicPartition, int | None] = {}
+        consumer.assign(tps)
+        for tp in tps:
+            start = max(self._bound(self.start, tp) or 0, begin[tp])
+            last = writer.last_offset(tp.topic, tp.partition)
+            if last is not None and last + 1 > start:
+                start = last + 1
+            consumer.seek(tp, start)
+            upper = self._bound(self.end, tp)
+            if ends is not None:
+                upper = ends[tp] if upper is None else min(upper, ends[tp])
+            stop_at[tp] = upper
+            log.info("recorder: %s[%d] from offset %d to %s", tp.topic, tp.partition, start,
+                     "the end" if upper is None else f"offset {upper} (exclusive)")
+        return stop_at
+
+    def _drain_to_end_offsets(self, active: set[TopicPartition], stop_at: dict[TopicPartition, int | None]) -> bool:
+        """Stop requested: record up to the end offsets of now (False when they cannot be read)."""
+        try:
+            now_ends = end_offsets(self.bootstrap, self.cfg, sorted(active), timeout_s=DRAIN_DEADLINE_S)
+        except (KafkaError, BrokerUnavailableError) as exc:  # the broker went first: keep what was recorded
+            log.error("recorder: stop requested but the end offsets could not be read (%s: %s); "
+                      "records after the last poll are not recorded", type(exc).__name__, exc)
+            self.stats.drained = False
+            return False
+        for tp in active:
+            stop_at[tp] = now_ends[tp] if stop_at[tp] is None else min(stop_at[tp], now_ends[tp])
+        log.info("recorder: stop requested; draining up to %s",
+                 ", ".join(f"{tp.topic}[{tp.partition}]@{stop_at[tp]}" for tp in sorted(active)))
+        return True
+
+    def _poll_once(self, consumer: Any, writer: RecordingWriter, active: set[TopicPartition],
+                   stop_at: dict[TopicPartition, int | None], t_from: int | None, t_to: int | None) -> None:
+        """Step 4: one poll's records appended (time-filtered), flushed; partitions at their end leave ``active``."""
+        for tp, recs in consumer.poll(timeout_ms=POLL_MS).items():
+            for rec in recs:
+                if tp not in active:
+                    break
+                limit = stop_at.get(tp)
+                if limit is not None and rec.offset >= limit:
+                    active.discard(tp)
+                    break
+                if t_to is not None and rec.timestamp >= t_to and self.follow:
+                    active.discard(tp)  # follow mode: the first record at or past --to ends it
+                    break
+                if (t_from is not None and rec.timestamp < t_from) or (t_to is not None and rec.timestamp >= t_to):
+                    self.stats.filtered += 1
+                    continue
+                if writer.append(RecordFrame.from_consumer_record(rec)):
+                    self.stats.records[tp.topic] = self.stats.records.get(tp.topic, 0) + 1
+        writer.flush()  # step 4: whole frames on disk after every poll
+        for tp in list(active):
+            limit = stop_at.get(tp)
+            if limit is not None and consumer.position(tp) >= limit:
+                active.discard(tp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -543,9 +567,8 @@ def record_command(topo: Any, args: argparse.Namespace,
     return EXIT_OK
 
 
-def add_record_parser(sub: Any, add_topology_args: Any) -> None:
-    """The ``record`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
-    rec = sub.add_parser("record", help="export topics from a live broker into a recording (runs/<name>/topics/)")
+def add_record_arguments(rec: argparse.ArgumentParser) -> None:
+    """The ``record`` subcommand's arguments."""
     add_topology_args(rec)
     rec.add_argument("--topics", required=True, help="comma-separated topic names, e.g. rollouts,scored,scored.dlq")
     rec.add_argument("--from", dest="from_", default=None, metavar="POS",
@@ -561,3 +584,7 @@ def add_record_parser(sub: Any, add_topology_args: Any) -> None:
     rec.add_argument("--continue", dest="continue_recording", action="store_true",
                      help="--output already holds a recording: append to it, after checking it is of the same "
                           "source (the broker still holds its last records, byte for byte); without it, refused")
+
+
+RECORD = Command("record", "export topics from a live broker into a recording (runs/<name>/topics/)",
+                 add_record_arguments, record_command, reads_topology=True)

@@ -30,19 +30,17 @@ instead: expstream/tools/replaybroker.py. ``--into TOPIC --bootstrap-servers B``
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from expstream.config.topology import STAGE_ORDER, Topology, load_topology
-from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
+from expstream.errors import ConfigError
 from expstream.kafka.letters import letter_headers
 from expstream.kafka.topics import dlq_topic
 from expstream.launch.outcome import dump_json
@@ -55,8 +53,6 @@ from expstream.tools.replayinput import (
     SUMMARY_LIST_LIMIT,
     Filters,
     ReplayItem,
-    parse_ids,
-    parse_offsets,
     selected_items,
 )
 from schemas import PromptBatch, SampleBatch, decode, encode, sample_id
@@ -468,95 +464,3 @@ def _broker_topics(bootstrap: str, cfg: Any) -> set[str]:
         return set(admin.list_topics())
     finally:
         admin.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-
-def add_replay_parser(sub: Any, add_topology_args: Any) -> None:
-    """The ``replay`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
-    p = sub.add_parser("replay", help="run recorded records through a stage span again (docs/replay.md)",
-                       description="Without --bootstrap-servers the span runs in this process (no broker is "
-                                   "started); with it, as stage processes through that broker on fresh replay-<tag>. "
-                                   "topics; with --into, the records are re-published into a live topic instead.")
-    add_topology_args(p)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a recording (runs/<name>)")
-    p.add_argument("--from", dest="from_topic", required=True, metavar="TOPIC",
-                   help="the recorded topic to read, e.g. scored")
-    p.add_argument("--stages", help="one stage, or a span A..B of enabled stages; the first must read --from")
-    p.add_argument("--output", help=f"the new run directory (default {DEFAULT_OUTPUT_PREFIX}<time>-<tag>)")
-    p.add_argument("--samples", help="sample ids group#index, comma separated: only those rows")
-    p.add_argument("--groups", help="group (prompt) ids, comma separated: only those rows")
-    p.add_argument("--batches", help="batch ids, comma separated: only those records")
-    p.add_argument("--offsets", help="partition:first-last[,...]: only those records, e.g. 0:12-40,1:0-9")
-    p.add_argument("--into", metavar="TOPIC",
-                   help="re-publish the selected records into this live topic (needs --bootstrap-servers)")
-    p.add_argument("--keep-ids", action="store_true", help="with --into: keep batch/prompt/group ids as recorded")
-    p.add_argument("--tag", help="with --into: the namespace replay-<tag>/ (default: the time)")
-
-
-def replay_command(args: argparse.Namespace, broker_replay: Callable[..., dict] | None = None) -> int:
-    """``expstream replay``: dispatch to :func:`replay_run`, ``broker_replay`` (expstream.tools.replaybroker, handed in
-    by the command line: it imports this module) or :func:`republish`; prints a short report."""
-    import json
-
-    filters = Filters(samples=parse_ids(args.samples, "--samples"), groups=parse_ids(args.groups, "--groups"),
-                      batches=parse_ids(args.batches, "--batches"), offsets=parse_offsets(args.offsets))
-    if args.into:
-        if not args.bootstrap_servers:
-            raise ConfigError("--into needs the live pipeline's broker", field="--bootstrap-servers",
-                              fix="add --bootstrap-servers HOST:PORT")
-        if args.stages:
-            raise ConfigError("--into re-publishes records as recorded; it runs no stages", field="--stages",
-                              fix="leave --stages out (the live pipeline's stages process them)")
-        topo = load_topology(Path(args.topology) if args.topology else recorded_topology_path(args.run_dir),
-                             args.overrides)
-        from expstream.launch.preflight import KAFKA_FIX_EXISTING, check_kafka
-
-        # an unreachable broker: one line in seconds, not a traceback after a 30 s bootstrap timeout
-        check_kafka(args.bootstrap_servers, topo.kafka, fix=KAFKA_FIX_EXISTING)
-        report = republish(args.run_dir, args.from_topic, args.into, args.bootstrap_servers, filters=filters,
-                           keep_ids=args.keep_ids, tag=args.tag, kafka_cfg=topo.kafka)
-        print(f"expstream replay: sent {report['sent']} records of {args.from_topic} to {args.into} "
-              f"({'ids kept' if args.keep_ids else 'ids under ' + report['namespace']})")
-        return EXIT_OK
-    if args.keep_ids or args.tag:
-        raise ConfigError("--keep-ids and --tag go with --into", field="--keep-ids" if args.keep_ids else "--tag",
-                          fix="add --into TOPIC --bootstrap-servers B, or leave them out")
-    if not args.stages:
-        raise ConfigError("which stages to replay?", field="--stages",
-                          fix="add --stages NAME or --stages A..B (the first reads --from)")
-    try:
-        if args.bootstrap_servers:
-            if broker_replay is None:
-                raise ConfigError("this caller runs replays in process only", field="--bootstrap-servers",
-                                  fix="leave --bootstrap-servers out, or call through `expstream replay`")
-            summary = broker_replay(args.run_dir, args.from_topic, args.stages, args.bootstrap_servers,
-                                    redis_url=args.redis_url, overrides=args.overrides, output=args.output,
-                                    filters=filters, topology=args.topology)
-        else:
-            summary = replay_run(args.run_dir, args.from_topic, args.stages, overrides=args.overrides,
-                                 output=args.output, filters=filters, topology=args.topology)
-    except ExpstreamError as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        print(f"expstream replay: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    span = "..".join(dict.fromkeys([summary["span"][0], summary["span"][-1]]))
-    if summary["via"] == "broker":
-        print(f"expstream replay: {summary['records_in']} of {summary['records_read']} records of {args.from_topic} "
-              f"through {span} on {summary['bootstrap_servers']}: {summary['samples_out']} of "
-              f"{summary['samples_in']} samples out, {summary['dead_letters']} dead letters; {summary['status']}")
-        print(f"  wrote {summary['output']}: records per topic[partition] " + json.dumps(summary["records_out"]))
-        if summary["status"] != "ok":
-            print(f"expstream replay: failed: {summary['error']}", file=sys.stderr)
-            return EXIT_FAILED
-        return EXIT_OK
-    stages = ", ".join(f"{n} {s['batches']} batches {s['ms_per_batch']} ms/batch" for n, s in summary["stages"].items())
-    print(f"expstream replay: {summary['records_in']} of {summary['records_read']} records of {args.from_topic} "
-          f"through {'..'.join(dict.fromkeys([summary['span'][0], summary['span'][-1]]))}: {stages}; "
-          f"{summary['dead_letters']} dead letters, {summary['records_undecodable']} undecodable")
-    print(f"  wrote {summary['output']}: records per topic[partition] " + json.dumps(summary["records_out"]))
-    return EXIT_OK

@@ -194,9 +194,7 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
     """Steps 1-7 of the module doc; returns the summary it wrote (``status`` ``ok`` or ``failed``)."""
     from expstream.kafka.topics import create_topics
     from expstream.launch.preflight import check_services
-    from expstream.launch.services import FORK_ENTRY, stage_argv, stage_env, write_resolved_topology
-    from expstream.launch.supervisor import Supervisor, SupervisorError
-    from expstream.models.resolve import build_builtin_models, check_models
+    from expstream.launch.supervisor import SupervisorError
 
     started = time.monotonic()
     filters = filters or Filters()
@@ -206,7 +204,62 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
     topo, span, out_dir, items = prep.topo, prep.span, prep.out_dir, prep.items
     tag = tag or f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_id = f"replay-{tag}"
-    # step 2: the configuration the stages read, under the replay's topic names
+    btopo, names, run_dir_, topo_path = _broker_configuration(prep, from_topic, tag)  # step 2
+    n = topo.generate.n_samples_per_prompt
+    wanted = input_sample_ids(items, n)
+    unreachable = unreachable_samples(topo, span, wanted)
+    summary = summary_head(prep, from_topic, filters, run_id)
+    summary.update(via="broker", bootstrap_servers=bootstrap, topics={v: k for k, v in names.items()})
+    error: str | None = None
+    with ExitStack() as stack:
+        if not redis_url:  # step 3
+            from expstream.launch.localservers import LocalRedis
+
+            redis = LocalRedis(run_dir_)
+            redis_url = redis.start()
+            stack.callback(redis.stop)
+        create_topics(bootstrap, btopo.all_topics(), with_dlq=True, kafka_config=btopo.kafka)
+        from expstream.state import RedisState
+
+        state = RedisState(redis_url, run_id)
+        recorder, rec_error = _start_recorder(stack, bootstrap, btopo, names, run_dir_)  # step 4
+        sup = _start_stages(stack, btopo, topo_path, bootstrap, run_id, redis_url, run_dir_)
+        watch = SpanWatch(bootstrap, btopo, btopo.stages[span[-1]].output,
+                          [dlq_topic(t) for t in names if not t.endswith(".dlq")])
+        stack.callback(watch.close)
+        summary["records_published"] = _publish(bootstrap, btopo, btopo.topics.input, items)  # step 5
+        log.info("replay %s: published %d records to %s; %s running as %d process(es)", run_id, len(items),
+                 btopo.topics.input, "..".join(dict.fromkeys([span[0], span[-1]])), len(sup.children))
+        missing = set(wanted)
+        try:
+            error = _await_accounted(watch, sup, state, btopo, bootstrap, wanted, unreachable, n, missing,
+                                     run_dir_ / "logs")  # step 6
+        except (SupervisorError, ExpstreamError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        summary.update(samples_in=len(wanted), samples_out=len(watch.out), samples_dead=len(watch.dead - watch.out),
+                       samples_unreachable=sorted(unreachable)[:50], samples_missing=sorted(missing)[:50],
+                       dynamic_sampling_dropped_groups=int(state.counters().get("dynamic_sampling_dropped_groups", 0)),
+                       unreadable=watch.unreadable[:50], stage_restarts=sup.total_restarts)
+    # the stages are stopped, the recorder drained, redis stopped: the recording is complete
+    _write_outputs(summary, topo, span, out_dir, run_dir_ / BROKER_RECORDING_DIR, names)
+    error = error or (rec_error[0] if rec_error else None)
+    if not recorder.stats.drained:
+        error = error or "the recorder's drain deadline passed: the recording misses the last records"
+    if error:
+        summary.update(status="failed", error=error)
+    summary["wall_s"] = round(time.monotonic() - started, 3)
+    dump_json(summary, out_dir / "summary.json")
+    return summary
+
+
+def _broker_configuration(prep: Prepared, from_topic: str, tag: str) -> tuple[Topology, dict[str, str], Path, Path]:
+    """Step 2: the configuration the stages read, under the replay's topic names, written to
+    ``run/topology.yaml`` (the recorded names to ``topology.yaml``); its models checked and built.
+    Returns it, replay topic -> recorded topic, the ``run/`` directory and the stages' topology path."""
+    from expstream.launch.run import write_resolved_topology
+    from expstream.models.resolve import build_builtin_models, check_models
+
+    topo, span, out_dir = prep.topo, prep.span, prep.out_dir
     btopo = load_topology(prep.topo_path, [*prep.overrides, "train.enabled=false",
                                            *broker_overrides(topo, span, from_topic, tag)])
     if [s.name for s in btopo.enabled_stages()] != span:  # a bug here, not a user error: say what came out
@@ -223,84 +276,83 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
     write_resolved_topology(topo, out_dir / "topology.yaml")
     check_models(btopo)
     build_builtin_models(btopo)
-    n = topo.generate.n_samples_per_prompt
-    wanted = input_sample_ids(items, n)
-    unreachable = unreachable_samples(topo, span, wanted)
-    summary = summary_head(prep, from_topic, filters, run_id)
-    summary.update(via="broker", bootstrap_servers=bootstrap, topics={v: k for k, v in names.items()})
-    error: str | None = None
-    with ExitStack() as stack:
-        if not redis_url:  # step 3
-            from expstream.launch.localservers import LocalRedis
+    return btopo, names, run_dir_, topo_path
 
-            redis = LocalRedis(run_dir_)
-            redis_url = redis.start()
-            stack.callback(redis.stop)
-        create_topics(bootstrap, btopo.all_topics(), with_dlq=True, kafka_config=btopo.kafka)
-        from expstream.state import RedisState
-        from expstream.tools.recorder import Recorder
 
-        state = RedisState(redis_url, run_id)
-        recorder = Recorder(bootstrap, btopo.kafka, [t for t in names if t != btopo.topics.input],
-                            run_dir_ / BROKER_RECORDING_DIR, follow=True)
-        rec_error: list[str] = []
+def _start_recorder(stack: ExitStack, bootstrap: str, btopo: Topology, names: dict[str, str],
+                    run_dir_: Path) -> tuple[Any, list[str]]:
+    """Step 4: the recorder in a thread on the outputs and dead-letter twins (stopped by ``stack``);
+    returns it and the list its failure is appended to."""
+    from expstream.tools.recorder import Recorder
 
-        def record() -> None:
-            try:
-                recorder.run()
-            except Exception as exc:  # noqa: BLE001 - reported in summary.json as the replay's failure
-                log.exception("replay: the recorder failed")
-                rec_error.append(f"recorder: {type(exc).__name__}: {exc}")
+    recorder = Recorder(bootstrap, btopo.kafka, [t for t in names if t != btopo.topics.input],
+                        run_dir_ / BROKER_RECORDING_DIR, follow=True)
+    rec_error: list[str] = []
 
-        rec_thread = threading.Thread(target=record, name="replay-recorder", daemon=True)
-        rec_thread.start()  # step 4
-
-        def stop_recorder() -> None:
-            recorder.request_stop()
-            rec_thread.join(RECORDER_JOIN_S)
-            if rec_thread.is_alive():
-                log.error("replay: the recorder did not stop within %.0fs; the recording may miss the last records",
-                          RECORDER_JOIN_S)
-
-        stack.callback(stop_recorder)
-        sup = Supervisor(run_dir_ / "logs", max_restarts=btopo.run.max_restarts, spawn=btopo.run.spawn,
-                         fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(btopo.run.torch_threads),
-                                                     "TOKENIZERS_PARALLELISM": "false", **stage_env(redis_url, btopo)})
-        for st in btopo.enabled_stages():
-            for replica in range(st.replicas):
-                sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))
-        sup.start()
-        stack.callback(sup.stop)  # step 7: the stages stop before the recorder (callbacks run last-in first)
-        last = btopo.stages[span[-1]]
-        watch = SpanWatch(bootstrap, btopo, last.output, [dlq_topic(t) for t in names if not t.endswith(".dlq")])
-        stack.callback(watch.close)
-        summary["records_published"] = _publish(bootstrap, btopo, btopo.topics.input, items)  # step 5
-        log.info("replay %s: published %d records to %s; %s running as %d process(es)", run_id, len(items),
-                 btopo.topics.input, "..".join(dict.fromkeys([span[0], span[-1]])), len(sup.children))
-        missing, last_new = set(wanted), time.monotonic()
+    def record() -> None:
         try:
-            while True:  # step 6
-                if watch.poll(WATCH_POLL_MS):
-                    last_new = time.monotonic()
-                sup.poll()
-                dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
-                missing = set(wanted) - watch.out - watch.dead - unreachable
-                if len(missing) <= dropped * n:
-                    break
-                if _release_held(btopo, state, len(missing) - dropped * n, bootstrap):
-                    last_new = time.monotonic()
-                if time.monotonic() - last_new > btopo.run.timeout_s:
-                    error = (f"nothing new for {btopo.run.timeout_s:.0f}s (run.timeout_s) with {len(missing)} input "
-                             f"samples unaccounted for, e.g. {sorted(missing)[:5]}; see {run_dir_ / 'logs'}")
-                    break
-        except (SupervisorError, ExpstreamError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        summary.update(samples_in=len(wanted), samples_out=len(watch.out), samples_dead=len(watch.dead - watch.out),
-                       samples_unreachable=sorted(unreachable)[:50], samples_missing=sorted(missing)[:50],
-                       dynamic_sampling_dropped_groups=int(state.counters().get("dynamic_sampling_dropped_groups", 0)),
-                       unreadable=watch.unreadable[:50], stage_restarts=sup.total_restarts)
-    # the stages are stopped, the recorder drained, redis stopped: the recording is complete
-    raw = run_dir_ / BROKER_RECORDING_DIR
+            recorder.run()
+        except Exception as exc:  # noqa: BLE001 - reported in summary.json as the replay's failure
+            log.exception("replay: the recorder failed")
+            rec_error.append(f"recorder: {type(exc).__name__}: {exc}")
+
+    rec_thread = threading.Thread(target=record, name="replay-recorder", daemon=True)
+    rec_thread.start()
+
+    def stop_recorder() -> None:
+        recorder.request_stop()
+        rec_thread.join(RECORDER_JOIN_S)
+        if rec_thread.is_alive():
+            log.error("replay: the recorder did not stop within %.0fs; the recording may miss the last records",
+                      RECORDER_JOIN_S)
+
+    stack.callback(stop_recorder)
+    return recorder, rec_error
+
+
+def _start_stages(stack: ExitStack, btopo: Topology, topo_path: Path, bootstrap: str, run_id: str, redis_url: str,
+                  run_dir_: Path) -> Any:
+    """Step 4: the span's stage replicas under a supervisor, stopped by ``stack`` before the recorder."""
+    from expstream.launch.run import FORK_ENTRY, stage_argv, stage_env
+    from expstream.launch.supervisor import Supervisor
+
+    sup = Supervisor(run_dir_ / "logs", max_restarts=btopo.run.max_restarts, spawn=btopo.run.spawn,
+                     fork_entry=FORK_ENTRY, env={"OMP_NUM_THREADS": str(btopo.run.torch_threads),
+                                                 "TOKENIZERS_PARALLELISM": "false", **stage_env(redis_url, btopo)})
+    for st in btopo.enabled_stages():
+        for replica in range(st.replicas):
+            sup.add(st.name, replica, stage_argv(topo_path, st.name, replica, bootstrap, run_id))
+    sup.start()
+    stack.callback(sup.stop)  # step 7: the stages stop before the recorder (callbacks run last-in first)
+    return sup
+
+
+def _await_accounted(watch: SpanWatch, sup: Any, state: Any, btopo: Topology, bootstrap: str, wanted: list[str],
+                     unreachable: set[str], n: int, missing: set[str], logs: Path) -> str | None:
+    """Step 6: until every input sample is accounted for, or nothing new for ``run.timeout_s``.
+    ``missing`` is kept up to date in place (the summary reports it after an error too); returns the
+    error (None: all accounted for)."""
+    last_new = time.monotonic()
+    while True:
+        if watch.poll(WATCH_POLL_MS):
+            last_new = time.monotonic()
+        sup.poll()
+        dropped = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
+        now_missing = set(wanted) - watch.out - watch.dead - unreachable
+        missing.clear()
+        missing.update(now_missing)
+        if len(missing) <= dropped * n:
+            return None
+        if _release_held(btopo, state, len(missing) - dropped * n, bootstrap):
+            last_new = time.monotonic()
+        if time.monotonic() - last_new > btopo.run.timeout_s:
+            return (f"nothing new for {btopo.run.timeout_s:.0f}s (run.timeout_s) with {len(missing)} input "
+                    f"samples unaccounted for, e.g. {sorted(missing)[:5]}; see {logs}")
+
+
+def _write_outputs(summary: dict[str, Any], topo: Topology, span: list[str], out_dir: Path, raw: Path,
+                   names: dict[str, str]) -> None:
+    """Step 7: the recording copied under the recorded names, the per-topic counts, experiences.msgpack."""
     summary["records_out"] = _translate(raw, out_dir, names)
     shutil.rmtree(raw, ignore_errors=True)
     summary["dead_letters"] = sum(k for where, k in summary["records_out"].items()
@@ -313,14 +365,6 @@ def broker_replay(run_dir: str | Path, from_topic: str, stages: str, bootstrap: 
         data, records, samples = experiences_bytes(final)
         (out_dir / "experiences.msgpack").write_bytes(data)
         summary.update(experience_records=records, samples=samples)
-    error = error or (rec_error[0] if rec_error else None)
-    if not recorder.stats.drained:
-        error = error or "the recorder's drain deadline passed: the recording misses the last records"
-    if error:
-        summary.update(status="failed", error=error)
-    summary["wall_s"] = round(time.monotonic() - started, 3)
-    dump_json(summary, out_dir / "summary.json")
-    return summary
 
 
 def _release_held(topo: Topology, state: Any, outstanding: int, bootstrap: str) -> bool:

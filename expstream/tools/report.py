@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from expstream.config.cli_args import Command
+
 log = logging.getLogger("expstream.report")
 
 REPORT_HTML = "report.html"
@@ -325,8 +327,7 @@ def _html(run_dir: Path, summary: dict, snaps: list[dict], sections: list[tuple[
     return "\n".join(parts) + "\n"
 
 
-def add_report_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="write RUN_DIR/report.html with plots of the run")
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
 
 
@@ -347,3 +348,7 @@ def report_command(args: argparse.Namespace) -> int:
     path = write_report(run_dir)
     print(f"wrote {path}")
     return 0
+
+
+REPORT = Command("report", "write RUN_DIR/report.html with plots of the run", add_report_arguments, report_command,
+                 reads_topology=False)

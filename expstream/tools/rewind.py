@@ -27,6 +27,7 @@ from kafka import errors as kafka_errors
 from kafka.admin import OffsetSpec
 from kafka.structs import OffsetAndMetadata
 
+from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.kafka import KafkaConfig
 from expstream.config.topology import Topology, load_topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
@@ -435,10 +436,8 @@ def handshake(state: Any, admin: Any, stage: str, group: str, topic: str, target
         state.clear_rewind_request(stage)
 
 
-def add_rewind_parser(sub: Any, add_topology_args: Any) -> None:
-    """The ``rewind`` subcommand's arguments (``add_topology_args`` is cli._add_topology_args)."""
-    p = sub.add_parser("rewind", help="move a live stage's consumer group to an offset, time or batch id "
-                                      "(its replicas paused safely first)")
+def add_rewind_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``rewind`` subcommand's arguments."""
     add_topology_args(p)
     p.add_argument("--stage", required=True, help="the stage to rewind, e.g. reward")
     p.add_argument("--to", required=True, metavar="POS",
@@ -450,3 +449,8 @@ def add_rewind_parser(sub: Any, add_topology_args: Any) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds to wait for the replicas to leave the group (default {DEFAULT_TIMEOUT_S:.0f})")
+
+
+REWIND = Command("rewind", "move a live stage's consumer group to an offset, time or batch id "
+                           "(its replicas paused safely first)", add_rewind_arguments, rewind_command,
+                 reads_topology=True)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from expstream.config.cli_args import Command
 from expstream.errors import EXIT_OK, ConfigError
 from expstream.kafka.letters import H_BATCH_ID, H_SAMPLE_IDS, decode_headers
 from expstream.tools.recording import Damage, RecordingError, recorded_topics
@@ -61,7 +62,7 @@ from expstream.tools.showview import format_record, format_sample, record_dict, 
 
 __all__ = [
     "Found",
-    "add_show_parser",
+    "add_show_arguments",
     "find",
     "load_run_topology",
     "show",
@@ -275,9 +276,8 @@ def show(run: str | Path, topic: str, *, sample: str | None = None, batch: str |
     return EXIT_OK
 
 
-def add_show_parser(sub: Any, add_topology_args: Any) -> None:
-    """``expstream show`` (``add_topology_args`` is unused: the run directory holds the configuration)."""
-    p = sub.add_parser("show", help="one recorded sample decoded: ids, offsets, texts, per-token table, rewards")
+def add_show_arguments(p: argparse.ArgumentParser) -> None:
+    """``expstream show`` (no topology flags: the run directory holds the configuration)."""
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<name>)")
     p.add_argument("--topic", default=EXPERIENCES_TOPIC,
                    help="the recorded topic to look in (default: experiences), e.g. rewarded")
@@ -295,3 +295,7 @@ def show_command(args: argparse.Namespace) -> int:
                     as_json=args.json, tokenizer=not args.no_tokenizer)
     except RecordingError as exc:
         raise refuse_damaged(exc, "RUN_DIR") from exc
+
+
+SHOW = Command("show", "one recorded sample decoded: ids, offsets, texts, per-token table, rewards",
+               add_show_arguments, show_command, reads_topology=False)

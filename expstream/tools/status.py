@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from expstream.config.cli_args import Command
 from expstream.errors import ConfigError
 
 log = logging.getLogger("expstream.status")
@@ -433,8 +434,7 @@ class StatusSampler:
 
 
 # ---- the command -----------------------------------------------------------------------------
-def add_status_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="per-stage replicas, lag, rates, time per batch, dead letters, accounting")
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="a run's --output directory (reads its services, topology, metrics)")
     p.add_argument("--bootstrap-servers", help="the broker, without --run-dir")
     p.add_argument("--redis-url", help="the run's Redis, without --run-dir (or EXPSTREAM_REDIS_URL)")
@@ -446,53 +446,12 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    import os
-    import sys
-
-    from expstream.config.redaction import REDIS_URL_ENV
-    from expstream.config.topology import load_topology
-    from expstream.errors import EXIT_FAILED
     from expstream.state import RedisState
 
-    run_dir = Path(args.run_dir) if args.run_dir else None
-    if run_dir is not None:
-        services = run_dir / "run" / "services.json"
-        if not services.is_file():
-            raise ConfigError(f"--run-dir: {run_dir} has no run/services.json; give the --output of an expstream run",
-                              field="--run-dir")
-        svc = json.loads(services.read_text())
-        bootstrap, run_id = args.bootstrap_servers or svc["bootstrap_servers"], args.run_id or svc["run_id"]
-        redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV) or svc["redis_url"]
-        topo = load_topology(str(run_dir / "run" / "topology.yaml"), [])
-    else:
-        redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
-        if not (args.bootstrap_servers and redis_url and args.run_id):
-            raise ConfigError("status needs --run-dir, or --bootstrap-servers, --redis-url and --run-id",
-                              field="--run-dir", fix="e.g. expstream status --run-dir runs/demo")
-        bootstrap, run_id = args.bootstrap_servers, args.run_id
-        topo = load_topology(args.topology, [])
-
+    run_dir, bootstrap, run_id, redis_url, topo = _status_target(args)
     gone = _redis_gone(redis_url)
     if gone is not None:  # the run is over: its last snapshot, or why there is none
-        last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
-        if last is None:
-            if run_dir is None or args.redis_url:  # a Redis the user named does not answer: say so, naming the flag
-                from expstream.launch.preflight import check_redis
-
-                check_redis(redis_url, timeout_s=GONE_CHECK_S)
-            print(f"expstream status: the run in {run_dir} is not running ({gone}), and it left no {STATUS_FILE} "
-                  "snapshot to show (it ended or was killed before its first one)", file=sys.stderr)
-            return EXIT_FAILED
-        print(f"the run's services are gone; its last snapshot ({time.strftime('%H:%M:%S', time.localtime(last['t']))}"
-              f", {run_dir / STATUS_FILE}):", file=sys.stderr if args.json else sys.stdout)  # --json: JSON only
-        last["finished"] = True
-        if args.json:
-            print(json.dumps(last, indent=1))
-        else:
-            from rich.console import Console
-
-            Console().print(render_status(last))
-        return 0
+        return _print_last_snapshot(args, run_dir, redis_url, gone)
 
     # a short retry budget: a Redis that stops answering means the run ended, not an outage to wait out
     state = RedisState(redis_url, run_id, connect_timeout_s=GONE_CHECK_S, retry_deadline_s=GONE_CHECK_S)
@@ -509,37 +468,95 @@ def status_command(args: argparse.Namespace) -> int:
             print(json.dumps(snap(), indent=1))
             return 0
         from rich.console import Console
-        from rich.live import Live
 
         console = Console()
         if not args.watch:
             console.print(render_status(snap()))
             return 0
         try:
-            with Live(render_status(snap()), console=console, refresh_per_second=4, screen=False) as live:
-                while True:
-                    time.sleep(max(0.2, args.interval))
-                    ended = _run_ended(run_dir, redis_url)
-                    if ended is None:
-                        try:
-                            live.update(render_status(snap()))
-                            continue
-                        except Exception:  # noqa: BLE001 - the run ending under the snapshot: looked at below
-                            ended = _run_ended(run_dir, redis_url)
-                            if ended is None:
-                                raise
-                    last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
-                    if last is not None:  # the run's own final snapshot (accounting after the last sample)
-                        last["finished"] = True
-                        live.update(render_status(last))
-                    break
-            console.print(f"the run has ended ({ended}); the last snapshot above"
-                          + (f" is its final one, from {run_dir / STATUS_FILE}" if last is not None else ""))
-            return 0
+            return _watch(console, snap, run_dir, redis_url, args.interval)
         except KeyboardInterrupt:
             return 0
     finally:
         state.close()
+
+
+def _status_target(args: argparse.Namespace) -> tuple[Path | None, str, str, str | None, Any]:
+    """``(run_dir, bootstrap, run_id, redis_url, topology)``: from --run-dir's services.json and recorded
+    topology (flags win), or from the flags alone."""
+    import os
+
+    from expstream.config.redaction import REDIS_URL_ENV
+    from expstream.config.topology import load_topology
+
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is not None:
+        services = run_dir / "run" / "services.json"
+        if not services.is_file():
+            raise ConfigError(f"--run-dir: {run_dir} has no run/services.json; give the --output of an expstream run",
+                              field="--run-dir")
+        svc = json.loads(services.read_text())
+        bootstrap, run_id = args.bootstrap_servers or svc["bootstrap_servers"], args.run_id or svc["run_id"]
+        redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV) or svc["redis_url"]
+        return run_dir, bootstrap, run_id, redis_url, load_topology(str(run_dir / "run" / "topology.yaml"), [])
+    redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
+    if not (args.bootstrap_servers and redis_url and args.run_id):
+        raise ConfigError("status needs --run-dir, or --bootstrap-servers, --redis-url and --run-id",
+                          field="--run-dir", fix="e.g. expstream status --run-dir runs/demo")
+    return None, args.bootstrap_servers, args.run_id, redis_url, load_topology(args.topology, [])
+
+
+def _print_last_snapshot(args: argparse.Namespace, run_dir: Path | None, redis_url: str | None, gone: str) -> int:
+    """The run's services are gone: print its last snapshot of status.jsonl, or why there is none."""
+    import sys
+
+    from expstream.errors import EXIT_FAILED
+
+    last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
+    if last is None:
+        if run_dir is None or args.redis_url:  # a Redis the user named does not answer: say so, naming the flag
+            from expstream.launch.preflight import check_redis
+
+            check_redis(redis_url, timeout_s=GONE_CHECK_S)
+        print(f"expstream status: the run in {run_dir} is not running ({gone}), and it left no {STATUS_FILE} "
+              "snapshot to show (it ended or was killed before its first one)", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"the run's services are gone; its last snapshot ({time.strftime('%H:%M:%S', time.localtime(last['t']))}"
+          f", {run_dir / STATUS_FILE}):", file=sys.stderr if args.json else sys.stdout)  # --json: JSON only
+    last["finished"] = True
+    if args.json:
+        print(json.dumps(last, indent=1))
+    else:
+        from rich.console import Console
+
+        Console().print(render_status(last))
+    return 0
+
+
+def _watch(console: Any, snap: Any, run_dir: Path | None, redis_url: str | None, interval: float) -> int:
+    """``--watch``: redraw in place until the run ends (then its final snapshot, when it wrote one)."""
+    from rich.live import Live
+
+    with Live(render_status(snap()), console=console, refresh_per_second=4, screen=False) as live:
+        while True:
+            time.sleep(max(0.2, interval))
+            ended = _run_ended(run_dir, redis_url)
+            if ended is None:
+                try:
+                    live.update(render_status(snap()))
+                    continue
+                except Exception:  # noqa: BLE001 - the run ending under the snapshot: looked at below
+                    ended = _run_ended(run_dir, redis_url)
+                    if ended is None:
+                        raise
+            last = _last_line(run_dir / STATUS_FILE) if run_dir is not None else None
+            if last is not None:  # the run's own final snapshot (accounting after the last sample)
+                last["finished"] = True
+                live.update(render_status(last))
+            break
+    console.print(f"the run has ended ({ended}); the last snapshot above"
+                  + (f" is its final one, from {run_dir / STATUS_FILE}" if last is not None else ""))
+    return 0
 
 
 def _redis_gone(redis_url: str) -> str | None:
@@ -566,3 +583,7 @@ def _run_ended(run_dir: Path | None, redis_url: str) -> str | None:
     if lock is not None and lock.exists() and not is_locked(lock):
         return f"no process holds {lock} any more"
     return _redis_gone(redis_url)
+
+
+STATUS = Command("status", "per-stage replicas, lag, rates, time per batch, dead letters, accounting",
+                 add_status_arguments, status_command, reads_topology=False)

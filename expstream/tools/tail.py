@@ -21,6 +21,9 @@ Which records (group-less: no consumer group is joined and nothing is committed)
 
 A record that cannot be decoded is printed as such with its length, never a crash: a topic may
 hold anything a producer wrote (that is what dead-letter topics are for).
+
+The ``expstream topics`` command is wired here (:data:`TOPICS`): ``tail`` is its action that needs
+this module; ``create`` and ``list`` are :func:`expstream.kafka.topics.topics_command`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.kafka import KafkaConfig
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_INTERRUPTED, EXIT_OK, ConfigError
+from expstream.kafka import topics as kafka_topics
 from expstream.kafka.clients import end_offsets, make_consumer
 from expstream.kafka.letters import decode_headers
 from expstream.tools.terminal import printable
@@ -208,3 +213,22 @@ def tail_command(topo: Topology, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+# ---- the `topics` command (create | list from expstream.kafka.topics; tail here) ---------------
+def add_topics_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["create", "list", "tail"])
+    p.add_argument("topic", nargs="?", help="tail: the topic to print, e.g. experiences or batches.dlq")
+    add_topology_args(p)
+    add_tail_args(p)
+
+
+def topics_command(topo: Topology, args: argparse.Namespace) -> int:
+    """``expstream topics create|list|tail``."""
+    if args.action == "tail":
+        return tail_command(topo, args)
+    return kafka_topics.topics_command(topo, args)
+
+
+TOPICS = Command("topics", "create or list the topology's topics (and .dlq twins); tail one", add_topics_arguments,
+                 topics_command, reads_topology=True)
