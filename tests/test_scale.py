@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_crash import ROOT, PipelineRun, model_cache  # noqa: F401 - model_cache is a fixture
+from test_crash import ROOT, PipelineRun
 
 from expstream.config.topology import AutoscaleConfig, load_topology
 from expstream.errors import EXIT_CONFIG, ConfigError
