@@ -164,7 +164,7 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     kl_target: float | None = None
     kl_horizon: int = 10000
-    use_kl_loss: bool = False
+    use_kl_loss: bool | None = None  # None: resolved on load to train.enabled (resolve_kl_placement)
     reward_running_norm: bool = False
     reward_running_norm_minus_mean: bool = False
     reward_clip: float = 0.0
@@ -212,7 +212,7 @@ class TrainConfig:
     lr: float = 5e-3  # Adam learning rate (the tiny built-in models learn within 30 steps at this rate)
     max_grad_norm: float = 1.0  # gradient clipping; 0 switches it off
     clip_eps: float = 0.2  # PPO-clip epsilon
-    kl_loss_coef: float = 0.0  # KL-in-loss weight, used when algo.use_kl_loss is true
+    kl_loss_coef: float = 0.1  # KL-in-loss weight, used when algo.use_kl_loss is true (docs/async.md "Stability")
     off_policy: str = "none"  # none | token_tis | seq_tis | decoupled (docs/async.md)
     old_log_probs: str = "recompute"  # recompute: π_old = the trainer's weights at the step; stage: actor-logprob's
     is_cap: float = 2.0  # C, the truncation cap of token_tis / seq_tis / decoupled
@@ -512,9 +512,19 @@ def build_topology(raw: dict[str, Any]) -> Topology:
                 raise unknown_key_error(where, "where", [f.name for f in dataclasses.fields(AutoscaleConfig)][:4])
             st["autoscale"] = _from_dict(AutoscaleConfig, {**auto, "where": where}, where)
         topo.stages[name] = _from_dict(StageConfig, {**st, "name": name}, f"stages.{name}")
+    resolve_kl_placement(topo)
     _switch_stages(topo)
     _check_cross_fields(topo)
     return topo
+
+
+def resolve_kl_placement(topo: Topology) -> None:
+    """``algo.use_kl_loss: null`` (the default) -> ``train.enabled``: the continuous loop puts the KL in its
+    trainer's loss (the seed's GRPO recipe: group_norm, use_kl_loss, k3), which keeps it stable over long
+    runs where the KL in the reward did not (docs/async.md "Stability"); an experience maker for an outside
+    trainer keeps the KL in the reward, the seed's default. An explicit true/false is kept."""
+    if topo.algo.use_kl_loss is None:
+        topo.algo.use_kl_loss = bool(topo.train.enabled)
 
 
 def _switch_stages(topo: Topology) -> None:
