@@ -2,8 +2,9 @@
 
 Per micro-batch (docs/numerics.md §2):
 
-1. ``kl`` = k1/k2/k3 of actor vs reference log-probs over the action mask (zeros when
-   ``use_kl_loss`` or without a reference); ``info.kl`` its masked mean per sample.
+1. ``kl`` = k1/k2/k3 of actor vs reference log-probs over the action mask less the actions the
+   EOS repair forced (zeros when ``use_kl_loss`` or without a reference; docs/numerics.md §14.12);
+   ``info.kl`` its masked mean per sample over those sampled actions.
 2. ``processed_rewards`` = raw reward + overlong penalty when ``overlong_buffer``
    (docs/numerics.md §4.1): the reward group shaping starts from.
 3. ``token_rewards`` = −β·kl + that reward at the last valid action, with β from the run state
@@ -20,7 +21,7 @@ import torch
 
 from expstream.models.forward import scalar
 from expstream.rl import numerics
-from expstream.rl.layout import action_field, padded, to_ragged
+from expstream.rl.layout import action_field, forced_action_mask, padded, to_ragged
 from schemas import SampleBatch
 from stages.context import StageContext
 
@@ -37,16 +38,18 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     algo, gen = ctx.topology.algo, ctx.topology.generate
     lay = padded(batch)
     mask, width = lay.action_mask, lay.num_actions
+    # the KL is estimated on the sampled actions only: an EOS the repair forced has no KL (0 there)
+    kl_mask = mask & ~forced_action_mask(batch, width)
     if batch.base_action_log_probs is not None and not algo.use_kl_loss:
         kl = numerics.compute_approx_kl(action_field(batch, "action_log_probs", width),
-                                        action_field(batch, "base_action_log_probs", width), mask,
+                                        action_field(batch, "base_action_log_probs", width), kl_mask,
                                         algo.kl_estimator)
     else:
         kl = torch.zeros(mask.shape, dtype=torch.float32)
     raw = torch.from_numpy(np.array(batch.rewards, dtype=np.float32))
     response_length = mask.sum(-1).to(torch.float32)
     info = {
-        "kl": scalar(numerics.masked_mean(kl, mask, dim=-1)),
+        "kl": scalar(numerics.masked_mean(kl, kl_mask, dim=-1)),
         "reward": scalar(raw),
         "response_length": scalar(response_length),
         "total_length": scalar(lay.attention_mask.sum(-1).to(torch.float32)),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from expstream.config.topology import find_topology, load_topology
-from expstream.models.hf import load_causal_lm
+from expstream.models.hf import SamplingSupport, load_causal_lm
 from expstream.models.resolve import model_dir
 from expstream.train import PolicyTrainer, experience_from_records
 from schemas import PromptBatch, encode
@@ -40,7 +40,10 @@ def _learning_curve(overrides: list[str], steps: int) -> list[float]:
     torch.manual_seed(0)
     topo = load_topology(find_topology(None), ["run.seed=1", "train.batch_size=16", *overrides])
     chain = LocalChain(topo).setup()
-    trainer = PolicyTrainer(topo, load_causal_lm(model_dir(topo, "actor")))
+    actor = load_causal_lm(model_dir(topo, "actor"))
+    support = SamplingSupport.of(chain.contexts["generate"].models["tokenizer"], actor, topo.generate.backend,
+                                 topo.generate.min_new_tokens)  # as `expstream train` wires it
+    trainer = PolicyTrainer(topo, actor, support=support)
     followers = [chain.contexts["generate"].models["generator"].model, chain.contexts["actor-logprob"].models["lm"]]
     per_step = topo.train.batch_size // (topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt)
     rewards = []
@@ -196,7 +199,7 @@ def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_
 def test_recomputed_old_log_probs_keep_learning_from_stale_samples():
     """train.old_log_probs=recompute: π_old is the weights being trained, so samples whose
     actor-logprob log-probs came from a policy far away still give the plain policy gradient
-    −mean_t(Â_t ∇log π_θ) (computed here by hand); with `stage` the clip zeroes it."""
+    −mean_t(Â_t ∇log π_θ) over the sampled actions (computed here by hand); with `stage` the clip zeroes it."""
     topo = load_topology(find_topology(None), ["run.seed=3", "train.batch_size=8", "train.max_grad_norm=0"])
     exps = LocalChain(topo).setup().run(_prompt_batches(topo, "stale", 1))
     exp = experience_from_records([(b, range(len(b.prompt_id))) for b in exps])
@@ -217,7 +220,9 @@ def test_recomputed_old_log_probs_keep_learning_from_stale_samples():
     logits = actor(input_ids=exp.sequences, attention_mask=exp.attention_mask,
                    position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -(a + 1):-1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, exp.sequences[:, -a:].unsqueeze(-1)).squeeze(-1)
-    mask = exp.action_mask.float()
+    # over the sampled actions: an EOS the pipeline forced at the length limit is not trained (docs/numerics.md §14.12)
+    assert exp.forced_mask.any()
+    mask = (exp.action_mask & ~exp.forced_mask).float()
     (-(logp * mask).sum() / mask.sum()).backward()
     expected = [p.grad.clone() for p in actor.parameters() if p.grad is not None]
 

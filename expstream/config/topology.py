@@ -21,6 +21,7 @@ import yaml
 from expstream.config.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from expstream.config.fieldtypes import check_block, check_fields
 from expstream.config.kafka import KafkaConfig
+from expstream.config.overrides import FREE_FORM, parse_override, set_dotted
 from expstream.config.rawform import BLOCK_ATTRS, topology_raw  # noqa: F401  (BLOCK_ATTRS re-exported)
 from expstream.config.redaction import apply_secrets, env_topology_secrets
 from expstream.config.rewards import RewardsConfig, RewardSourceConfig  # noqa: F401  (the rewards block, re-exported)
@@ -177,7 +178,7 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     kl_target: float | None = None
     kl_horizon: int = 10000
-    use_kl_loss: bool = False
+    use_kl_loss: bool | None = None  # None: resolved on load to train.enabled (resolve_kl_placement)
     reward_running_norm: bool = False
     reward_running_norm_minus_mean: bool = False
     reward_clip: float = 0.0
@@ -225,7 +226,7 @@ class TrainConfig:
     lr: float = 5e-3  # Adam learning rate (the tiny built-in models learn within 30 steps at this rate)
     max_grad_norm: float = 1.0  # gradient clipping; 0 switches it off
     clip_eps: float = 0.2  # PPO-clip epsilon
-    kl_loss_coef: float = 0.0  # KL-in-loss weight, used when algo.use_kl_loss is true
+    kl_loss_coef: float = 0.1  # KL-in-loss weight, used when algo.use_kl_loss is true (docs/async.md "Stability")
     off_policy: str = "none"  # none | token_tis | seq_tis | decoupled (docs/async.md)
     old_log_probs: str = "recompute"  # recompute: π_old = the trainer's weights at the step; stage: actor-logprob's
     is_cap: float = 2.0  # C, the truncation cap of token_tis / seq_tis / decoupled
@@ -418,30 +419,6 @@ def find_topology(path: str | Path | None = None, cwd: str | Path | None = None)
     return local if local.is_file() else None
 
 
-#: In :func:`valid_tree`: a key whose sub-keys are names the user chooses (rewards.sources.<name>,
-#: rewards.weights.<name>, rewards.recipe.<label>): ``--set`` takes any path below it, and the
-#: block's own checks name a wrong one.
-FREE_FORM = "free-form"
-
-
-def _set_dotted(raw: dict[str, Any], dotted: str, value: Any, valid: dict[str, Any]) -> None:
-    parts = dotted.split(".")
-    node, ref = raw, valid
-    for i, part in enumerate(parts):
-        free = ref == FREE_FORM
-        if not free and (not isinstance(ref, dict) or part not in ref):
-            choices = list(ref.keys()) if isinstance(ref, dict) else []
-            what = "block" if i == 0 else "stage" if i == 1 and parts[0] == "stages" else "key"
-            raise unknown_key_error(".".join(parts[:i]), part, choices, what=what, origin="--set")
-        if i == len(parts) - 1:
-            node[part] = value
-        else:
-            if not isinstance(node.get(part), dict):  # absent, or null in the file (rewards.sources: null)
-                node[part] = {}
-            node = node[part]
-            ref = FREE_FORM if free else ref[part]
-
-
 def valid_tree() -> dict[str, Any]:
     """Every settable dotted key, as nested dicts (values are placeholders)."""
     def fields_of(cls: type) -> dict[str, Any]:
@@ -463,14 +440,6 @@ def valid_tree() -> dict[str, Any]:
         "record": fields_of(RecordConfig),
         "rewards": {**fields_of(RewardsConfig), "sources": FREE_FORM, "weights": FREE_FORM, "recipe": FREE_FORM},
     }
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``"algo.gamma=0.9"`` -> ``("algo.gamma", 0.9)``; the value is parsed as YAML."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: write it as dotted.key=value, e.g. --set algo.gamma=0.99")
-    key, _, text = item.partition("=")
-    return key.strip(), yaml.safe_load(text) if text.strip() else None
 
 
 def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Topology:
@@ -499,7 +468,7 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
     overrides = list(overrides)
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value, valid)
+        set_dotted(raw, key, value, valid)
     # the credentials a run directory's copy holds redacted, from the environment (expstream/config/redaction.py)
     apply_secrets(raw, env_topology_secrets())
     topo = build_topology(raw)
@@ -539,9 +508,19 @@ def build_topology(raw: dict[str, Any]) -> Topology:
                 raise unknown_key_error(where, "where", [f.name for f in dataclasses.fields(AutoscaleConfig)][:4])
             st["autoscale"] = _from_dict(AutoscaleConfig, {**auto, "where": where}, where)
         topo.stages[name] = _from_dict(StageConfig, {**st, "name": name}, f"stages.{name}")
+    resolve_kl_placement(topo)
     _switch_stages(topo)
     _check_cross_fields(topo)
     return topo
+
+
+def resolve_kl_placement(topo: Topology) -> None:
+    """``algo.use_kl_loss: null`` (the default) -> ``train.enabled``: the continuous loop puts the KL in its
+    trainer's loss (the seed's GRPO recipe: group_norm, use_kl_loss, k3), which keeps it stable over long
+    runs where the KL in the reward did not (docs/async.md "Stability"); an experience maker for an outside
+    trainer keeps the KL in the reward, the seed's default. An explicit true/false is kept."""
+    if topo.algo.use_kl_loss is None:
+        topo.algo.use_kl_loss = bool(topo.train.enabled)
 
 
 def _switch_stages(topo: Topology) -> None:

@@ -210,9 +210,10 @@ def step_line(step: dict[str, Any]) -> str:
     hist = step.get("staleness_hist") or {}
     stale = " ".join(f"{k}:{v}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
     dropped = f"  dropped stale {step['dropped_stale']}" if step.get("dropped_stale") else ""
+    skipped = f"  SKIPPED ({step['skipped']})" if step.get("skipped") else ""
     return (f"step {step.get('step', '?'):>4}  v{step.get('policy_version', '?')}  reward {num('reward_mean', '.4f')}"
             f" ± {num('reward_std', '.4f')}  loss {num('loss', '.4f')}  kl {num('kl', '.5f')}  "
-            f"staleness {{{stale}}}{dropped}  {num('samples_per_s', '.2f')} samples/s")
+            f"staleness {{{stale}}}{dropped}  {num('samples_per_s', '.2f')} samples/s{skipped}")
 
 
 def run_continuous(topo: Topology, rows: list[PromptRow], out: Any, sup: Supervisor, state: State,

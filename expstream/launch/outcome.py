@@ -324,6 +324,7 @@ class ContinuousOutcome(RunOutcome):
             "samples_generated": int(stage_stats.get("generate", {}).get("samples", 0)),
             "samples_trained": int(sum(s.get("samples", 0) for s in steps)),
             "dropped_stale": int(sum(s.get("dropped_stale", 0) for s in steps)),
+            "nonfinite_steps": int(sum(1 for s in steps if s.get("skipped"))),
             "reward_first_step": first.get("reward_mean"),
             "reward_last_step": last.get("reward_mean"),
             "wall_s": round(wall, 3),

@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ __all__ = [
     "load_critic",
     "load_reward_model",
     "TransformersGenerator",
+    "never_sampled_token_ids",
+    "stop_token_ids",
+    "SamplingSupport",
 ]
 
 
@@ -265,6 +269,56 @@ class _BehaviourLogProbs:
         return torch.stack(steps, dim=1).float()
 
 
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """The tokens generation stops at: the tokenizer's EOS and any EOS id of the model's ``generation_config``."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id")
+    return sorted({int(eos)} | _as_id_set(getattr(getattr(model, "generation_config", None), "eos_token_id", None)))
+
+
+def never_sampled_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """The tokens :class:`TransformersGenerator` never samples: the pad token (the tokenizer's, else the
+    EOS), unless it is also a stop token."""
+    pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    return [] if pad in stop_token_ids(tokenizer, model) else [int(pad)]
+
+
+@dataclass(frozen=True)
+class SamplingSupport:
+    """Which tokens generation can sample at response position t (0-based), whatever the weights.
+
+    ``never`` are never sampled (the transformers backend's pad token); ``stops`` are not sampled
+    before ``min_new_tokens`` (both backends). The reference trainer leaves the rest out of its
+    policy's softmax (docs/numerics.md §14.12): it trains the distribution the actions were sampled
+    from, and the policy gradient cannot pile probability onto a token that is never sampled, which
+    the sampled KL estimates cannot see.
+    """
+
+    never: tuple[int, ...] = ()
+    stops: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+
+    @classmethod
+    def of(cls, tokenizer: Any, model: Any, backend: str, min_new_tokens: int) -> SamplingSupport:
+        """The support of ``generate.backend`` (``transformers`` | ``vllm``) for this tokenizer and model."""
+        never = never_sampled_token_ids(tokenizer, model) if backend == "transformers" else []
+        return cls(tuple(never), tuple(stop_token_ids(tokenizer, model)), max(0, int(min_new_tokens)))
+
+    def banned(self, position: Tensor, vocab: int) -> Tensor:
+        """(..., vocab) bool: True for the tokens that cannot be sampled at response positions ``position``
+        (a long tensor of any shape)."""
+        out = torch.zeros((*position.shape, vocab), dtype=torch.bool, device=position.device)
+        if self.never:
+            out[..., list(self.never)] = True
+        if self.stops and self.min_new_tokens > 0:
+            early = (position < self.min_new_tokens).unsqueeze(-1)
+            stops = torch.zeros(vocab, dtype=torch.bool, device=position.device)
+            stops[list(self.stops)] = True
+            out |= early & stops
+        return out
+
+
 class TransformersGenerator:
     """Sampling with ``model.generate`` (the CPU / no-vLLM engine).
 
@@ -285,13 +339,8 @@ class TransformersGenerator:
             raise ValueError("the tokenizer has no eos_token_id")
         pad = tokenizer.pad_token_id
         self.pad_token_id: int = self.eos_token_id if pad is None else pad
-        gen_cfg = getattr(model, "generation_config", None)
-        self.stop_token_ids: list[int] = sorted(
-            {self.eos_token_id} | _as_id_set(getattr(gen_cfg, "eos_token_id", None))
-        )
-        self.suppress_token_ids: list[int] = (
-            [self.pad_token_id] if suppress_pad and self.pad_token_id not in self.stop_token_ids else []
-        )
+        self.stop_token_ids: list[int] = stop_token_ids(tokenizer, model)
+        self.suppress_token_ids: list[int] = never_sampled_token_ids(tokenizer, model) if suppress_pad else []
 
     def generate(
         self,

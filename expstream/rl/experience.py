@@ -54,6 +54,7 @@ ACTION_FIELDS: tuple[str, ...] = (
     "action_mask",
     "action_entropy",
     "rollout_log_probs",
+    "forced_mask",
 )
 #: Token-level (B, S) tensor fields.
 TOKEN_FIELDS: tuple[str, ...] = ("sequences", "attention_mask")
@@ -92,6 +93,10 @@ class Experience:
     # (B, A) float32 behaviour log-probs from the engine (the distribution sampled from), 0 past a_b
     # and at tokens the EOS repair wrote; None when the records carry none (schema version 1)
     rollout_log_probs: torch.Tensor | None = None
+    # (B, A) bool: True at actions the EOS repair forced (not sampled by the policy: a truncated row's
+    # last token, an appended EOS; expstream.rl.layout.forced_action_rows); they carry no KL penalty and
+    # no policy-loss term (docs/numerics.md §14.12). None for a hand-built batch (nothing forced known)
+    forced_mask: torch.Tensor | None = None
     rollout_versions: list[int] = field(default_factory=list)  # (B,) policy version that generated each row
     logprob_versions: list[int] = field(default_factory=list)  # (B,) actor version behind action_log_probs
     # ---- stable ids (one entry per row; empty lists mean "unknown", e.g. a hand-built batch) ----
@@ -247,7 +252,9 @@ class Experience:
         * action-level fields right-padded with 0 to A (``action_mask`` with False); a missing
           wire ``action_mask`` means all a_b actions are valid;
         * ``info`` keeps the wire's per-sample metrics as (B,) float32; ``kl`` is None (the maker
-          drops it once advantages are computed; the per-sample mean is ``info["kl"]``).
+          drops it once advantages are computed; the per-sample mean is ``info["kl"]``);
+        * ``forced_mask`` (B, A) bool: the actions the EOS repair forced, from ``response_ids`` vs
+          ``action_ids`` (all False when the record carries no ``response_ids``).
         """
         n_rows = len(batch.prompt_id)
         idx = list(range(n_rows)) if rows is None else [int(r) for r in rows]
@@ -323,6 +330,7 @@ class Experience:
             kl=None,
             action_entropy=action_field("action_entropy", torch.float32, required=False),
             rollout_log_probs=action_field("rollout_log_probs", torch.float32, required=False),
+            forced_mask=_forced(batch, idx, act_vals, act_lens, a),
             rollout_versions=_versions(batch, "rollout_version", idx),
             logprob_versions=_versions(batch, "logprob_version", idx),
             batch_id=str(bid),
@@ -350,6 +358,21 @@ def _visual(batch: Any, idx: list[int]) -> dict[str, Any]:
         rows = [grid.row(r).tolist() if grid is not None else [] for r in idx]
         out[refs_name] = [list(refs[r]) for r in idx]
         out[grid_name] = [[tuple(int(x) for x in g[i:i + 3]) for i in range(0, len(g), 3)] for g in rows]
+    return out
+
+
+def _forced(batch: Any, idx: list[int], act_vals: torch.Tensor, act_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, width) bool: the actions of rows ``idx`` the EOS repair forced (all False without response_ids)."""
+    from expstream.rl.layout import forced_action_rows
+
+    out = torch.zeros((len(idx), width), dtype=torch.bool)
+    if getattr(batch, "response_ids", None) is None:
+        return out
+    resp_vals, resp_lens = _ragged_rows(batch.response_ids, idx)
+    rows = forced_action_rows([r.numpy() for r in _split(resp_vals, resp_lens)],
+                              [r.numpy() for r in _split(act_vals, act_lens)])
+    if rows:
+        _scatter_rows(out, torch.from_numpy(np.concatenate(rows)), act_lens, start=torch.zeros(len(idx), dtype=torch.long))
     return out
 
 
@@ -503,6 +526,7 @@ class BufferItem:
     info: dict[str, Any] | None  # name -> Python scalar
     action_entropy: torch.Tensor | None = None  # (A,) or None
     rollout_log_probs: torch.Tensor | None = None  # (A,) float32 behaviour log-probs, or None
+    forced_mask: torch.Tensor | None = None  # (A,) bool: actions the EOS repair forced, or None
     rollout_version: int = -1  # policy version that generated this sample (-1: unknown)
     logprob_version: int = -1  # actor version behind action_log_probs (-1: unknown)
     sample_id: str = ""  # f"{group_id}#{sample_index}"

@@ -32,6 +32,8 @@ __all__ = [
     "REPAIRED_TOKEN_LOG_PROB",
     "as_bool_mask",
     "check_2d",
+    "forced_action_mask",
+    "forced_action_rows",
     "is_packed",
     "pad_rows",
     "packed",
@@ -159,6 +161,43 @@ def action_lengths(action_mask: Tensor) -> Tensor:
 REPAIRED_TOKEN_LOG_PROB = 0.0
 
 
+def forced_action_rows(response_rows: list[np.ndarray], action_rows: list[np.ndarray]) -> list[np.ndarray]:
+    """Per row, a bool (a_b,) array: True at the actions the EOS repair forced (docs/numerics.md §1.2).
+
+    Action t is response token t (docs/numerics.md §1.2: action t sits at column P + t); it was
+    *forced* -- written by the pipeline, not sampled by the policy -- when it differs from the
+    response token there (a truncated row's last sampled token overwritten by the EOS; a stop token
+    other than the tokenizer's EOS rewritten) or lies past the response (an EOS appended). Those
+    tokens carry no KL penalty and no policy-loss term (docs/numerics.md §14.12).
+    """
+    if len(response_rows) != len(action_rows):
+        raise ValueError(f"row counts differ: {len(response_rows)} responses, {len(action_rows)} action rows")
+    out = []
+    for resp, act in zip(response_rows, action_rows, strict=True):
+        resp, act = np.asarray(resp), np.asarray(act)
+        row = np.ones(len(act), dtype=bool)
+        n = min(len(resp), len(act))
+        row[:n] = resp[:n] != act[:n]
+        out.append(row)
+    return out
+
+
+def forced_action_mask(batch: SampleBatch, width: int | None = None) -> Tensor:
+    """(B, width) bool: :func:`forced_action_rows` of a micro-batch cut by shard-preprocess, right-padded
+    with False (``width`` defaults to the longest action row, at least 1).
+
+    A batch without ``response_ids`` (they are optional on the wire) gives all False: every action is
+    then taken as sampled, as the seed does.
+    """
+    _require_actions(batch)
+    act = rows_of(batch.action_ids)
+    w = max(1, max((r.numel() for r in act), default=0)) if width is None else int(width)
+    if batch.response_ids is None:
+        return torch.zeros((len(act), w), dtype=torch.bool)
+    rows = forced_action_rows([r.numpy() for r in rows_of(batch.response_ids)], [r.numpy() for r in act])
+    return pad_rows([torch.from_numpy(r) for r in rows], side="right", value=False, width=w, dtype=torch.bool)
+
+
 def align_rollout_log_probs(
     response_rows: list[np.ndarray], log_prob_rows: list[np.ndarray], action_rows: list[np.ndarray]
 ) -> list[np.ndarray]:
@@ -179,7 +218,7 @@ def align_rollout_log_probs(
             raise ValueError(f"row {b}: {len(resp)} response tokens but {len(lp)} behaviour log-probs")
         row = np.full(len(act), REPAIRED_TOKEN_LOG_PROB, dtype=np.float32)
         n = min(len(resp), len(act))
-        same = resp[:n] == act[:n]
+        same = ~forced_action_rows([resp], [act])[0][:n]
         row[:n][same] = lp[:n][same]
         out.append(row)
     return out

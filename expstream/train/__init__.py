@@ -8,7 +8,7 @@ the checkpoint, and :func:`run_trainer` (the whole loop). Weights are published 
 
 from expstream.train.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from expstream.train.loss import OFF_POLICY_MODES, LossTerms, importance_weights, policy_loss, value_loss
-from expstream.train.step import PolicyTrainer, StepResult, experience_from_records
+from expstream.train.step import PolicyTrainer, StepResult, experience_from_records, trained_mask
 from expstream.train.stream import ExperienceStream
 from expstream.train.trainer import experiences_topic, run_trainer, sample_versions
 
@@ -27,6 +27,7 @@ __all__ = [
     "read_checkpoint",
     "run_trainer",
     "sample_versions",
+    "trained_mask",
     "value_loss",
     "write_checkpoint",
 ]

@@ -10,6 +10,10 @@ Per optimisation step u (0-based; trains weights of version u, publishes version
 4. train when ``train.batch_size`` samples are buffered -- or, as a short step (logged), when every
    admitted sample has arrived and the admission bound leaves no room for another prompt record
    (``StalenessGate.starved``: losses left a gap, so waiting longer would deadlock);
+   A step whose loss or gradient is not finite takes no optimiser step (``PolicyTrainer.train_step``):
+   its samples are consumed, the weights stay as they were, and it is counted (``nonfinite_steps`` in
+   ``train.jsonl``, ``done.json`` and the run's Redis counter ``trainer_nonfinite_steps``) and logged
+   with the records it came from;
 5. publish version u+1 to the weight store, write the checkpoint (every ``train.checkpoint_every``
    steps and the last), announce the version (``policy`` topic + Redis), commit the consumed offsets
    (only after the checkpoint is durable), delete the versions retention no longer keeps
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -92,7 +97,7 @@ class Trainer:
     """The loop's state; :func:`run_trainer` builds one and runs it."""
 
     def __init__(self, topo: Topology, args: Any, output: Path) -> None:
-        from expstream.models.hf import load_causal_lm, load_tokenizer
+        from expstream.models.hf import SamplingSupport, load_causal_lm, load_tokenizer
         from expstream.models.resolve import model_dir
         from expstream.models.vl import load_critic
         from expstream.rl.admission import StalenessGate
@@ -112,7 +117,8 @@ class Trainer:
         critic = None
         if topo.algo.advantage_estimator == "gae" and topo.train.train_critic and topo.models.critic:
             critic = load_critic(model_dir(topo, "critic"), device=topo.models.device)
-        self.trainer = PolicyTrainer(topo, actor, critic)
+        support = SamplingSupport.of(self.tokenizer, actor, topo.generate.backend, topo.generate.min_new_tokens)
+        self.trainer = PolicyTrainer(topo, actor, critic, support=support)
         self.gate = StalenessGate(self.k, self.bs)
         self.step = 0
         self.records: dict[tuple[int, int], tuple[Any, str]] = {}  # (p, offset) -> (batch, topic)
@@ -250,7 +256,14 @@ class Trainer:
             by_record.setdefault(s.key, []).append(s.row)
         parts = [(self.records[key][0], rows) for key, rows in by_record.items()]
         exp = experience_from_records(parts)
+        if self.topo.algo.use_kl_loss and exp.base_action_log_probs is None and not self.counters["no_reference_warned"]:
+            self.counters["no_reference_warned"] = 1
+            log.warning("trainer: algo.use_kl_loss is true but the experiences of step %d carry no reference log-probs "
+                        "(base_action_log_probs): the loss has no KL term; run the pipeline with this topology and a "
+                        "reference model (algo.init_kl_coef > 0)", self.step)
         result = self.trainer.train_step(exp)
+        if result.skipped:
+            self._count_nonfinite(result.skipped, by_record)
         version = self.step + 1
         offsets: dict[str, list[int]] = {}
         for (p, off) in by_record:
@@ -278,15 +291,31 @@ class Trainer:
         line = {
             "step": self.step, "policy_version": version, "samples": len(picked),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "loss": result.loss, "kl": kl, "value_loss": result.value_loss, "clip_frac": result.clip_frac,
-            "is_weight_mean": result.is_weight_mean, "is_masked_frac": result.is_masked_frac,
-            "grad_norm": result.grad_norm, "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "loss": _finite(result.loss), "kl": _finite(kl), "value_loss": _finite(result.value_loss),
+            "clip_frac": _finite(result.clip_frac), "is_weight_mean": _finite(result.is_weight_mean),
+            "is_masked_frac": _finite(result.is_masked_frac), "grad_norm": _finite(result.grad_norm),
+            "trained_tokens": result.trained_tokens, "skipped": "; ".join(result.skipped) or None,
+            "nonfinite_steps": int(self.counters["nonfinite_steps"]),
+            "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             "dropped_stale": self.counters.pop("dropped_stale_step", 0), "duplicates": self.counters["duplicates"],
             "sample_ids": [s.sid for s in picked], "wait_s": 0.0, "train_s": time.monotonic() - started,
             "time": time.time(),
         }
         self.step += 1
         return {"line": line, "manifests": [m for m in (critic_manifest, manifest) if m is not None], "kl": kl}
+
+    def _count_nonfinite(self, reasons: list[str], by_record: dict[tuple[int, int], list[int]]) -> None:
+        """A step that took no optimiser step: counted (train.jsonl, done.json, Redis) and logged."""
+        self.counters["nonfinite_steps"] += 1
+        where = ", ".join(f"{self.records[k][1]}[{k[0]}]@{k[1]} batch={self.records[k][0].batch_id}"
+                          for k in sorted(by_record))
+        log.warning("trainer: step %d skipped (%s): no optimiser step, the weights of version %d are published "
+                    "unchanged as version %d; %d such steps so far; samples from %s", self.step, "; ".join(reasons),
+                    self.step, self.step + 1, self.counters["nonfinite_steps"], where)
+        try:
+            self.state.incr_counter("trainer_nonfinite_steps", 1, once_id=f"step-{self.step}")
+        except Exception as exc:  # noqa: BLE001 - a counter must not stop training
+            log.warning("trainer: could not count the skipped step %d in Redis: %s", self.step, exc)
 
     def _maybe_crash(self, point: str) -> None:
         if self.fault is not None and self.fault == (point, self.step):
@@ -300,7 +329,7 @@ class Trainer:
             batch, topic = self.records[key]
             rows = [s.row for s in self.buffer if s.key == key]
             buffer.append(BufferedRecord(value=encode(batch), rows=rows, topic=topic, partition=key[0], offset=key[1]))
-        counters = {k: int(v) for k, v in self.counters.items() if k != "dropped_stale_step"}
+        counters = {k: int(v) for k, v in self.counters.items() if k not in ("dropped_stale_step", "no_reference_warned")}
         write_checkpoint(self.output, Checkpoint(
             step=self.step, version=self.step, positions=positions,
             taken=[[sid, v] for sid, v in self.taken.items()],
@@ -366,13 +395,15 @@ class Trainer:
                 if ckpt_positions is not None:
                     self.stream.commit(ckpt_positions)
                 self.prune()
-                self.control.report_kl(f"step-{line['step']}", out["kl"], n_steps=line["samples"])
+                if math.isfinite(out["kl"]):  # a non-finite KL would poison the adaptive β for good
+                    self.control.report_kl(f"step-{line['step']}", out["kl"], n_steps=line["samples"])
                 with jsonl.open("a") as fh:
                     fh.write(json.dumps(line) + "\n")
+                skipped = f" SKIPPED ({line['skipped']})" if line["skipped"] else ""
                 print(f"step {line['step'] + 1}/{cfg.max_steps} version {line['policy_version']} "
-                      f"reward {line['reward_mean']:.4f}±{line['reward_std']:.4f} loss {line['loss']:.4f} "
-                      f"kl {line['kl']:.4f} samples {line['samples']} staleness {line['staleness_hist']} "
-                      f"dropped {line['dropped_stale']}", flush=True)
+                      f"reward {line['reward_mean']:.4f}±{line['reward_std']:.4f} loss {_fmt(line['loss'])} "
+                      f"kl {_fmt(line['kl'])} samples {line['samples']} staleness {line['staleness_hist']} "
+                      f"dropped {line['dropped_stale']}{skipped}", flush=True)
                 wait_start = time.monotonic()
             if self.step >= cfg.max_steps:
                 self._finish()
@@ -400,6 +431,7 @@ class Trainer:
         final = self._save_final()
         done = {"steps": self.step, "policy_version": self.step, "run_id": self.run_id,
                 "dropped_stale": int(self.counters["dropped_stale"]), "duplicates": int(self.counters["duplicates"]),
+                "nonfinite_steps": int(self.counters["nonfinite_steps"]),
                 "undecodable": self.stream.undecodable, "time": time.time()}
         (self.output / "train" / "done.json").write_text(json.dumps(done, indent=1))
         log.info("trainer: %d steps done; final weights in %s", self.step, final)
@@ -407,6 +439,15 @@ class Trainer:
 
 def _span(versions: list[int]) -> str:
     return f"v{versions[0]}" if len(versions) == 1 else f"v{versions[0]}..v{versions[-1]} ({len(versions)})"
+
+
+def _finite(x: float | None) -> float | None:
+    """``x``, or None when it is not finite (train.jsonl stays strict JSON: no NaN/Infinity)."""
+    return None if x is None or not math.isfinite(x) else x
+
+
+def _fmt(x: float | None) -> str:
+    return "nan" if x is None else f"{x:.4f}"
 
 
 def _cut_jsonl(path: Path, steps: int, last_line: dict[str, Any] | None) -> None:
