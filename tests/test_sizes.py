@@ -19,19 +19,12 @@ MAX_FUNCTION_LINES = 80
 
 #: Modules still over the limit, being split by other items of issue 22 (path relative to the repository).
 LONG_MODULES: frozenset[str] = frozenset({
-    "expstream/rl/experience.py",
-    "expstream/tools/replay.py",
-    "stages/runner.py",
+    "expstream/rl/experience.py",  # docs/ARCHITECTURE.md "Still long"
 })
 #: Functions still over the limit ("path:name"), likewise.
 LONG_FUNCTIONS: frozenset[str] = frozenset({
-    "expstream/cli.py:_main",
-    "expstream/kafka/topics.py:create_topics",
-    "expstream/models/hf.py:generate",
+    "expstream/models/hf.py:generate",  # docs/ARCHITECTURE.md "Still long"
     "expstream/rl/experience.py:from_sample_batch",
-    "expstream/tools/recorder.py:run",
-    "expstream/tools/replaybroker.py:broker_replay",
-    "expstream/tools/status.py:status_command",
 })
 
 
@@ -67,3 +60,12 @@ def test_no_module_or_function_is_too_long():
     assert not modules and not functions, (
         f"split these along their concepts (at most {MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a "
         "function):\n" + "\n".join(modules + functions))
+
+
+def test_every_listed_exception_is_still_too_long():
+    """An entry of LONG_MODULES / LONG_FUNCTIONS goes when its split lands: a stale one would let the
+    place grow back unnoticed."""
+    modules, functions = too_long()
+    long_now = {m.split(" (")[0] for m in modules} | {f.split(" (")[0] for f in functions}
+    stale = sorted((LONG_MODULES | LONG_FUNCTIONS) - long_now)
+    assert not stale, "no longer too long, take them off the list: " + ", ".join(stale)
