@@ -78,16 +78,19 @@ def redis_restart(tmp_path_factory: pytest.TempPathFactory, model_cache):
         _mid_flow(run, "postprocess[0]", 4)
         with run.state() as st:
             before = st.get_moments().count
-            parked_before = sum(st.group_status(p)[0] for p in run.prompt_ids)
+            parked_before = {p: st.group_status(p)[0] for p in run.prompt_ids}
         t_down = time.time()
         run.redis.restart(down_s=REDIS_DOWN_S)
         t_up = time.time()
         with run.state() as st:
             after = st.get_moments().count
-            parked_after = sum(st.group_status(p)[0] for p in run.prompt_ids)
+            # a group completed and committed meanwhile is freed (issue 21 item 6): done, not lost
+            parked_after = {p: (st.group_status(p)[0], st.group_done(p)) for p in run.prompt_ids}
         outcome = finish(run, tmp_path_factory, "redis-restart", stages=GROUP_NORM_STAGES, running_norm=True,
                          group_buffers=True, redis_down_s=round(t_up - t_down, 2), moments_before=before,
-                         moments_after_restart=after, parked_before=parked_before, parked_after=parked_after)
+                         moments_after_restart=after, parked_before=sum(parked_before.values()),
+                         parked_after=sum(n for n, _ in parked_after.values()),
+                         freed_after=sum(done for _, done in parked_after.values()))
         yield outcome, (before, after, parked_before, parked_after), (t_down, t_up)
     finally:
         run.close()
@@ -98,7 +101,9 @@ def test_redis_restart_keeps_state(redis_restart) -> None:
     _, (before, after, parked_before, parked_after), _ = redis_restart
     assert before > 0, "the restart came before any reward moments were merged: not mid-run"
     assert after >= before, f"reward moments lost in the restart: count {before} -> {after}"
-    assert parked_after >= parked_before, f"group buffers lost in the restart: {parked_before} -> {parked_after}"
+    lost = {g: (n, parked_after[g]) for g, n in parked_before.items()
+            if parked_after[g][0] < n and not parked_after[g][1]}
+    assert not lost, f"group buffers lost in the restart (parked before -> (parked, done) after): {lost}"
 
 
 @e2e
