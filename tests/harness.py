@@ -84,3 +84,21 @@ def chain_experiences(cache: Path | str, *sets: str, prompts: Path | str = PROMP
     chain = LocalChain(topo, through_codec=True).setup()
     batches = prompt_batches(read_prompts(prompts), topo.run.prompt_batch_size)
     return [Experience.from_sample_batch(b) for b in chain.run(batches)]
+
+
+def example_prompt_batches(topo, tag: str, records: int) -> list:
+    """``records`` PromptBatch records of ``topo.run.prompt_batch_size`` example prompts each, cycling
+    through examples/prompts.jsonl; ids ``<id>@<tag>-<j>`` (unique per tag)."""
+    import json
+
+    from schemas import PromptBatch
+
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    size = topo.run.prompt_batch_size
+    out = []
+    for j in range(records):
+        recs = [rows[(j * size + i) % len(rows)] for i in range(size)]
+        out.append(PromptBatch(batch_id=f"{tag}-{j}", prompt_id=[f"{r['id']}@{tag}-{j}" for r in recs],
+                               prompt=[r["prompt"] for r in recs], label=[r["label"] for r in recs],
+                               reference=["" for _ in recs]))
+    return out

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from harness import example_prompt_batches
 
 from expstream.config.topology import find_topology, load_topology
 from expstream.models.hf import SamplingSupport, load_causal_lm, load_tokenizer
@@ -28,13 +29,12 @@ from expstream.models.resolve import model_dir
 from expstream.rl.layout import forced_action_rows, position_ids_from_attention
 from expstream.train import PolicyTrainer, experience_from_records
 from expstream.train.step import action_log_probs_with_grad
-from schemas import PromptBatch, Ragged, SampleBatch, encode
+from schemas import Ragged, SampleBatch, encode
 from stages import postprocess, shard_preprocess
 from stages.context import make_context
 from stages.local import LocalChain
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [json.loads(line) for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines() if line.strip()]
 EOS, PAD, STOP2 = 9, 0, 11
 
 
@@ -182,7 +182,7 @@ def _produce(broker: str, topic: str, records: int) -> None:
     from expstream.kafka.clients import make_producer, send_and_confirm
 
     topo = load_topology(find_topology(None), ["run.seed=3"])
-    exps = LocalChain(topo).setup().run(_prompt_batches(topo, "nf", records))
+    exps = LocalChain(topo).setup().run(example_prompt_batches(topo, "nf", records))
     producer = make_producer(broker)
     try:
         for b in exps:
@@ -237,15 +237,6 @@ def test_expstream_train_skips_counts_and_never_publishes_non_finite_weights(bro
 # ---------------------------------------------------------------------------------------------------
 
 
-def _prompt_batches(topo, tag: str, records: int) -> list[PromptBatch]:
-    size = topo.run.prompt_batch_size
-    out = []
-    for j in range(records):
-        recs = [PROMPTS[(j * size + i) % len(PROMPTS)] for i in range(size)]
-        out.append(PromptBatch(batch_id=f"{tag}-{j}", prompt_id=[f"{r['id']}@{tag}-{j}" for r in recs],
-                               prompt=[r["prompt"] for r in recs], label=[r["label"] for r in recs],
-                               reference=["" for _ in recs]))
-    return out
 
 
 @pytest.mark.parametrize("overrides, steps", [
@@ -270,7 +261,7 @@ def test_a_long_loop_stays_finite_bounded_and_diverse(overrides, steps):
     versions = [trainer.actor_state()]  # versions[v] = the weights of policy version v
     log = []
     for step in range(steps):
-        exps = chain.run(_prompt_batches(topo, f"s{step}", per_step))
+        exps = chain.run(example_prompt_batches(topo, f"s{step}", per_step))
         exp = experience_from_records([(b, range(len(b.prompt_id))) for b in exps])
         result = trainer.train_step(exp)
         versions.append(trainer.actor_state())

@@ -11,27 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import example_prompt_batches
 
 from expstream.config.topology import find_topology, load_topology
 from expstream.models.hf import SamplingSupport, load_causal_lm
 from expstream.models.resolve import model_dir
 from expstream.train import PolicyTrainer, experience_from_records
-from schemas import PromptBatch, encode
+from schemas import encode
 from stages.local import LocalChain
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [json.loads(line) for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _prompt_batches(topo, tag: str, records: int) -> list[PromptBatch]:
-    size = topo.run.prompt_batch_size
-    out = []
-    for j in range(records):
-        recs = [PROMPTS[(j * size + i) % len(PROMPTS)] for i in range(size)]
-        out.append(PromptBatch(batch_id=f"{tag}-{j}", prompt_id=[f"{r['id']}@{tag}-{j}" for r in recs],
-                               prompt=[r["prompt"] for r in recs], label=[r["label"] for r in recs],
-                               reference=["" for _ in recs]))
-    return out
 
 
 def _learning_curve(overrides: list[str], steps: int) -> list[float]:
@@ -48,7 +39,7 @@ def _learning_curve(overrides: list[str], steps: int) -> list[float]:
     per_step = topo.train.batch_size // (topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt)
     rewards = []
     for step in range(steps):
-        exps = chain.run(_prompt_batches(topo, f"s{step}", per_step))
+        exps = chain.run(example_prompt_batches(topo, f"s{step}", per_step))
         assert sum(len(b.prompt_id) for b in exps) == topo.train.batch_size
         trainer.train_step(experience_from_records([(b, range(len(b.prompt_id))) for b in exps]))
         for model in followers:
@@ -79,7 +70,7 @@ def _produce_experiences(broker: str, topic: str, records: int) -> set[str]:
     from expstream.kafka.clients import make_producer, send_and_confirm
 
     topo = load_topology(find_topology(None), ["run.seed=2"])
-    exps = LocalChain(topo).setup().run(_prompt_batches(topo, "k", records))
+    exps = LocalChain(topo).setup().run(example_prompt_batches(topo, "k", records))
     producer = make_producer(broker)
     ids = set()
     try:
@@ -158,7 +149,7 @@ def test_drop_policy_never_trains_a_sample_staler_than_k(broker, redis_url, run_
     create_topics(broker, {"policy": 1}, with_dlq=False)
     topic = fresh_topic(1)
     topo = load_topology(find_topology(None), ["run.seed=3"])
-    exps = LocalChain(topo).setup().run(_prompt_batches(topo, "d", 4))
+    exps = LocalChain(topo).setup().run(example_prompt_batches(topo, "d", 4))
     assert [len(b.prompt_id) for b in exps] == [4] * 8  # one record per group of 4
     has_rollout_version = "rollout_version" in set(exps[0].__dataclass_fields__)
 
@@ -201,7 +192,7 @@ def test_recomputed_old_log_probs_keep_learning_from_stale_samples():
     actor-logprob log-probs came from a policy far away still give the plain policy gradient
     −mean_t(Â_t ∇log π_θ) over the sampled actions (computed here by hand); with `stage` the clip zeroes it."""
     topo = load_topology(find_topology(None), ["run.seed=3", "train.batch_size=8", "train.max_grad_norm=0"])
-    exps = LocalChain(topo).setup().run(_prompt_batches(topo, "stale", 1))
+    exps = LocalChain(topo).setup().run(example_prompt_batches(topo, "stale", 1))
     exp = experience_from_records([(b, range(len(b.prompt_id))) for b in exps])
     exp.advantages = torch.where(exp.action_mask, torch.ones_like(exp.advantages), 0.0)  # every token pushed up
     exp.action_log_probs = exp.action_log_probs - 1.0  # "old" policy much less likely: r_t = e > 1 + ε
