@@ -29,8 +29,7 @@ from typing import Any
 import yaml
 
 from expstream.config.cli_args import Command
-from expstream.config.redaction import (REDIS_URL_ENV, REWARD_TOKEN_ENV, TOPOLOGY_SECRETS_ENV,
-                                        split_secrets)
+from expstream.config.redaction import REDIS_URL_ENV, REWARD_TOKEN_ENV, TOPOLOGY_SECRETS_ENV, split_secrets
 from expstream.config.topology import AutoscaleConfig, Topology, build_topology
 from expstream.errors import EXIT_OK, ConfigError
 from expstream.kafka.topics import DEFAULT_TOPIC_CONFIG, dlq_topic, loop_topics, stage_group
@@ -230,7 +229,9 @@ def scaled_object(topo: Topology, name: str, opts: RenderOptions) -> dict[str, A
     cooldown = int(math.ceil(auto.cooldown_s))
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-        "metadata": {"name": f"expstream-{_name(name)}", "labels": _labels(name, uses_gpu(topo, name))},
+        # no accelerator label: the overlays' node patches select the pods' owners by it
+        "metadata": {"name": f"expstream-{_name(name)}",
+                     "labels": {"app.kubernetes.io/name": "expstream", "app.kubernetes.io/component": name}},
         "spec": {
             "scaleTargetRef": {"name": f"expstream-{_name(name)}"},
             "minReplicaCount": auto.min, "maxReplicaCount": min(auto.max, parts),
