@@ -422,3 +422,31 @@ def test_a_url_credential_stays_out_of_the_configmap_and_the_reward_runs_where_i
     assert not uses_gpu(topo, "reward") and uses_gpu(load_topology(None), "reward")
     reward = next(o for o in files["stages.yaml"] if o["kind"] == "Deployment" and o["metadata"]["name"] == "expstream-reward")
     assert "nvidia.com/gpu" not in reward["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+@needs_kubectl
+def test_every_command_line_is_one_the_cli_takes_and_loads_the_pods_topology(rendered, tmp_path):
+    """The kubelet's $(VAR) expansion done by hand from the settings ConfigMap, then the real parser and
+    loader: the stores given by --set arrive in the topology, the topology file is the mounted one."""
+    import re
+
+    from expstream.cli import build_parser
+
+    for name, (objs, _) in rendered.items():
+        settings = next(o for o in of_kind(objs, "ConfigMap") if o["metadata"]["name"] == SETTINGS_NAME)["data"]
+        topo_file = tmp_path / f"{name}.yaml"
+        topo_file.write_text(next(o for o in of_kind(objs, "ConfigMap") if "topology.yaml" in o.get("data", {}))
+                             ["data"]["topology.yaml"])
+        runs = [o for o in objs if o["kind"] in ("Deployment", "Job")
+                and o["spec"]["template"]["spec"]["containers"][0].get("command") == ["expstream"]]
+        assert len(runs) == len(stage_deployments(objs)) + (1 if pod_topology(objs).train.enabled else 0)
+        for obj in runs:
+            c = obj["spec"]["template"]["spec"]["containers"][0]
+            assert {"configMapRef": {"name": SETTINGS_NAME}} in c["envFrom"]
+            argv = [re.sub(r"\$\((\w+)\)", lambda m: settings[m.group(1)], a) for a in c["args"]]
+            args = build_parser().parse_args(argv)
+            assert args.topology.startswith("/etc/") and args.bootstrap_servers
+            topo = load_topology(topo_file, args.overrides)
+            assert topo.train.weight_store == settings["EXPSTREAM_WEIGHT_STORE"]
+            assert topo.run.blob_store == settings["EXPSTREAM_BLOB_STORE"]
+            assert topo.kafka.security_protocol == "SASL_PLAINTEXT"  # the Strimzi listener wants SCRAM
