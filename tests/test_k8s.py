@@ -443,10 +443,25 @@ def test_every_command_line_is_one_the_cli_takes_and_loads_the_pods_topology(ren
         for obj in runs:
             c = obj["spec"]["template"]["spec"]["containers"][0]
             assert {"configMapRef": {"name": SETTINGS_NAME}} in c["envFrom"]
-            argv = [re.sub(r"\$\((\w+)\)", lambda m: settings[m.group(1)], a) for a in c["args"]]
+            argv = [re.sub(r"\$\((\w+)\)", lambda m, env=settings: env[m.group(1)], a) for a in c["args"]]
             args = build_parser().parse_args(argv)
             assert args.topology.startswith("/etc/") and args.bootstrap_servers
             topo = load_topology(topo_file, args.overrides)
             assert topo.train.weight_store == settings["EXPSTREAM_WEIGHT_STORE"]
             assert topo.run.blob_store == settings["EXPSTREAM_BLOB_STORE"]
             assert topo.kafka.security_protocol == "SASL_PLAINTEXT"  # the Strimzi listener wants SCRAM
+
+
+def test_out_refuses_a_directory_it_did_not_write(tmp_path):
+    from expstream.cli import main
+
+    hand = tmp_path / "base"
+    hand.mkdir()
+    (hand / "kustomization.yaml").write_text("resources: [infra]\n")
+    assert main(["k8s", "render", "--out", str(hand)]) == 2
+    assert (hand / "kustomization.yaml").read_text() == "resources: [infra]\n"
+    out = tmp_path / "pipeline"
+    assert main(["k8s", "render", "--set", "train.enabled=true", "--out", str(out)]) == 0
+    assert (out / "trainer.yaml").exists()
+    assert main(["k8s", "render", "--out", str(out)]) == 0  # rendered again: the trainer is gone
+    assert sorted(p.name for p in out.iterdir()) == ["kustomization.yaml", "stages.yaml", "topics.yaml", "topology.yaml"]

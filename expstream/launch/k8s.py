@@ -280,22 +280,34 @@ def render(topo: Topology, opts: RenderOptions) -> tuple[dict[str, list[dict[str
     return files, header + yaml.safe_dump(raw, sort_keys=False), redacted
 
 
+#: The files ``--out`` holds; a directory with any other file is not the generator's to overwrite.
+GENERATED_FILES = ("kustomization.yaml", "topology.yaml", "topics.yaml", "stages.yaml", "trainer.yaml")
+GENERATED_NOTE = "# Written by `expstream k8s render`; do not edit: render again.\n"
+
+
 def write_rendered(out: Path, files: dict[str, list[dict[str, Any]]], topology_text: str) -> list[Path]:
     """The rendered objects as a kustomization directory (the topology becomes a ConfigMap whose name
-    carries a hash, so a changed topology rolls the pods)."""
+    carries a hash, so a changed topology rolls the pods). ``out`` must be new, empty, or an earlier
+    output: a directory with other files (a hand-written kustomization) is refused, not overwritten."""
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in GENERATED_FILES)
+        kust = out / "kustomization.yaml"
+        if foreign or (kust.exists() and not kust.read_text().startswith(GENERATED_NOTE)):
+            raise ConfigError(f"--out {out}: holds files `expstream k8s render` did not write "
+                              f"({', '.join(foreign) or 'kustomization.yaml'})", field="--out",
+                              fix="give a directory of its own, e.g. deploy/k8s/base/pipeline")
+        for name in GENERATED_FILES:  # a file the new topology no longer has (trainer.yaml) must go
+            (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.yaml"):  # a file the new topology no longer has (trainer.yaml) must go
-        old.unlink()
     written = [out / "topology.yaml"]
     written[0].write_text(topology_text)
-    note = "# Written by `expstream k8s render`; do not edit: render again.\n"
     for fname, objs in files.items():
-        (out / fname).write_text(note + yaml.safe_dump_all(objs, sort_keys=False))
+        (out / fname).write_text(GENERATED_NOTE + yaml.safe_dump_all(objs, sort_keys=False))
         written.append(out / fname)
-    kust = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": list(files),
-            "configMapGenerator": [{"name": TOPOLOGY_CONFIGMAP, "files": ["topology.yaml"]}]}
-    (out / "kustomization.yaml").write_text(note + yaml.safe_dump(kust, sort_keys=False))
+    kust_doc = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                "resources": list(files),
+                "configMapGenerator": [{"name": TOPOLOGY_CONFIGMAP, "files": ["topology.yaml"]}]}
+    (out / "kustomization.yaml").write_text(GENERATED_NOTE + yaml.safe_dump(kust_doc, sort_keys=False))
     return [*written, out / "kustomization.yaml"]
 
 
