@@ -465,3 +465,17 @@ def test_out_refuses_a_directory_it_did_not_write(tmp_path):
     assert (out / "trainer.yaml").exists()
     assert main(["k8s", "render", "--out", str(out)]) == 0  # rendered again: the trainer is gone
     assert sorted(p.name for p in out.iterdir()) == ["kustomization.yaml", "stages.yaml", "topics.yaml", "topology.yaml"]
+
+
+def test_without_out_it_prints_the_objects_and_the_topology_configmap(capsys, tmp_path):
+    from expstream.cli import main
+
+    assert main(["k8s", "render", "--run-id", "r2"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    cm = docs[0]
+    assert cm["kind"] == "ConfigMap"
+    (tmp_path / "t.yaml").write_text(cm["data"]["topology.yaml"])
+    topo = load_topology(tmp_path / "t.yaml")
+    assert [d["kind"] for d in docs].count("Deployment") == len(topo.enabled_stages())
+    assert [d["spec"]["topicName"] for d in docs if d["kind"] == "KafkaTopic"] == \
+        [t for name in topo.all_topics() for t in (name, dlq_topic(name))]

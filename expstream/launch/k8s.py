@@ -311,6 +311,14 @@ def write_rendered(out: Path, files: dict[str, list[dict[str, Any]]], topology_t
     return [*written, out / "kustomization.yaml"]
 
 
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the topology in its ConfigMap) as YAML literal blocks, readable as printed."""
+
+
+_BlockDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
 def add_k8s_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     r = sub.add_parser("render", help="the topology's KafkaTopics, stage Deployments, KEDA ScaledObjects, trainer")
@@ -344,7 +352,8 @@ def k8s_command(topo: Topology, args: argparse.Namespace) -> int:
         return EXIT_OK
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": TOPOLOGY_CONFIGMAP},
           "data": {"topology.yaml": topology_text}}
-    print(yaml.safe_dump_all([cm, *(o for objs in files.values() for o in objs)], sort_keys=False), end="")
+    print(yaml.dump_all([cm, *(o for objs in files.values() for o in objs)], Dumper=_BlockDumper, sort_keys=False),
+          end="")
     return EXIT_OK
 
 
