@@ -339,6 +339,10 @@ def test_gpus_on_model_stages_only_and_prod_nodes_by_selector(rendered):
                 else:
                     assert pod["nodeSelector"] == {"expstream.io/pool": "cpu"} and "tolerations" not in pod
         if name == "prod":
+            (trainer,) = [j["spec"]["template"]["spec"] for j in of_kind(objs, "Job")
+                          if j["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"]
+            assert trainer["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1
+            assert trainer["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and trainer["tolerations"]
             assert not uses_gpu(topo, "reward"), "prod scales reward on CPU nodes"
             assert of_kind(objs, "KafkaNodePool")[0]["spec"]["replicas"] == 3
 
