@@ -426,6 +426,8 @@ def test_a_url_credential_stays_out_of_the_configmap_and_the_reward_runs_where_i
     assert not uses_gpu(topo, "reward") and uses_gpu(load_topology(None), "reward")
     reward = next(o for o in files["stages.yaml"] if o["kind"] == "Deployment" and o["metadata"]["name"] == "expstream-reward")
     assert "nvidia.com/gpu" not in reward["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    files, _, _ = render(load_topology(None), RenderOptions(gpus=0))
+    assert "nvidia.com/gpu" not in json.dumps(files["stages.yaml"])
 
 
 @needs_kubectl

@@ -178,7 +178,7 @@ def _pod_spec(container: dict[str, Any], grace_s: int, restart: str = "Always") 
 
 def _container(name: str, args: list[str], opts: RenderOptions, gpu: bool) -> dict[str, Any]:
     resources: dict[str, Any] = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "16Gi"}}
-    if gpu:
+    if gpu and opts.gpus:  # --gpus 0: the model stages on CPU (models.device: cpu), no device asked for
         resources["limits"]["nvidia.com/gpu"] = opts.gpus
         resources["requests"]["nvidia.com/gpu"] = opts.gpus
     return {
