@@ -83,8 +83,12 @@ class StageRunner:
 
     def __init__(self, ctx: StageContext, process: ProcessFn, bootstrap: str,
                  max_records: int | None = None, max_record_bytes: int | None = None,
-                 committed: CommittedFn | None = None) -> None:
+                 committed: CommittedFn | None = None,
+                 stage_rows: Callable[[str, dict[str, int]], dict[str, tuple]] | None = None,
+                 produced_by: str | None = None) -> None:
         self.ctx = ctx
+        # a chain (stages/chain.py): its statistics per inner stage, and the last stage names the outputs
+        self.stage_rows, self.produced_by = stage_rows, produced_by
         self.process = process
         self.committed = committed  # the stage's hook after a commit (step 5 of the module docstring)
         self.bootstrap = bootstrap
@@ -237,13 +241,15 @@ class StageRunner:
         self.dead_letters = DeadLetters(self.ctx, self.log, self.sender)
         self.worker = Worker(self.ctx, self.process, self.log, producer=self.producer, sender=self.sender,
                              dead_letters=self.dead_letters, metrics=self.metrics,
-                             max_record_bytes=self.max_record_bytes, fault=self.fault)
+                             max_record_bytes=self.max_record_bytes, fault=self.fault,
+                             produced_by=self.produced_by)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
         self.group = CommitGroup(self.ctx, self.log, Clients(self.consumer, self.producer, self.tracker, self.pausing,
                                                              self._confirmer), self.dead_letters,
                                  metrics=self.metrics, slow=self._slow, commit=self._commit, committed=self.committed,
-                                 stopping=lambda: self.stop_requested, fault=self.worker.maybe_fault)
+                                 stopping=lambda: self.stop_requested, fault=self.worker.maybe_fault,
+                                 stage_rows=self.stage_rows)
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
                       self.group_id, self.stage.output, self.ctx.topology.kafka.max_poll_interval_ms,
