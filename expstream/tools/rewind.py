@@ -27,6 +27,7 @@ from kafka import errors as kafka_errors
 from kafka.admin import OffsetSpec
 from kafka.structs import OffsetAndMetadata
 
+from expstream.config.chains import unit_of
 from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.kafka import KafkaConfig
 from expstream.config.topology import Topology, load_topology
