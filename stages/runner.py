@@ -85,7 +85,7 @@ class StageRunner:
                  max_records: int | None = None, max_record_bytes: int | None = None,
                  committed: CommittedFn | None = None,
                  stage_rows: Callable[[str, dict[str, int]], dict[str, tuple]] | None = None,
-                 produced_by: str | None = None) -> None:
+                 produced_by: str | None = None, label: str | None = None) -> None:
         self.ctx = ctx
         # a chain (stages/chain.py): its statistics per inner stage, and the last stage names the outputs
         self.stage_rows, self.produced_by = stage_rows, produced_by
@@ -96,7 +96,8 @@ class StageRunner:
         self.max_record_bytes = int(max_record_bytes or ctx.topology.kafka.max_request_size)
         self._stop = threading.Event()
         self.stage = ctx.stage
-        self.log = logging.getLogger(f"expstream.stage.{self.stage.name}")
+        # a chain's log lines come from its unit (``expstream.stage.postprocess+advantage``)
+        self.log = logging.getLogger(f"expstream.stage.{label or self.stage.name}")
         self.group_id = f"expstream.{ctx.run_id}.{self.stage.name}"
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)

@@ -98,7 +98,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     if unit.chained:
         chain = Chain(unit, ctx)
         runner = StageRunner(ctx, chain.process, args.bootstrap_servers, committed=chain.committed,
-                             stage_rows=chain.rows, produced_by=unit.last)
+                             stage_rows=chain.rows, produced_by=unit.last, label=unit.name)
         runner.fault = fault_plan(unit.name, RUNNER_POINTS)  # EXPSTREAM_FAULT names the chain, as the supervisor
         if runner.metrics is not None:
             runner.metrics.discovery = unit.name
