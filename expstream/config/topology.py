@@ -446,7 +446,6 @@ def valid_tree() -> dict[str, Any]:
         "async": fields_of(AsyncConfig),
         "record": fields_of(RecordConfig),
         "rewards": {**fields_of(RewardsConfig), "sources": FREE_FORM, "weights": FREE_FORM, "recipe": FREE_FORM},
-        "chains": None,
     }
 
 
@@ -469,7 +468,7 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
     raw = yaml.safe_load(text) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'topology.yaml'}: the top level must be a mapping of blocks")
-    valid = valid_tree()
+    valid = {**valid_tree(), "chains": None}  # the blocks, and the one top-level list (expstream/config/chains.py)
     for key in raw:
         if key not in valid:
             raise unknown_key_error("", key, valid, what="block")
