@@ -114,7 +114,7 @@ class StageRunner:
         self.pausing: PausedPolling | None = None
         self.rewinding: ReplicaRewind | None = None  # made once the consumer is subscribed
         # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
-        self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
+        self.metrics: StageMetrics | None = StageMetrics(label or self.stage.name, str(ctx.replica_id)) if metrics_on() else None
         ctx.metrics = self.metrics
         self._join_thread: threading.Thread | None = None
         self._join_error: BaseException | None = None

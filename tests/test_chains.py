@@ -24,6 +24,7 @@ from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
 from expstream.kafka.letters import H_STAGE, header_value
 from expstream.launch.scale import check_counts
+from expstream.observe.metrics import StageMetrics
 from stages import STAGES
 from stages.chain import Chain
 from stages.context import StageContext
@@ -92,7 +93,9 @@ def test_a_failing_stage_inside_a_chain_is_named_and_accounted(monkeypatch) -> N
     unit = unit_of(topo, "advantage")
     ctx = StageContext(topology=topo, stage=Chain.runner_stage(unit, topo))
     assert (ctx.stage.name, ctx.stage.input, ctx.stage.output) == ("postprocess", "rewarded", "experiences")
+    ctx.metrics = StageMetrics(unit.name, "0")  # what the runner gives a chain process
     chain = Chain(unit, ctx)
+    chain.bind(ctx)
     chain.setup()
 
     def run(batch):
@@ -111,6 +114,9 @@ def test_a_failing_stage_inside_a_chain_is_named_and_accounted(monkeypatch) -> N
     rows = chain.rows("b7", {"advantage": 1})
     assert {s: r[1] for s, r in rows.items()} == {"postprocess": {"in": 4, "out": 4, "dead": 0},
                                                   "advantage": {"in": 4, "out": 3, "dead": 1}}
+    reg = ctx.metrics.registry  # each inner stage's series under its own name, beside the chain's
+    assert reg.get_sample_value("expstream_batch_seconds_count", {"stage": "postprocess"}) == 5  # whole + 4 parts
+    assert reg.get_sample_value("expstream_samples_processed_total", {"stage": "advantage"}) == 3  # 2 + 1 went through
     seen: list = []
     monkeypatch.setattr(STAGES["advantage"], "committed", lambda batches, c: seen.extend(b.batch_id for b in batches),
                         raising=False)

@@ -100,8 +100,6 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
         runner = StageRunner(ctx, chain.process, args.bootstrap_servers, committed=chain.committed,
                              stage_rows=chain.rows, produced_by=unit.last, label=unit.name)
         runner.fault = fault_plan(unit.name, RUNNER_POINTS)  # EXPSTREAM_FAULT names the chain, as the supervisor
-        if runner.metrics is not None:
-            runner.metrics.discovery = unit.name
         chain.bind(ctx)
         setup, close = chain.setup, chain.teardown
     else:

@@ -92,11 +92,10 @@ class StageMetrics:
         self.record_age = made["expstream_record_age_seconds"].labels(**own)
         self._announced = (0, -1e9)  # (version, monotonic time read)
         self.port: int | None = None
-        # the discovery file's name when not the stage's: a chain's process (stages/chain.py) is named by its unit
-        self.discovery: str | None = None
 
     def for_stage(self, stage: str) -> StageView:
-        """The series of a stage run inside this process's chain (stages/chain.py): ``stage=<its name>``."""
+        """The series of a stage run inside this process's chain (stages/chain.py): ``stage=<its name>``,
+        beside the chain's own (records, sends, commits, lag, letters) under ``stage=<the chain's name>``."""
         return StageView(self, stage)
 
     def lag(self, topic: str, records: int) -> None:
@@ -123,7 +122,7 @@ class StageMetrics:
     def serve(self, out_dir: str | os.PathLike[str] | None = None, port: int | None = None) -> int:
         """Serve /metrics on 127.0.0.1 (``port``, else EXPSTREAM_METRICS_PORT, else a free one); write the
         discovery file into ``out_dir`` (else EXPSTREAM_METRICS_DIR) when given; returns the port."""
-        return _serve(self.registry, discovery_name(self.discovery or self.stage, self.replica),
+        return _serve(self.registry, discovery_name(self.stage, self.replica),
                       {"stage": self.stage, "replica": self.replica}, out_dir, port)
 
 

@@ -200,7 +200,7 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
             lag, dead = lags.get(st.name), deads.get(st.name)
             alive = sum(1 for (stage, _r), t in beats.items() if stage == unit.head and now - t <= ALIVE_WITHIN_S)
             dropped = int(counters.get("dynamic_sampling_dropped_groups", 0)) * n if st.name == "advantage" else 0
-            extra = scraped["stages"].get(st.name, {})
+            extra = scraped["stages"].get(unit.name, {})  # a chain's endpoint is its process's
             stages[st.name] = {
                 "replicas_alive": alive, "replicas_wanted": wanted.get(unit.name, st.replicas),
                 "restarts": int(scraped["restarts"].get(unit.name, 0)),
