@@ -396,9 +396,10 @@ def test_broker_topology_renames_the_span_and_disables_the_rest():
     from expstream.tools.replaybroker import broker_overrides, input_sample_ids, unreachable_samples
     from schemas import PromptBatch
 
-    topo = load_topology(None)
+    topo = load_topology(None, ["chains=[[postprocess, advantage]]"])  # a chained run: replayed unchained
     sets = broker_overrides(topo, ["postprocess", "advantage"], "rewarded", "t1")
-    btopo = load_topology(None, sets)
+    btopo = load_topology(None, ["chains=[[postprocess, advantage]]", *sets])
+    assert all(not u.chained for u in btopo.units())
     assert [(s.name, s.input, s.output) for s in btopo.enabled_stages()] == [
         ("postprocess", "replay-t1.rewarded", "replay-t1.scored"),
         ("advantage", "replay-t1.scored", "replay-t1.experiences")]
