@@ -21,6 +21,8 @@ What stays per stage inside the chain:
   chain's own series under its first stage's name.
 * Each inner stage's ``committed`` hook gets the batches *it* processed for the committed records,
   and ``teardown`` runs for each.
+* A finite run's last flush (a held normalisation window, ``end_of_input``) is the last stage's, called
+  by ``expstream run`` on the run state (expstream/launch/collect.py), chained or not.
 
 What a chained hop does not have: its records are never on a topic, so they are not recorded, not
 in ``expstream topics tail``, and a rewind or a replay starts at the chain's input (docs/replay.md).
@@ -36,8 +38,6 @@ from typing import Any
 from expstream.config.chains import Unit
 from schemas import PromptBatch, SampleBatch
 from stages import STAGES
-from stages import end_of_input as stage_end_of_input
-from stages import held_samples as stage_held_samples
 from stages import teardown as stage_teardown
 from stages.context import StageContext
 from stages.deadletters import tag_failure
@@ -157,17 +157,6 @@ class Chain:
     def teardown(self, _ctx: StageContext | None = None) -> None:
         for name in self.unit.stages:
             stage_teardown(self.contexts[name])
-
-    def held_samples(self) -> int:
-        return sum(stage_held_samples(self.contexts[name]) for name in self.unit.stages)
-
-    def end_of_input(self) -> list[Any]:
-        """Each stage's held batches, through the stages after it (the finite run's last flush)."""
-        data: list[Any] = []
-        for name in self.unit.stages:
-            data = [o for b in data for o in STAGES[name].process(b, self.contexts[name])]
-            data.extend(stage_end_of_input(self.contexts[name]))
-        return data
 
     # -- statistics --------------------------------------------------------------------------
     def rows(self, batch_id: str, dead: dict[str, int]) -> dict[str, tuple]:
