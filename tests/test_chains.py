@@ -23,6 +23,7 @@ from expstream.config.chains import unit_of
 from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
 from expstream.kafka.letters import H_STAGE, header_value
+from expstream.launch.replica import stage_unit
 from expstream.launch.scale import check_counts
 from expstream.observe.metrics import StageMetrics
 from stages import STAGES
@@ -73,6 +74,12 @@ def test_units_topics_and_round_trip() -> None:
     gae = load_topology(None, [EXAMPLE, "algo.advantage_estimator=gae"])
     assert unit_of(gae, "critic").stages == ("actor-logprob", "reference", "critic")
     assert load_topology(None, [f"chains={topo.to_raw()['chains']}"]).chains == topo.chains
+    assert stage_unit(topo, "postprocess+advantage").stages == ("postprocess", "advantage")  # `expstream stage`
+    assert stage_unit(topo, "reward").name == "reward"
+    with pytest.raises(ConfigError, match=r"runs in the chain postprocess\+advantage.*expstream stage postprocess\+adv"):
+        stage_unit(topo, "advantage")
+    with pytest.raises(ConfigError, match="switched off"):
+        stage_unit(topo, "critic")
 
 
 def _fake(process):

@@ -47,7 +47,7 @@ def _stop_when_orphaned(label: str) -> None:
     watch_parent(on_orphan)
 
 
-def _unit(topo: Topology, name: str) -> Unit:
+def stage_unit(topo: Topology, name: str) -> Unit:
     """The unit ``expstream stage NAME`` runs: a stage alone, or a chain named ``a+b`` (expstream/config/chains.py)."""
     from stages import STAGES
 
@@ -77,7 +77,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     from stages.context import StageContext
     from stages.runner import StageRunner
 
-    unit = _unit(topo, args.name)
+    unit = stage_unit(topo, args.name)
     if not args.bootstrap_servers:
         raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
     torch.set_num_threads(topo.run.torch_threads)
