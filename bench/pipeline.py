@@ -1003,6 +1003,16 @@ def steady_rate(stream: dict[str, Any]) -> float:
     return steady if steady == steady else stream["steady_two_point_samples_per_s"]
 
 
+def marginal_by_process(st: dict[str, Any]) -> dict[str, float]:
+    """(CPU_2N - CPU_N) / (samples_2N - samples_N) per stage process (a chain is one), broker and redis."""
+    (_, rs1), (_, rs2) = sorted(st["runs"].items())
+    ds = rs2[0]["samples"] - rs1[0]["samples"]
+    c1, c2 = st["cpu_s"], st["cpu_2n_s"]
+    out = {name: 1000 * (c2["stages"].get(name, float("nan")) - v) / ds for name, v in c1["stages"].items()}
+    out.update({k: 1000 * (c2[k] - c1[k]) / ds for k in ("broker", "redis", "cli", "other", "total")})
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def chained_report(args: argparse.Namespace, base: dict[str, Any], stream: dict[str, Any],
                    chained: dict[str, Any]) -> dict[str, Any]:
     """The default topology and the --chains one side by side, against the best in-process chain."""
@@ -1028,6 +1038,10 @@ def chained_report(args: argparse.Namespace, base: dict[str, Any], stream: dict[
     c1, c2 = stream["cpu_s"], chained["cpu_s"]
     print(f"  CPU of the N run: default stages {sum(c1['stages'].values()):.1f} s + broker {c1['broker']:.1f} s; "
           f"chained stages {sum(c2['stages'].values()):.1f} s + broker {c2['broker']:.1f} s")
+    for label, st in (("default", stream), ("chained", chained)):
+        per = marginal_by_process(st)
+        out["default" if st is stream else "chained"]["marginal_cpu_ms_per_sample_by_process"] = per
+        print(f"  marginal CPU ms per sample (2N - N), {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
     print()
     return {"chains": args.chains, "best_in_process_threads": best_threads, **out}
 
