@@ -30,6 +30,7 @@ in ``expstream topics tail``, and a rewind or a replay starts at the chain's inp
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -81,7 +82,8 @@ class Chain:
         """
         self.unit = unit
         topo = ctx.topology
-        self.contexts = {name: replace(ctx, stage=topo.stages[name], models={}) for name in unit.stages}
+        self.contexts = {name: replace(ctx, stage=topo.stages[name], models={},
+                                       log=logging.getLogger(f"expstream.stage.{name}")) for name in unit.stages}
         self.n = topo.generate.n_samples_per_prompt
         self.work: dict[str, _Work] = {}  # input record's batch id -> what it made each stage do
         self.lock = threading.Lock()  # process (worker thread) and rows, committed (confirm thread)
