@@ -314,6 +314,9 @@ def test_a_chained_run_is_byte_identical_to_the_unchained_run(recorded, cache, b
     assert all(acc[s]["balanced"] and acc[s]["samples_in"] == 6 * N for s in ("actor-logprob", "reference",
                                                                                "postprocess", "advantage")), acc
     assert summary["stages"]["postprocess"]["batches"] == summary["stages"]["reward"]["batches"]
+    last = json.loads((out / "status.jsonl").read_text().splitlines()[-1])["stages"]  # status: a row per stage
+    assert (last["reference"]["chain"], last["reference"]["input_topic"]) == ("actor-logprob+reference", None)
+    assert last["actor-logprob"]["input_topic"] == f"{chained}-batches" and "chain" not in last["reward"]
     logs = {p.name for p in (out / "run" / "logs").glob("*.log")}
     assert {"actor-logprob+reference-0.log", "postprocess+advantage-0.log"} <= logs
     assert not {"reference-0.log", "advantage-0.log"} & logs
