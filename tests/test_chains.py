@@ -82,6 +82,21 @@ def test_units_topics_and_round_trip() -> None:
         stage_unit(topo, "critic")
 
 
+def test_rewind_of_a_stage_inside_a_chain_names_the_chain() -> None:
+    """A stage inside a chain reads no topic: `expstream rewind --stage reference` is refused before anything
+    is contacted, with the chain's first stage as the fix."""
+    from argparse import Namespace
+
+    from expstream.tools.rewind import rewind_command
+
+    topo = load_topology(None, [EXAMPLE])
+    args = Namespace(run_dir=None, run_id="r1", bootstrap_servers="127.0.0.1:1", redis_url="redis://127.0.0.1:1/0",
+                     stage="reference", to="0:0", topology=None, overrides=[])
+    with pytest.raises(ConfigError, match=r"inside the chain actor-logprob\+reference.*--stage actor-logprob") as err:
+        rewind_command(topo, args)
+    assert err.value.field == "--stage"
+
+
 def _fake(process):
     return SimpleNamespace(setup=lambda ctx: None, process=process)
 
