@@ -51,6 +51,7 @@ from kafka.structs import OffsetAndMetadata
 
 from expstream.errors import ExpstreamError, ShutdownRequested
 from expstream.kafka.clients import confirm_all, flush
+from expstream.kafka.letters import H_STAGE, header_value
 from expstream.observe.metrics import StageMetrics
 from expstream.retry import Attempt, Policy, retry
 from schemas import PromptBatch
@@ -130,7 +131,8 @@ class CommitGroup:
     def __init__(self, ctx: StageContext, log: logging.Logger, clients: Clients, dead_letters: DeadLetters, *,
                  metrics: StageMetrics | None, slow: SlowWatch, commit: CommitFn | None = None,
                  committed: Callable[[list, StageContext], None] | None = None,
-                 stopping: Callable[[], bool], fault: Callable[[str], None]) -> None:
+                 stopping: Callable[[], bool], fault: Callable[[str], None],
+                 stage_rows: Callable[[str, dict[str, int]], dict[str, tuple]] | None = None) -> None:
         """
         Args:
             ctx: the stage's context.
@@ -144,12 +146,16 @@ class CommitGroup:
             committed: the stage's hook after a commit (step 5), or None.
             stopping: true once the replica is asked to stop.
             fault: the fault-injection point hook (expstream/faults.py).
+            stage_rows: a chain's statistics per inner stage (stages/chain.py ``Chain.rows``): given a
+                record's batch id and its dead-lettered samples per failing stage, each stage's row;
+                None: the record's row goes under this stage's name.
         """
         self.ctx, self.log, self.stage, self.dead_letters = ctx, log, ctx.stage.name, dead_letters
         self.consumer, self.producer, self.tracker = clients.consumer, clients.producer, clients.tracker
         self.pausing, self.confirmer = clients.pausing, clients.confirmer
         self.metrics, self.slow, self.committed, self.stopping, self.fault = metrics, slow, committed, stopping, fault
         self.commit = commit or self.commit_offset
+        self.stage_rows = stage_rows
         self.records: list[Pending] = []  # the open group: worked on, not yet confirmed
         # batches handled but not known committed yet, per partition (only kept with a hook)
         self.uncommitted: dict[TopicPartition, list[Any]] = {}
@@ -269,18 +275,32 @@ class CommitGroup:
         if self.metrics is not None:
             self.metrics.send_seconds.observe(time.monotonic() - started)
         self.fault("after_produce")
-        dones, rows = [], []
+        dones, rows = [], {}
         for p in items:
             done, row = self.account(p)
             dones.append(done)
-            if row is not None:
-                rows.append(row)
-        try:  # the group's statistics in one Redis round trip, before the commit
-            self.ctx.state.record_batches(self.stage, rows)
-        except ExpstreamError as exc:  # statistics only
-            self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
-                             self.stage, items[0].where, len(rows), exc)
+            if row is None:
+                continue
+            per_stage = {self.stage: row} if self.stage_rows is None else self.stage_rows(row[0], self.dead_by_stage(p))
+            for stage, r in per_stage.items():
+                rows.setdefault(stage, []).append(r)
+        for stage, stage_rows in rows.items():
+            try:  # the group's statistics in one Redis round trip (per stage of a chain), before the commit
+                self.ctx.state.record_batches(stage, stage_rows)
+            except ExpstreamError as exc:  # statistics only
+                self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
+                                 stage, items[0].where, len(stage_rows), exc)
         return dones
+
+    def dead_by_stage(self, p: Pending) -> dict[str, int]:
+        """Samples of ``p``'s letters per stage that failed (the letters' ``stage`` header), for a chain."""
+        per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(p.batch, PromptBatch) else 1
+        dead: dict[str, int] = {}
+        for lt in p.letters:
+            stage = header_value(lt.headers, H_STAGE) or self.stage
+            rows = len(lt.batch) if lt.batch is not None else len(p.batch) if p.batch is not None else 0
+            dead[stage] = dead.get(stage, 0) + rows * per
+        return dead
 
     def account(self, p: Pending) -> tuple[Done, tuple | None]:
         """Statistics of one record: the time of every record the stage did its work on, including

@@ -264,6 +264,10 @@ def trainer_job(topo: Topology, opts: RenderOptions) -> dict[str, Any]:
 
 def render(topo: Topology, opts: RenderOptions) -> tuple[dict[str, list[dict[str, Any]]], str, list[str]]:
     """``({file name: objects}, topology.yaml text, redacted keys)`` of ``topo`` on a cluster."""
+    if topo.chains:
+        raise ConfigError("chains: `expstream k8s render` writes one Deployment per stage and does not chain stages yet",
+                          field="chains", fix="render a topology without `chains:` (chained stages run with "
+                          "`expstream run`; docs/deploy.md)")
     raw, redacted = cluster_topology(topo, opts)
     ctopo = build_topology(raw)
     scaled = keda_stages(ctopo, opts)

@@ -27,6 +27,7 @@ from kafka import errors as kafka_errors
 from kafka.admin import OffsetSpec
 from kafka.structs import OffsetAndMetadata
 
+from expstream.config.chains import unit_of
 from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.kafka import KafkaConfig
 from expstream.config.topology import Topology, load_topology
@@ -319,6 +320,13 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
         raise ConfigError("no Redis URL for the run state", field="--redis-url",
                           fix="give --redis-url or set $EXPSTREAM_REDIS_URL")
     stage = topo.stages.get(args.stage)
+    unit = unit_of(topo, args.stage)
+    if unit is not None and unit.chained and args.stage != unit.head:  # docs/replay.md "Chained stages"
+        if args.stage != unit.name:
+            raise ConfigError(f"stage {args.stage} runs inside the chain {unit.name}: it reads no topic, and the "
+                              "chain moves as one unit", field="--stage",
+                              fix=f"rewind the chain's input: --stage {unit.head} (or --stage {unit.name})")
+        stage = topo.stages[unit.head]
     if stage is None or not stage.enabled:
         raise ConfigError(f"unknown or disabled stage {args.stage!r}", field="--stage",
                           fix=f"one of {', '.join(n for n, s in topo.stages.items() if s.enabled)}")
