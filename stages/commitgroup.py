@@ -16,6 +16,9 @@ per record):
    does not raise per-record errors). A record with a failed future is sent again the per-record
    way (retries, then the dead-letter fallbacks of stages/deadletters.py) before anything is
    committed. Then each record's statistics go to the run state.
+3b. The run state's writes of the group are acknowledged by a replica (``state.sync_writes``: ``WAIT``,
+   expstream/state/durability.py). When they may be lost (their primary failed over first) or no
+   replica acknowledged them in time, nothing is committed and the records are processed again.
 4. ``offset + 1`` of the group's last record of each partition is committed, only if this consumer
    still owns the partition. Nothing is committed before every output of every record up to it is
    acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
@@ -181,6 +184,9 @@ class CommitGroup:
             self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage,
                              items[0].where, exc, len(items))
             return
+        except ExpstreamError as exc:  # the durability wait: the group's state writes are not known on a replica
+            self.redo(items, exc)
+            return
         last: dict[TopicPartition, Pending] = {}
         for p in items:  # offsets rise within a partition: the last one of each is the highest
             last[p.tp] = p
@@ -198,6 +204,21 @@ class CommitGroup:
                 self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
                               self.stage, p.where, done.batch_id, done.samples, done.outputs, done.letters,
                               done.seconds)
+
+    def redo(self, items: list[Pending], exc: ExpstreamError) -> None:
+        """Step 3b failed: the state writes of ``items`` may be lost (their primary failed over before a
+        replica acknowledged them) or no replica acknowledged them in time. Nothing is committed; each
+        partition is moved back to the group's first record, so the records are processed again (the
+        state updates are idempotent by id, and downstream readers drop the repeated outputs)."""
+        first: dict[TopicPartition, Pending] = {}
+        for p in items:
+            first.setdefault(p.tp, p)
+        for tp, p in first.items():
+            if self.tracker.owns(tp):
+                self.consumer.seek(tp, p.record.offset)
+        self.log.error("stage %s %s batch=%s: %s: %s; not committing %d records, processing them again from %s",
+                       self.stage, items[0].where, items[0].batch_id, type(exc).__name__, first_line(exc),
+                       len(items), ", ".join(p.where for p in first.values()))
 
     def after_commit(self, batches: list, where: str) -> None:
         """Step 5: the stage's ``committed`` hook on the confirm thread (the main thread keeps polling).
@@ -280,6 +301,9 @@ class CommitGroup:
         except ExpstreamError as exc:  # statistics only
             self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
                              self.stage, items[0].where, len(rows), exc)
+        # 3b: a replica has every state write of these records before their offsets are committed (WAIT;
+        # StateWritesLost or StateUnavailableError: they are processed again, see redo)
+        self.ctx.state.sync_writes()
         return dones
 
     def account(self, p: Pending) -> tuple[Done, tuple | None]:
