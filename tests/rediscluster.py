@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 from expstream.launch.localservers import free_port, wait_for_port
 from expstream.procs import set_death_signal
@@ -51,11 +52,15 @@ class LocalRedisCluster:
                                             preexec_fn=_preexec)
         wait_for_port("127.0.0.1", port, 20, process=self.procs[port])
 
-    def start(self) -> str:
+    def start_nodes(self) -> None:
+        """Start every node, empty and unjoined (no slots: ``start`` creates the cluster)."""
         self.ports = [free_port() for _ in range(self.primaries * (1 + self.replicas))]
         self.bus = {p: free_port() for p in self.ports}
         for port in self.ports:
             self._spawn(port)
+
+    def start(self) -> str:
+        self.start_nodes()
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                         "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
@@ -65,8 +70,8 @@ class LocalRedisCluster:
     def client(self, port: int) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=2)
 
-    def wait_ok(self, timeout_s: float = 60.0, ports: list[int] | None = None) -> None:
-        """Until every live node says cluster_state:ok and the cluster has ``primaries`` primaries serving."""
+    def wait_ok(self, timeout_s: float = 60.0, ports: list[int] | None = None, with_replicas: bool = True) -> None:
+        """Until every live node says cluster_state:ok (and, ``with_replicas``, every primary has its replicas)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -77,13 +82,33 @@ class LocalRedisCluster:
                         states.append(c.cluster("info")["cluster_state"])
                     finally:
                         c.close()
-                if states and all(s == "ok" for s in states):
+                if states and all(s == "ok" for s in states) and (not with_replicas or self.slots_list_replicas()):
                     return
             except redis.RedisError:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cluster not ok within {timeout_s}s: {states}")
             time.sleep(0.1)
+
+    def slots_list_replicas(self) -> bool:
+        """CLUSTER SLOTS names ``replicas`` replicas for every range: Redis lists a replica only once it has
+        replication data (an empty cluster's replicas stay unlisted), so every primary gets a write first."""
+        c = self.client(next(p for p in self.ports if self.alive(p)))
+        try:
+            rows = c.execute_command("CLUSTER SLOTS")
+            for row in rows:
+                start, end, port = int(row[0]), int(row[1]), int(row[2][1])
+                key = next(f"warm{i}" for i in range(100000) if start <= key_slot(f"warm{i}".encode()) <= end)
+                node = self.client(port)
+                try:
+                    node.set(key, b"1", px=1000)
+                except redis.RedisError:
+                    pass
+                finally:
+                    node.close()
+            return all(len(row) >= 3 + self.replicas for row in rows)
+        finally:
+            c.close()
 
     def alive(self, port: int) -> bool:
         proc = self.procs.get(port)

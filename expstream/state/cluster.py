@@ -37,9 +37,17 @@ _FIX = ("run `redis-cli -h HOST -p PORT cluster info` and `--cluster check HOST:
         "`redis-cli --cluster fix HOST:PORT` assigns uncovered slots")
 
 
-def cluster_enabled(client: redis.Redis) -> bool:
-    """True when the server ``client`` talks to is a Redis Cluster node (``INFO cluster``: ``cluster_enabled:1``)."""
-    return bool(int(client.info("cluster").get("cluster_enabled", 0)))
+def cluster_enabled(client: redis.Redis, url: str = "") -> bool:
+    """True when the server ``client`` talks to is a Redis Cluster node (``INFO cluster``: ``cluster_enabled:1``).
+    A cluster node refusing the URL's database (``SELECT``: a cluster has only database 0): a ConfigError."""
+    try:
+        return bool(int(client.info("cluster").get("cluster_enabled", 0)))
+    except redis.ResponseError as exc:
+        if "SELECT is not allowed in cluster mode" in str(exc):
+            raise cluster_db_error(url, int(client.connection_pool.connection_kwargs.get("db", 0) or 0)) from exc
+        if "unknown command" in str(exc).lower():  # INFO renamed away (a managed Redis): not a cluster we can use
+            return False
+        raise
 
 
 def cluster_db_error(url: str, db: int) -> ConfigError:

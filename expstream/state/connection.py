@@ -88,7 +88,7 @@ class RedisConnection:
 
     def connect(self) -> None:
         """Ping the server (with :meth:`_call`'s retries); on a cluster node, switch to the cluster client."""
-        if self._call("connect", lambda: cluster_enabled(self._r)):
+        if self._call("connect", lambda: cluster_enabled(self._r, self.url)):
             self._r.close()
             self._r = open_cluster(self.url, *self._timeouts)
             self.cluster = True

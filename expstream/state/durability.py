@@ -19,7 +19,7 @@ group before the commit, closes that window:
   :class:`~expstream.errors.StateUnavailableError` (retriable: not committed, re-processed).
 
 ``replicas``: ``None`` (auto, the default) waits for 1 replica where the primary has one (a cluster
-slot map's replicas; a lone server's ``connected_slaves``, re-read every 30 s) and skips the wait
+slot map's replicas, the map re-read every 30 s; a lone server's ``connected_slaves``, alike) and skips the wait
 where it has none; ``0`` never waits; ``k`` waits for ``k``. The guarantee with and without replicas:
 docs/redis.md.
 """
@@ -73,6 +73,7 @@ class ReplicaWait:
         self._touched: dict[int, tuple[str, str]] = {}  # slot -> (a key written there, its primary then)
         self._lone_replicas: tuple[float, int] | None = None  # (read at, connected_slaves) of a lone server
         self.waits = 0  # WAIT commands sent (tests, bench)
+        self._map_read_at = time.monotonic()  # when the cluster's slot map was last read
 
     def wrote(self, key: str) -> None:
         """Note a write to ``key`` (after its reply)."""
@@ -103,6 +104,7 @@ class ReplicaWait:
             return
         try:
             if self._cluster():
+                self._refresh_slot_map()
                 by_node: dict[str, str] = {}
                 for key, node in touched.values():
                     if node == "?":
@@ -155,6 +157,17 @@ class ReplicaWait:
                                             f"within {self.deadline_s:.0f}s (redis.wait_replicas)")
 
     # --- a cluster --------------------------------------------------------------------------------
+    def _refresh_slot_map(self) -> None:
+        """Re-read the slot map every REPLICA_COUNT_TTL_S: redis-py re-reads it only after an error, and a
+        replica that joined later (a failed primary back as a replica) counts only once it is in the map."""
+        now = time.monotonic()
+        if now - self._map_read_at > REPLICA_COUNT_TTL_S:
+            self._map_read_at = now
+            try:
+                self._client().nodes_manager.initialize()
+            except redis.RedisError:
+                pass
+
     def _sync_cluster_node(self, node: str, key: str) -> None:
         client = self._client()
         deadline = time.monotonic() + self.deadline_s
