@@ -90,8 +90,8 @@ def redis_state(redis_url: str, run_id: str) -> Iterator[RedisState]:
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """A session-wide Redis Cluster on loopback: 3 primaries, one replica each (tests/rediscluster.py)."""
-    from tests.rediscluster import LocalRedisCluster
+    """A session-wide Redis Cluster on loopback: 3 primaries, one replica each (expstream/launch/localcluster.py)."""
+    from expstream.launch.localcluster import LocalRedisCluster
 
     cluster = LocalRedisCluster(tmp_path_factory.mktemp("rediscluster"))
     try:

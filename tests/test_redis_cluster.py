@@ -15,11 +15,11 @@ import pytest
 import redis
 
 from expstream.errors import ConfigError
+from expstream.launch.localcluster import LocalRedisCluster
 from expstream.launch.localservers import LocalRedis
 from expstream.launch.preflight import check_redis
 from expstream.state import RedisState
 from expstream.state.durability import StateWritesLost, hash_tag
-from tests.rediscluster import LocalRedisCluster
 
 pytestmark = pytest.mark.integration
 
@@ -219,3 +219,54 @@ def test_a_run_on_the_cluster_completes_with_status_and_metrics(tmp_path, model_
         assert row["samples_out"] == 24 and row["balanced"] and row["batch_p50_s"] > 0, (stage, row)
     services = json.loads((out / "run" / "services.json").read_text())
     assert services["redis_url"].endswith(f":{redis_cluster.ports[0]}/0")
+
+
+class ClusterAsRedis:
+    """What tests/test_crash.py's PipelineRun starts as its Redis: the session's cluster (left running)."""
+
+    def __init__(self, cluster: LocalRedisCluster, port: int) -> None:
+        self.cluster, self.port = cluster, port
+
+    def start(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        return None
+
+
+@pytest.mark.e2e
+def test_a_primary_and_a_stage_sigkilled_mid_run_every_group_comes_out_once(tmp_path_factory, model_cache,
+                                                                            redis_cluster):
+    """Mid-run (advantage has handled a record, group buffers are parked), the primary holding most of
+    the run's group buffers is SIGKILLed, and advantage[0] with it: its replica takes over (node timeout
+    1 s), the stages ride through the failover (retries; a commit group whose writes went to the dead
+    primary is processed again), and every group comes out exactly once."""
+    from tests.test_crash import PipelineRun, assert_exactly_once, finish
+
+    run = PipelineRun(tmp_path_factory.mktemp("cluster-failover"), model_cache, n_prompts=24,
+                      sets=["algo.advantage_estimator=group_norm"])
+    # the URL names a replica, which survives (a restarted stage connects through it)
+    seed = next(p for p in redis_cluster.ports if p not in redis_cluster.primary_ports())
+    run.redis = ClusterAsRedis(redis_cluster, seed)
+    victim = None
+    try:
+        run.start()
+        deadline = time.monotonic() + 240
+        while victim is None and run.alive and time.monotonic() < deadline:
+            pid = run.pids().get("advantage[0]")
+            spread = keys_by_primary(redis_cluster, f"expstream:{{{run.run_id}{{*:group")
+            if pid is not None and run.handled("advantage[0]", pid) >= 1 and spread:
+                victim = max(spread, key=lambda p: len(spread[p]))
+                redis_cluster.kill(victim)
+                run.kill("advantage[0]", pid)
+            time.sleep(0.05)
+        assert victim is not None, f"never killed (run alive: {run.alive})\n{run.diagnostics()}"
+        outcome = finish(run, tmp_path_factory, "cluster-failover", stages=[], running_norm=False,
+                         group_buffers=False, timeout_s=300)
+        assert_exactly_once(outcome)
+        assert victim not in redis_cluster.primary_ports()  # it failed over
+    finally:
+        run.close()
+        if victim is not None:  # back as a replica of its successor, for the tests after this one
+            redis_cluster.revive(victim)
+            redis_cluster.wait_ok(60)

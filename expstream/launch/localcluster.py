@@ -1,6 +1,7 @@
-"""A local Redis Cluster for the tests: 6 redis-server processes on loopback, 3 primaries with one replica
-each (``redis-cli --cluster create ... --cluster-replicas 1``), ``cluster-node-timeout`` 1000 ms so that
-a SIGKILLed primary's replica takes over within a few seconds.
+"""A local Redis Cluster on loopback for the tests and bench/redis_wait.py: 6 redis-server processes, 3
+primaries with one replica each (``redis-cli --cluster create ... --cluster-replicas 1``),
+``cluster-node-timeout`` 1000 ms so that a SIGKILLed primary's replica takes over within a few seconds.
+(``expstream run`` never starts one: a deployment points ``--redis-url`` at its own cluster, docs/redis.md.)
 
 Each server dies with the test process (PR_SET_PDEATHSIG) and is stopped by :meth:`LocalRedisCluster.stop`.
 """
@@ -54,16 +55,23 @@ class LocalRedisCluster:
 
     def start_nodes(self) -> None:
         """Start every node, empty and unjoined (no slots: ``start`` creates the cluster)."""
-        self.ports = [free_port() for _ in range(self.primaries * (1 + self.replicas))]
-        self.bus = {p: free_port() for p in self.ports}
+        n = self.primaries * (1 + self.replicas)
+        picked: list[int] = []
+        while len(picked) < 2 * n:  # distinct client and bus ports
+            if (port := free_port()) not in picked:
+                picked.append(port)
+        self.ports, self.bus = picked[:n], dict(zip(picked[:n], picked[n:], strict=True))
         for port in self.ports:
             self._spawn(port)
 
     def start(self) -> str:
         self.start_nodes()
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        proc = subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                               "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed ({proc.returncode}): {proc.stdout[-2000:]}"
+                               f"{proc.stderr[-2000:]}")
         self.wait_ok()
         return self.url
 
