@@ -8,6 +8,7 @@ The State contract suite runs on the cluster through ``state_handles`` (tests/co
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import numpy as np
@@ -117,21 +118,11 @@ def test_writes_whose_primary_failed_over_before_the_wait_are_reported_lost(redi
         st.park_group("f0", 2, "r0", {0: b"a"})
         key = st.group_key("f0", "group")
         old = owner_port(redis_cluster, key)
-        replica = next(p for p in redis_cluster.ports if redis_cluster.alive(p)
-                       and redis_cluster.client(p).info("replication").get("master_port") == old)
-        c = redis_cluster.client(replica)
-        try:
-            c.execute_command("CLUSTER FAILOVER")  # a graceful one: the replica takes the primary's slots
-        finally:
-            c.close()
-        deadline = time.monotonic() + 30
-        while owner_port(redis_cluster, key) != replica:
-            assert time.monotonic() < deadline, "manual failover did not happen"
-            time.sleep(0.1)
+        failover_of(redis_cluster, key)  # a graceful one: the replica takes the primary's slots
         st.client.nodes_manager.initialize()  # the client learns the new slot map (as after a MOVED)
         with pytest.raises(StateWritesLost, match=f"127.0.0.1:{old}"):
             st.sync_writes()
-        assert st.durability.pending() == 1  # kept: not synced
+        assert st.durability.pending() == 0  # not carried over: the records are processed again, writing anew
         # processed again: the write goes to the new primary, and the wait for it succeeds
         redis_cluster.wait_ok()
         with RedisState(redis_cluster.url, run_id) as again:
@@ -164,6 +155,71 @@ def test_a_lone_server_with_a_replica_waits_and_without_one_sends_no_wait(tmp_pa
     finally:
         replica.stop()
         primary.stop()
+
+
+def failover_of(cluster: LocalRedisCluster, key: str) -> int:
+    """A graceful failover of the primary serving ``key``; returns the new primary's port once it serves it."""
+    old = owner_port(cluster, key)
+    replica = next(p for p in cluster.ports if cluster.alive(p)
+                   and cluster.client(p).info("replication").get("master_port") == old)
+    c = cluster.client(replica)
+    try:
+        c.execute_command("CLUSTER FAILOVER")
+    finally:
+        c.close()
+    deadline = time.monotonic() + 30
+    while owner_port(cluster, key) != replica:
+        assert time.monotonic() < deadline, "manual failover did not happen"
+        time.sleep(0.1)
+    return replica
+
+
+def test_a_stage_whose_writes_failed_over_before_the_wait_processes_its_records_again(broker, redis_cluster, caplog):
+    """The runner's side (stages/commitgroup.py step 3b): the primary that took a record's group write
+    fails over before the commit group's wait; the records are not committed but processed again, then
+    committed, every one out (the repeat is dropped downstream by id) and every offset committed."""
+    import uuid
+
+    from expstream.kafka.clients import read_topic, topic_lag
+    from schemas import PromptBatch, encode
+    from schemas.codec import peek_header
+    from stages.context import make_context
+    from stages.runner import StageRunner
+    from tests.runners import Running
+    from tests.test_runner import produce, stage_topology
+
+    topo = stage_topology(broker, "shard-preprocess", "kafka.max_poll_records=16")
+    src, dst = topo.stages["shard-preprocess"].input, topo.stages["shard-preprocess"].output
+    run_id = f"c{uuid.uuid4().hex[:8]}"
+    state = RedisState(redis_cluster.url, run_id)
+    seen: list[str] = []
+
+    def process(batch, ctx):
+        ctx.state.park_group(f"g-{batch.batch_id}", 2, batch.batch_id, {0: b"member"})
+        seen.append(batch.batch_id)
+        if seen == ["b0"]:  # the first time only: its primary fails over before the wait
+            failover_of(redis_cluster, ctx.state.group_key("g-b0", "group"))
+            ctx.state.client.nodes_manager.initialize()
+        return [batch]
+
+    names = [f"b{i}" for i in range(4)]
+    produce(broker, src, [encode(PromptBatch(batch_id=b, prompt_id=[b], prompt=["x"], label=[""], reference=[""]))
+                          for b in names])
+    runner = StageRunner(make_context(topo, "shard-preprocess", state=state, run_id=run_id), process, broker)
+    running = Running(runner)
+    try:
+        with caplog.at_level(logging.ERROR, logger=runner.log.name):
+            running.wait(lambda: runner.handled == len(names), 90, "every record")
+    finally:
+        running.stop()
+        state.close()
+        redis_cluster.wait_ok()
+    assert seen.count("b0") == 2, seen  # processed again after the failover
+    assert any("StateWritesLost" in r.getMessage() and "processing them again" in r.getMessage()
+               for r in caplog.records)
+    out = [peek_header(r.value)[2] for r in read_topic(broker, topo.kafka, dst, timeout_s=5)]
+    assert set(out) == set(names) and out.count("b0") == 2
+    assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}, "every offset committed"
 
 
 # --- preflight ------------------------------------------------------------------------------------------

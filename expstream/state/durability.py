@@ -102,24 +102,20 @@ class ReplicaWait:
             touched, self._touched = self._touched, {}
         if not touched:
             return
-        try:
-            if self._cluster():
-                self._refresh_slot_map()
-                by_node: dict[str, str] = {}
-                for key, node in touched.values():
-                    if node == "?":
-                        raise StateWritesLost(f"a state write to {key} went to a primary the client could not "
-                                              "name afterwards (a failover under way)")
-                    by_node.setdefault(node, key)
-                for node, key in sorted(by_node.items()):
-                    self._sync_cluster_node(node, key)
-            else:
-                self._sync_lone(next(iter(touched.values()))[0])
-        except BaseException:
-            with self._lock:  # not synced: the next sync covers these writes again
-                for slot, entry in touched.items():
-                    self._touched.setdefault(slot, entry)
-            raise
+        # When this raises, the writes are not carried over to the next sync: the caller processes their
+        # records again, which writes them again (noted anew, with the slot's primary of then)
+        if self._cluster():
+            self._refresh_slot_map()
+            by_node: dict[str, str] = {}
+            for key, node in touched.values():
+                if node == "?":
+                    raise StateWritesLost(f"a state write to {key} went to a primary the client could not "
+                                          "name afterwards (a failover under way)")
+                by_node.setdefault(node, key)
+            for node, key in sorted(by_node.items()):
+                self._sync_cluster_node(node, key)
+        else:
+            self._sync_lone(next(iter(touched.values()))[0])
 
     # --- a lone server ----------------------------------------------------------------------------
     def _lone_needed(self, client: redis.Redis) -> int:
