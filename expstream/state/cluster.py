@@ -31,6 +31,8 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError,
     redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.ReadOnlyError,
     redis.exceptions.SlotNotCoveredError, redis.exceptions.ClusterError, redis.exceptions.MasterDownError,
+    # the cluster client's own "cannot reach any node / slot map incomplete" while a failover is under way
+    redis.exceptions.RedisClusterException,
 )
 
 _FIX = ("run `redis-cli -h HOST -p PORT cluster info` and `--cluster check HOST:PORT`; "

@@ -83,7 +83,7 @@ class ReplicaWait:
         if self._cluster():
             try:
                 slot, node = client.keyslot(key), client.get_node_from_key(key).name
-            except redis.RedisError:
+            except (redis.RedisError, redis.exceptions.RedisClusterException):  # no map of the slot (a failover)
                 slot, node = client.keyslot(key), "?"
         else:
             slot, node = 0, "-"
@@ -161,7 +161,7 @@ class ReplicaWait:
             self._map_read_at = now
             try:
                 self._client().nodes_manager.initialize()
-            except redis.RedisError:
+            except (redis.RedisError, redis.exceptions.RedisClusterException):  # next time; the sync goes on
                 pass
 
     def _sync_cluster_node(self, node: str, key: str) -> None:
@@ -192,7 +192,7 @@ class ReplicaWait:
             delay = min(delay * 2, 1.0)
             try:
                 client.nodes_manager.initialize()  # the slot map again: a failover, a replica gone
-            except redis.RedisError:
+            except (redis.RedisError, redis.exceptions.RedisClusterException):
                 pass
 
     def _set_and_wait(self, node: redis.Redis, key: str, need: int) -> int:
