@@ -229,7 +229,7 @@ def test_preflight_passes_a_healthy_cluster(redis_cluster):
     check_redis(redis_cluster.url, timeout_s=2)
 
 
-def test_preflight_names_uncovered_slots_and_a_refusing_primary(tmp_path):
+def test_preflight_names_uncovered_slots_and_a_refusing_primary(tmp_path, broker):
     """A node with half the slots, its peer owning the rest: fine; the peer SIGKILLed: the node it was
     is named with the fix; a node owning nothing: the uncovered slots are named."""
     small = LocalRedisCluster(tmp_path / "c", primaries=2, replicas=0)
@@ -249,6 +249,15 @@ def test_preflight_names_uncovered_slots_and_a_refusing_primary(tmp_path):
             check_redis(url, timeout_s=2)
         text = str(ei.value)
         assert f"127.0.0.1:{small.ports[1]}" in text and "refuses" in text and "\n" not in text
+        # expstream run stops before any stage starts: exit 2, one line naming the node and the fix
+        from tests.test_startup_errors import run_cli
+
+        (tmp_path / "run").mkdir()
+        proc, _ = run_cli(tmp_path / "run", "--bootstrap-servers", broker, "--redis-url", url)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = [x for x in proc.stderr.splitlines() if "configuration error" in x]
+        assert len(line) == 1 and f"node 127.0.0.1:{small.ports[1]}" in line[0] and "fix" in line[0], proc.stderr
+        assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "out").exists()
     finally:
         a.close()
         b.close()
