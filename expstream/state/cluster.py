@@ -47,7 +47,8 @@ def cluster_enabled(client: redis.Redis, url: str = "") -> bool:
     except redis.ResponseError as exc:
         if "SELECT is not allowed in cluster mode" in str(exc):
             raise cluster_db_error(url, int(client.connection_pool.connection_kwargs.get("db", 0) or 0)) from exc
-        if "unknown command" in str(exc).lower():  # INFO renamed away (a managed Redis): not a cluster we can use
+        if "unknown command" in str(exc).lower() or str(exc).startswith("NOPERM"):
+            client.ping()  # INFO renamed away or not granted (a managed Redis): taken for a lone server
             return False
         raise
 
