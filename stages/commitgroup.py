@@ -158,6 +158,7 @@ class CommitGroup:
         self.uncommitted: dict[TopicPartition, list[Any]] = {}
         self.handled = 0
         self.commits_skipped = 0
+        self.redo_from: dict[TopicPartition, int] = {}  # partitions sent back by redo: the offset read again
 
     def age_s(self) -> float:
         """How long the open group's first record has waited (0 for an empty group)."""
@@ -188,7 +189,10 @@ class CommitGroup:
             self.redo(items, exc)
             return
         last: dict[TopicPartition, Pending] = {}
+        stale = self.stale_after_redo(items)
         for p in items:  # offsets rise within a partition: the last one of each is the highest
+            if id(p) in stale:
+                continue
             last[p.tp] = p
             if self.committed is not None and p.batch is not None:
                 self.uncommitted.setdefault(p.tp, []).append(p.batch)
@@ -197,6 +201,8 @@ class CommitGroup:
         if self.committed is not None:
             self.after_commit([b for tp in committed for b in self.uncommitted.pop(tp, [])], items[-1].where)
         for p, done in zip(items, dones, strict=True):
+            if id(p) in stale:
+                continue
             self.handled += 1
             if self.metrics is not None:
                 self.observe(done, p.tp)
@@ -216,9 +222,26 @@ class CommitGroup:
         for tp, p in first.items():
             if self.tracker.owns(tp):
                 self.consumer.seek(tp, p.record.offset)
+                self.redo_from[tp] = p.record.offset
         self.log.error("stage %s %s batch=%s: %s: %s; not committing %d records, processing them again from %s",
                        self.stage, items[0].where, items[0].batch_id, type(exc).__name__, first_line(exc),
                        len(items), ", ".join(p.where for p in first.values()))
+
+    def stale_after_redo(self, items: list[Pending]) -> set[int]:
+        """Records worked on before a redo's seek reached them (a successor already in work when the group
+        was sent back): neither committed nor counted, since their partition is read again from the redo
+        offset; a commit past it would cover the records processed again before they are. The record at
+        the redo offset, read again, ends this. Returns the ``id`` of each stale Pending."""
+        stale: set[int] = set()
+        for p in items:
+            start = self.redo_from.get(p.tp)
+            if start is None:
+                continue
+            if p.record.offset == start:
+                del self.redo_from[p.tp]
+            elif p.record.offset > start:
+                stale.add(id(p))
+        return stale
 
     def after_commit(self, batches: list, where: str) -> None:
         """Step 5: the stage's ``committed`` hook on the confirm thread (the main thread keeps polling).
