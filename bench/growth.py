@@ -58,7 +58,7 @@ def redis_sample(url: str, run_id: str) -> dict:
         for key in keys:
             name = key.decode()
             kind = (name[len(prefix):].split(":", 1)[0] if name.startswith(prefix)
-                    else "group:" + name.rsplit("}:", 1)[-1])
+                    else name.rsplit("}:", 1)[-1])  # a group's: group, group:meta, done
             kinds[kind] += 1
             kind_bytes[kind] += int(r.memory_usage(key, samples=0) or 0)
         return {"keys": int(r.dbsize()), "used_memory": int(r.info("memory")["used_memory"]),
