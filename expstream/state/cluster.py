@@ -9,6 +9,7 @@ and the tests read of one. The key layout that spreads a run over the shards: do
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import redis
@@ -34,6 +35,8 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     # the cluster client's own "cannot reach any node / slot map incomplete" while a failover is under way
     redis.exceptions.RedisClusterException,
 )
+
+log = logging.getLogger("expstream.state")
 
 _FIX = ("run `redis-cli -h HOST -p PORT cluster info` and `--cluster check HOST:PORT`; "
         "`redis-cli --cluster fix HOST:PORT` assigns uncovered slots")
@@ -99,10 +102,13 @@ def check_cluster(client: redis.Redis, url: str, timeout_s: float) -> list[str]:
         raise cluster_db_error(url, db)
     covered = 0
     owners: dict[str, tuple[str, int]] = {}
-    for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):
+    alone: set[str] = set()
+    for start, end, primary, *replicas in client.execute_command("CLUSTER SLOTS"):
         covered += int(end) - int(start) + 1
         host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
         owners[f"{host}:{int(primary[1])}"] = (host, int(primary[1]))
+        if not replicas:
+            alone.add(f"{host}:{int(primary[1])}")
     if covered < SLOTS:
         info = client.execute_command("CLUSTER INFO")
         state = info.decode() if isinstance(info, bytes) else str(info)
@@ -122,4 +128,7 @@ def check_cluster(client: redis.Redis, url: str, timeout_s: float) -> list[str]:
                               fix=f"start or repair {name}, or wait for its replica to take over; " + _FIX) from exc
         finally:
             node.close()
+    if alone:  # not an error (a test cluster, a cache): said once, since the durability wait cannot help there
+        log.warning("Redis Cluster of %s: primaries without a replica: %s; the state written there is lost if "
+                    "one dies (docs/redis.md \"Durability\")", shown, ", ".join(sorted(alone)))
     return sorted(owners)
