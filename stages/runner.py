@@ -49,7 +49,7 @@ from expstream.kafka.clients import (
     make_consumer,
     make_producer,
 )
-from expstream.kafka.topics import dlq_topic
+from expstream.kafka.topics import dlq_topic, stage_group
 from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
@@ -93,7 +93,7 @@ class StageRunner:
         self._stop = threading.Event()
         self.stage = ctx.stage
         self.log = logging.getLogger(f"expstream.stage.{self.stage.name}")
-        self.group_id = f"expstream.{ctx.run_id}.{self.stage.name}"
+        self.group_id = stage_group(ctx.run_id, self.stage.name)
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)

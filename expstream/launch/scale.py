@@ -237,11 +237,12 @@ class Scaler:
 def lag_reader(topo: Topology, bootstrap: str, run_id: str) -> Callable[[str], int]:
     """``lag_of(stage)``: uncommitted records of the stage's input for its group (expstream.kafka.clients.topic_lag)."""
     from expstream.kafka.clients import topic_lag
+    from expstream.kafka.topics import stage_group
 
     stages = {st.name: st for st in topo.enabled_stages()}
 
     def lag_of(name: str) -> int:
-        lag = topic_lag(bootstrap, topo.kafka, f"expstream.{run_id}.{name}", stages[name].input, timeout_s=10.0)
+        lag = topic_lag(bootstrap, topo.kafka, stage_group(run_id, name), stages[name].input, timeout_s=10.0)
         return int(sum(lag.values()))
 
     return lag_of

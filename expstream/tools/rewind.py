@@ -32,6 +32,7 @@ from expstream.config.kafka import KafkaConfig
 from expstream.config.topology import Topology, load_topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
 from expstream.kafka.clients import end_offsets, make_admin, make_consumer
+from expstream.kafka.topics import stage_group
 from expstream.tools.recorder import Position, parse_position
 from expstream.tools.recording import PartitionReader, partition_path, recorded_partitions, recorded_topics
 from schemas.codec import peek_header
@@ -217,8 +218,8 @@ def view_topic(bootstrap: str, cfg: KafkaConfig, topic: str, run_dir: str | Path
 
 # --- the group ---------------------------------------------------------------------------------
 def group_id_of(run_id: str, stage: str) -> str:
-    """The consumer group of a stage (stages/runner.py StageRunner.group_id)."""
-    return f"expstream.{run_id}.{stage}"
+    """The consumer group of a stage (expstream/kafka/topics.py stage_group)."""
+    return stage_group(run_id, stage)
 
 
 def committed_offsets(admin: Any, group: str, topic: str, partitions: list[int]) -> dict[int, int | None]:

@@ -225,7 +225,7 @@ def _broker_view(topo: Any, bootstrap: str, run_id: str, admin: Any) -> tuple[di
     twin. One metadata request, one end-offset probe for every partition, one committed-offset request
     per group: a snapshot costs a handful of round trips, not one probe per topic."""
     from expstream.kafka.clients import end_offsets, partitions_of
-    from expstream.kafka.topics import dlq_topic
+    from expstream.kafka.topics import dlq_topic, stage_group
 
     stages = list(topo.enabled_stages())
     tps: dict[str, list] = {}
@@ -252,7 +252,7 @@ def _broker_view(topo: Any, bootstrap: str, run_id: str, admin: Any) -> tuple[di
         if parts is None:
             lags[st.name] = None
             continue
-        group = f"expstream.{run_id}.{st.name}"
+        group = stage_group(run_id, st.name)
         try:
             committed = admin.list_group_offsets({group: parts}).get(group, {})
         except Exception:  # noqa: BLE001 - a group that never committed (or a broker without it)
