@@ -219,6 +219,8 @@ class CommitGroup:
         first: dict[TopicPartition, Pending] = {}
         for p in items:
             first.setdefault(p.tp, p)
+        if self.metrics is not None:
+            self.metrics.retry("state_writes_lost")
         for tp, p in first.items():
             if self.tracker.owns(tp):
                 self.consumer.seek(tp, p.record.offset)
@@ -326,7 +328,10 @@ class CommitGroup:
                              self.stage, items[0].where, len(rows), exc)
         # 3b: a replica has every state write of these records before their offsets are committed (WAIT;
         # StateWritesLost or StateUnavailableError: they are processed again, see redo)
+        t0 = time.monotonic()
         self.ctx.state.sync_writes()
+        if self.metrics is not None:
+            self.metrics.state_wait_seconds.observe(time.monotonic() - t0)
         return dones
 
     def account(self, p: Pending) -> tuple[Done, tuple | None]:

@@ -220,6 +220,11 @@ def test_a_stage_whose_writes_failed_over_before_the_wait_processes_its_records_
     out = [peek_header(r.value)[2] for r in read_topic(broker, topo.kafka, dst, timeout_s=5)]
     assert set(out) == set(names) and out.count("b0") == 2
     assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}, "every offset committed"
+    # the Prometheus series: one redo, and a durability wait per commit group that went through
+    reg = runner.metrics.registry
+    assert reg.get_sample_value("expstream_retries_total", {"stage": "shard-preprocess",
+                                                            "step": "state_writes_lost"}) == 1
+    assert reg.get_sample_value("expstream_state_wait_seconds_count", {"stage": "shard-preprocess"}) >= 1
 
 
 # --- preflight ------------------------------------------------------------------------------------------
