@@ -103,9 +103,16 @@ class RedisConfig:
     group_ttl_s: int = 86400  # an unsettled group buffer (an abandoned run's) expires this long after its last write
     # ids of applied statistics and "done" markers of freed groups are kept this long (docs/async.md "What a long run keeps")
     dedupe_window_s: int = 600
+    # before a stage commits its offsets, this many replicas acknowledge its state writes (WAIT); null: 1
+    # where the primary has a replica, none where it has none (docs/redis.md "Durability")
+    wait_replicas: int | None = None
+    wait_timeout_ms: int = 1000  # one WAIT's timeout; asked again until the state's retry deadline
 
     def __post_init__(self) -> None:
         _check(self.group_ttl_s >= 0, "redis.group_ttl_s", "must be >= 0 seconds (0: buffers never expire)")
+        _check(self.wait_replicas is None or self.wait_replicas >= 0, "redis.wait_replicas",
+               "must be >= 0 replicas, or null (1 where the primary has a replica)")
+        _check(self.wait_timeout_ms >= 1, "redis.wait_timeout_ms", "must be >= 1 ms")
         _check(self.dedupe_window_s >= 1, "redis.dedupe_window_s",
                "must be >= 1 second (how long a record read again is still known as applied)")
 

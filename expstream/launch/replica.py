@@ -86,7 +86,8 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     state: State
     if args.redis_url:
         state = RedisState(args.redis_url, args.run_id, group_ttl_s=topo.redis.group_ttl_s,
-                           dedupe_window_s=topo.redis.dedupe_window_s)
+                           dedupe_window_s=topo.redis.dedupe_window_s, wait_replicas=topo.redis.wait_replicas,
+                           wait_timeout_ms=topo.redis.wait_timeout_ms)
     else:
         state = MemoryState(args.run_id, group_ttl_s=topo.redis.group_ttl_s,
                             dedupe_window_s=topo.redis.dedupe_window_s)

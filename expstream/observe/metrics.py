@@ -38,6 +38,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "expstream_batch_seconds": ("histogram", "time per micro-batch: decode, process, send, confirm", ()),
     "expstream_send_seconds": ("histogram", "produce + flush + confirm of a micro-batch's outputs", ()),
     "expstream_commit_seconds": ("histogram", "synchronous offset commit", ()),
+    "expstream_state_wait_seconds": ("histogram", "the durability wait before a commit: replicas acknowledge the "
+                                     "state writes (0 without replicas; docs/redis.md)", ()),
     "expstream_consumer_lag_records": ("gauge", "records behind the partitions' high watermark", ("topic",)),
     "expstream_dead_letters_total": ("counter", "dead letters (records) sent to the input's dead-letter topic", ()),
     "expstream_retries_total": ("counter", "retries after retriable errors", ("step",)),
@@ -84,6 +86,7 @@ class StageMetrics:
         self.batch_seconds = made["expstream_batch_seconds"].labels(**own)
         self.send_seconds = made["expstream_send_seconds"].labels(**own)
         self.commit_seconds = made["expstream_commit_seconds"].labels(**own)
+        self.state_wait_seconds = made["expstream_state_wait_seconds"].labels(**own)
         self.dead_letters = made["expstream_dead_letters_total"].labels(**own)
         self.policy_version = made["expstream_policy_version"].labels(**own)
         self.policy_version.set(float("nan"))  # no version yet (0 would read as "on version 0")
