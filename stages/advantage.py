@@ -30,6 +30,7 @@ import torch
 from expstream.config.estimators import CROSS_BATCH_ESTIMATORS, uses_window
 from expstream.models.forward import scalar
 from expstream.rl import numerics
+from expstream.rl.episodes import PER_TOKEN_ESTIMATORS, turn_reward_tokens
 from expstream.rl.layout import action_field, padded, to_ragged
 from schemas import Ragged, SampleBatch, decode, encode
 from stages.context import StageContext
@@ -56,6 +57,8 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
     r, reward_info = finish_rewards(delivered if shaped is None else shaped.to(torch.float32), batch.batch_id, ctx)
     if batch.kl is not None and batch.kl_coef is not None:
         token_rewards = numerics.kl_penalized_rewards(r, action_field(batch, "kl", width), mask, batch.kl_coef)
+        if batch.turn_rewards is not None and algo.advantage_estimator in PER_TOKEN_ESTIMATORS:
+            token_rewards = token_rewards + turn_reward_tokens(batch, width) * mask  # as postprocess (§15)
     else:  # no KL on the record: move R within postprocess's token rewards
         token_rewards = action_field(batch, "token_rewards", width) + numerics.kl_penalized_rewards(
             r - delivered, None, mask, 0.0)

@@ -11,6 +11,7 @@ from expstream.errors import PoisonRecordError
 from expstream.models.resolve import model_dir
 from expstream.models.vl import vision_for
 from expstream.rl.admission import admission_id, backpressure_on, wait_for_admission
+from expstream.rl.episodes import first_turn_fields, with_turn
 from expstream.train.weights import follower_for, refresh_weights
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages.context import StageContext
@@ -126,7 +127,9 @@ def _expand_pads(ids: list[int], vision: object, pad: int, grids: list, pid: str
     return out
 
 
-def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
+def process(batch: PromptBatch | SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    if ctx.topology.environment is not None and isinstance(batch, SampleBatch):
+        return [next_turn(batch, ctx)]
     if not isinstance(batch, PromptBatch):
         raise PoisonRecordError(f"generate: expected an expstream.PromptBatch, got {type(batch).__name__}; "
                                 "only the prompt feeder writes to the input topic")
@@ -175,8 +178,32 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         # response-level (B; o_b) until shard-preprocess aligns it with action_ids
         rollout_log_probs=_ragged(logprobs, np.float32),
         rollout_version=[int(version)] * len(outputs),
+        # a multi-turn run: the episodes' turn fields (docs/multi_turn.md); none in a single-turn run
+        **(first_turn_fields(outputs, int(version)) if ctx.topology.environment is not None else {}),
         **(_visual_fields(rep(images), rep(videos), vision) if any(images) or any(videos) else {}),
     )]
+
+
+def next_turn(batch: SampleBatch, ctx: StageContext) -> SampleBatch:
+    """One more model turn of each episode of a turns record (docs/multi_turn.md): the context is the
+    episode's exact ids so far (prompt, model turns, observations), never re-tokenized; one sample per
+    episode, seeded by the record's id; the behaviour log-probs and the version per model turn appended.
+    The episode keeps the policy_version it was admitted under (admission accounting); turn_versions
+    says which version generated each turn."""
+    if batch.turn_lengths is None or batch.layout or batch.rollout_log_probs is None:
+        raise PoisonRecordError(f"generate: {batch.batch_id} on the turns topic is not an unfinished episode "
+                                "(turn_lengths and rollout_log_probs set, layout \"\"); only the environment stage "
+                                "writes there")
+    gen, tok = ctx.topology.generate, ctx.models["tokenizer"]
+    version = int(refresh_weights(ctx, "actor"))  # admitted at its first turn: not counted again
+    contexts = [np.concatenate([p, r]).tolist() for p, r in zip(batch.prompt_ids.rows(), batch.response_ids.rows(),
+                                                                 strict=True)]
+    outputs, logprobs = ctx.models["generator"].generate(
+        contexts, 1, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+        max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+        seed=batch_seed(ctx.topology.run.seed, batch.batch_id), should_stop=ctx.should_stop, return_log_probs=True)
+    decode = lambda rows: tok.batch_decode(rows, skip_special_tokens=gen.skip_special_tokens)  # noqa: E731
+    return with_turn(batch, outputs, logprobs, version, decode)
 
 
 def _ragged(rows: list, dtype: type) -> Ragged:

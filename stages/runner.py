@@ -180,7 +180,8 @@ class StageRunner:
 
     def _subscribe(self) -> None:
         self.tracker = RevocationTracker()
-        self.consumer.subscribe([self.stage.input], listener=self.tracker)
+        # the stage's input; generate of a multi-turn run also the turns topic (Topology.stage_inputs)
+        self.consumer.subscribe(self.ctx.topology.stage_inputs(self.stage.name), listener=self.tracker)
         self.poller = Poller(self.consumer, self.tracker, self.log, stage=self.stage, group_id=self.group_id,
                              bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
         self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,

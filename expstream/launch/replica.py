@@ -57,6 +57,8 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
 
     if args.name not in STAGES:
         raise ConfigError(f"stage {args.name!r}: unknown; stages are {', '.join(STAGES)}")
+    if args.name not in topo.stages:  # the environment stage of a topology without an environment block
+        raise ConfigError(f"stage {args.name}: this topology has no environment block (docs/multi_turn.md)")
     if not topo.stages[args.name].enabled:
         raise ConfigError(f"stage {args.name}: switched off by this topology (e.g. critic is used by gae only)")
     if not args.bootstrap_servers:
