@@ -29,3 +29,15 @@ def slow(prompt: str, label: str, turns: list[str]) -> tuple[str | None, float |
     """Answers after 0.3 s: a SIGKILL lands while episodes are between turns."""
     time.sleep(0.3)
     return ("next", 0.25, False) if len(turns) < 3 else (None, 1.0, True)
+
+
+def mixed(prompt: str, label: str, turns: list[str]) -> tuple[str | None, float | None, bool]:
+    """By label: "done" ends after 3 model turns (0.5 per answered turn, 1.0 at the end); "endless" never
+    ends (truncated at max_turns); "fail" raises at the second turn. 0.1 s per call."""
+    time.sleep(0.1)
+    k = len(turns)
+    if label == "fail" and k == 2:
+        raise RuntimeError("the environment broke on this episode")
+    if label == "done" and k >= 3:
+        return None, 1.0, True
+    return f"obs {k}", (0.5 if label == "done" else None), False
