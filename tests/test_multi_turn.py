@@ -19,7 +19,13 @@ import torch
 
 from expstream.config.topology import load_topology
 from expstream.errors import ConfigError
-from expstream.rl.episodes import TurnBoundary, model_token_mask, turn_ends, turn_reward_sums, turn_reward_tokens
+from expstream.rl.episodes import (
+    TurnBoundary,
+    model_token_mask,
+    turn_ends,
+    turn_reward_sums,
+    turn_reward_tokens,
+)
 from expstream.tools.recording import iter_topic
 from schemas import Ragged, SampleBatch, decode, encode
 from schemas.codec import write_version

@@ -179,7 +179,9 @@ class HttpEnvironment(Environment):
                                             f"is not JSON: {text[:80]!r}") from None
                 return check_step(answer, f"environment {self.shown} on episode {episode.sample_id}")
             if status == -1:  # refused: the server is away (counts towards the breaker)
-                self.breaker.failure()
+                if self.breaker.failure():
+                    raise EnvironmentUnavailable(f"environment {self.shown}: circuit breaker opened after "
+                                                 f"{self.breaker.failures} refused connections ({text}); retrying later")
             else:
                 self.breaker.end_probe() if status == -2 else self.breaker.success()
             last = f"HTTP {status}: {text[:120]}" if status > 0 else text
