@@ -66,7 +66,8 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
     raw = torch.from_numpy(np.array(batch.info["reward"], dtype=np.float32))
     adv, ret, extra = numerics.compute_advantages(
         algo.advantage_estimator, token_rewards, mask, values=values, raw_rewards=raw, gamma=algo.gamma,
-        lambd=algo.lambd, advantages_norm=algo.advantages_norm, advantage_clip=algo.advantage_clip)
+        lambd=algo.lambd, advantages_norm=algo.advantages_norm, advantage_clip=algo.advantage_clip,
+        skip_masked=batch.turn_lengths is not None)  # multi-turn: observations are no steps (§15)
     info = dict(batch.info or {})
     info.update(reward_info)
     info["return"] = scalar((token_rewards * mask).sum(-1))

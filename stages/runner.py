@@ -83,17 +83,20 @@ class StageRunner:
 
     def __init__(self, ctx: StageContext, process: ProcessFn, bootstrap: str,
                  max_records: int | None = None, max_record_bytes: int | None = None,
-                 committed: CommittedFn | None = None) -> None:
+                 committed: CommittedFn | None = None, *, group_suffix: str = "", metrics: bool = True,
+                 stop: threading.Event | None = None) -> None:
+        """``group_suffix``, ``metrics=False`` and ``stop`` (shared with another runner) are for a second
+        runner in one replica: generate's consumer of the turns topic (expstream/launch/replica.py)."""
         self.ctx = ctx
         self.process = process
         self.committed = committed  # the stage's hook after a commit (step 5 of the module docstring)
         self.bootstrap = bootstrap
         self.max_records = max_records
         self.max_record_bytes = int(max_record_bytes or ctx.topology.kafka.max_request_size)
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self.stage = ctx.stage
         self.log = logging.getLogger(f"expstream.stage.{self.stage.name}")
-        self.group_id = f"expstream.{ctx.run_id}.{self.stage.name}"
+        self.group_id = f"expstream.{ctx.run_id}.{self.stage.name}{group_suffix}"
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
@@ -109,7 +112,7 @@ class StageRunner:
         self.pausing: PausedPolling | None = None
         self.rewinding: ReplicaRewind | None = None  # made once the consumer is subscribed
         # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
-        self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
+        self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() and metrics else None
         ctx.metrics = self.metrics
         self._join_thread: threading.Thread | None = None
         self._join_error: BaseException | None = None
@@ -155,6 +158,11 @@ class StageRunner:
         return self.rewinding.rewinds if self.rewinding is not None else 0
 
     @property
+    def stop_event(self) -> threading.Event:
+        """Set when this replica is asked to stop (a second runner of the replica shares it)."""
+        return self._stop
+
+    @property
     def stop_requested(self) -> bool:
         return self._stop.is_set()
 
@@ -180,8 +188,7 @@ class StageRunner:
 
     def _subscribe(self) -> None:
         self.tracker = RevocationTracker()
-        # the stage's input; generate of a multi-turn run also the turns topic (Topology.stage_inputs)
-        self.consumer.subscribe(self.ctx.topology.stage_inputs(self.stage.name), listener=self.tracker)
+        self.consumer.subscribe([self.stage.input], listener=self.tracker)
         self.poller = Poller(self.consumer, self.tracker, self.log, stage=self.stage, group_id=self.group_id,
                              bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
         self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,

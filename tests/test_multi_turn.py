@@ -219,3 +219,21 @@ def test_model_token_log_probs_equal_a_forward_over_the_whole_sequence(multi_run
         assert b.turn_versions.row(i).tolist() == [0, 0, 0]
         checked += 1
     assert checked == 6
+
+
+def test_gae_and_returns_skip_observations_as_if_they_were_not_there():
+    from expstream.rl.numerics import cumulative_returns, gae
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0]], dtype=torch.bool)  # model, obs, model, obs, model, pad
+    f, v = torch.randn(1, 11), torch.randn(1, 11)
+    keep = mask[0].nonzero()[:, 0]
+    adv_c, ret_c = gae(f[:, keep], v[:, keep], None, 0.9, 0.8)  # the model tokens alone, no holes
+    adv, ret = gae(f, v, mask, 0.9, 0.8, skip_masked=True)
+    assert torch.allclose(adv[:, keep], adv_c) and torch.allclose(ret[:, keep], ret_c)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+    g = cumulative_returns(f, mask, 0.9, skip_masked=True)
+    assert torch.allclose(g[:, keep], cumulative_returns(f[:, keep], None, 0.9)) and (g[~mask] == 0).all()
+    trailing = torch.tensor([[1, 1, 1, 0, 0]], dtype=torch.bool)  # a single-turn row: the same either way
+    assert torch.equal(gae(f[:, :5], v[:, :5], trailing, 0.9, 0.8, skip_masked=True)[0],
+                       gae(f[:, :5], v[:, :5], trailing, 0.9, 0.8)[0])

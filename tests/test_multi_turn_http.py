@@ -13,9 +13,9 @@ import pytest
 
 from expstream.config.environment import EnvironmentConfig
 from expstream.rewards.environment import (
-    Episode,
     EnvironmentFailed,
     EnvironmentUnavailable,
+    Episode,
     HttpEnvironment,
     PythonEnvironment,
     Step,

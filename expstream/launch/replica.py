@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
@@ -82,20 +83,65 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     runner = StageRunner(ctx, module.process, args.bootstrap_servers, committed=getattr(module, "committed", None))
     ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
     runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
+    turns = turns_runner(ctx, module.process, runner, args.bootstrap_servers)
     started = time.monotonic()
     # setup inside the try/finally: what it built before a SIGTERM (the handler lets it finish) or an
     # error, such as a vLLM engine, is torn down too; every stage's teardown copes with a partial setup
     runner.start_joining()  # the group join (seconds on a new group) overlaps the model load
+    if turns is not None:
+        turns.start_joining()
     try:
         module.setup(ctx)
         log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
         if runner.stop_requested:
             runner.stop_before_run()
+            if turns is not None:
+                turns.stop_before_run()
             return EXIT_OK
         try:
-            return runner.run()
+            return run_both(runner, turns)
         except ExpstreamError as exc:
             log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
             return EXIT_FAILED
     finally:
         teardown(ctx)  # the stage's own resources (HTTP sessions, thread pools, an engine), after the last commit
+
+
+def turns_runner(ctx: Any, process: Any, main: Any, bootstrap: str) -> Any:
+    """generate of a multi-turn run (docs/multi_turn.md): a second runner in the replica, consuming the turns
+    topic as the consumer group ``<generate's>.turns`` and sharing the models, so that an unfinished episode
+    never waits behind a prompt record that admission control holds back (the episodes in flight are what
+    must finish for the trainer to step and admission to open again). None for any other stage."""
+    if ctx.stage.name != "generate" or ctx.topology.environment is None:
+        return None
+    import dataclasses
+
+    from stages.runner import StageRunner
+
+    tctx = dataclasses.replace(ctx, stage=dataclasses.replace(ctx.stage, input=ctx.topology.environment.turns_topic))
+    return StageRunner(tctx, process, bootstrap, group_suffix=".turns", metrics=False, stop=main.stop_event)
+
+
+def run_both(runner: Any, turns: Any) -> int:
+    """``runner.run()``, with ``turns.run()`` (when there is one) on a thread beside it until both stop."""
+    if turns is None:
+        return runner.run()
+    result: list[BaseException] = []
+
+    def run_turns() -> None:
+        try:
+            turns.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            result.append(exc)
+            runner.stop_event.set()
+
+    thread = threading.Thread(target=run_turns, name="generate-turns", daemon=True)
+    thread.start()
+    try:
+        code = runner.run()
+    finally:
+        runner.stop_event.set()
+        thread.join()
+    if result:
+        raise result[0]
+    return code
