@@ -58,7 +58,7 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
     if batch.kl is not None and batch.kl_coef is not None:
         token_rewards = numerics.kl_penalized_rewards(r, action_field(batch, "kl", width), mask, batch.kl_coef)
         if batch.turn_rewards is not None and algo.advantage_estimator in PER_TOKEN_ESTIMATORS:
-            token_rewards = token_rewards + turn_reward_tokens(batch, width) * mask  # as postprocess (§15)
+            token_rewards = token_rewards + turn_reward_tokens(batch, width) * mask  # as postprocess (docs/numerics.md §15)
     else:  # no KL on the record: move R within postprocess's token rewards
         token_rewards = action_field(batch, "token_rewards", width) + numerics.kl_penalized_rewards(
             r - delivered, None, mask, 0.0)
@@ -67,7 +67,7 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
     adv, ret, extra = numerics.compute_advantages(
         algo.advantage_estimator, token_rewards, mask, values=values, raw_rewards=raw, gamma=algo.gamma,
         lambd=algo.lambd, advantages_norm=algo.advantages_norm, advantage_clip=algo.advantage_clip,
-        skip_masked=batch.turn_lengths is not None)  # multi-turn: observations are no steps (§15)
+        skip_masked=batch.turn_lengths is not None)  # multi-turn: observations are no steps (docs/numerics.md §15)
     info = dict(batch.info or {})
     info.update(reward_info)
     info["return"] = scalar((token_rewards * mask).sum(-1))

@@ -215,6 +215,9 @@ def next_turn(batch: SampleBatch, ctx: StageContext) -> SampleBatch:
         raise PoisonRecordError(f"generate: {batch.batch_id} on the turns topic is not an unfinished episode "
                                 "(turn_lengths and rollout_log_probs set, layout \"\"); only the environment stage "
                                 "writes there")
+    if batch.images or batch.videos:
+        raise PoisonRecordError(f"generate: {batch.batch_id}: multi-turn episodes with images or videos are not "
+                                "supported (docs/multi_turn.md); drop the environment block or the media")
     gen, tok = ctx.topology.generate, ctx.models["tokenizer"]
     lock = ctx.models.get("model_lock") or threading.RLock()
     contexts = [np.concatenate([p, r]).tolist() for p, r in zip(batch.prompt_ids.rows(), batch.response_ids.rows(),

@@ -68,7 +68,7 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
                                           algo.overlong_buffer_penalty_factor)
     beta = kl_coefficient(ctx)
     token_rewards = numerics.kl_penalized_rewards(r, kl, mask, beta)
-    if batch.turn_rewards is not None and per_token:  # each turn's reward at its last model token (§15)
+    if batch.turn_rewards is not None and per_token:  # each turn's reward at its last model token (docs/numerics.md §15)
         token_rewards = token_rewards + turn_reward_tokens(batch, width) * mask
     return [batch.replace(
         kl=to_ragged(kl, batch),
