@@ -114,6 +114,22 @@ def test_episode_fields_are_schema_v4_and_single_turn_records_keep_their_version
         _episode_batch(turn_lengths=Ragged.from_rows([np.array([3, 2, 1], np.int32)], "int32"))
 
 
+def test_single_turn_generate_output_has_no_turn_fields(model_cache):
+    from stages import generate
+    from stages.context import make_context
+    from tests.harness import example_prompt_batches
+
+    topo = load_topology(overrides=[f"models.cache_dir={model_cache}", "generate.max_new_tokens=3"])
+    ctx = make_context(topo, "generate")
+    generate.setup(ctx)
+    (out,) = generate.process(example_prompt_batches(topo, "single", 1)[0], ctx)
+    m = msgpack.unpackb(encode(out))
+    assert m["version"] == 2 and set(m) == {  # the keys a single-turn generate wrote before issue 29
+        "schema", "version", "batch_id", "policy_version", "n_samples_per_prompt", "eos_token_id", "pad_token_id",
+        "prompt_id", "group_id", "sample_index", "prompt", "label", "reference", "response", "prompt_ids",
+        "response_ids", "rollout_log_probs", "rollout_version", "layout", "reward_metrics", "info"}
+
+
 # ---- one whole run ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def multi_run(tmp_path_factory, model_cache):
@@ -154,6 +170,8 @@ def test_every_episode_once_none_lost_but_the_failing_one(multi_run):
     assert "environment[0]" in restarted and restarted & {"generate[0]", "generate[1]"}
     letters = [f for f in iter_topic(multi_run, "rollouts.dlq")]
     assert letters and all(dict(f.headers)["error_class"] == b"EnvironmentFailed" for f in letters)
+    # the failing episodes alone: their record's other group (e1) went on
+    assert {sid for f in letters for sid in dict(f.headers)["sample_ids"].decode().split(",")} == {"f1#0", "f1#1"}
     for b, i in exps.values():  # info: turns taken, truncated
         done = b.label[i] == "done"
         assert (b.info["turns"][i], b.info["truncated"][i]) == ((3.0, 0.0) if done else (3.0, 1.0))
