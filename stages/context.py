@@ -43,3 +43,12 @@ def make_context(topology: Topology, stage_name: str, state: State | None = None
         run_id=run_id,
         replica_id=replica_id,
     )
+
+
+@dataclass
+class Routed:
+    """An output of ``process`` for a topic other than the stage's output (the environment stage sends
+    unfinished episodes back to generate on the turns topic); the runner sends ``batch`` to ``topic``."""
+
+    topic: str
+    batch: Any

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from expstream.errors import PoisonRecordError
 from expstream.models.resolve import model_dir
 from expstream.models.vl import vision_for
 from expstream.rl.admission import admission_id, backpressure_on, wait_for_admission
+from expstream.rl.episodes import first_turn_fields, with_turn
 from expstream.train.weights import follower_for, refresh_weights
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages.context import StageContext
@@ -20,6 +22,9 @@ def setup(ctx: StageContext) -> None:
     from expstream.models.hf import TransformersGenerator, load_causal_lm, load_tokenizer
 
     topo = ctx.topology
+    # a multi-turn replica runs two consumers (prompts, turns) on one model: generation and weight reloads
+    # take turns (expstream/launch/replica.py turns_runner)
+    ctx.models["model_lock"] = threading.RLock()
     tok = load_tokenizer(model_dir(topo, "tokenizer"))
     ctx.models["tokenizer"] = tok
     if topo.generate.backend == "vllm":
@@ -126,17 +131,19 @@ def _expand_pads(ids: list[int], vision: object, pad: int, grids: list, pid: str
     return out
 
 
-def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
+def process(batch: PromptBatch | SampleBatch, ctx: StageContext) -> list[SampleBatch]:
+    if ctx.topology.environment is not None and isinstance(batch, SampleBatch):
+        return [next_turn(batch, ctx)]
     if not isinstance(batch, PromptBatch):
         raise PoisonRecordError(f"generate: expected an expstream.PromptBatch, got {type(batch).__name__}; "
                                 "only the prompt feeder writes to the input topic")
     gen = ctx.topology.generate
     n = gen.n_samples_per_prompt
-    tok = ctx.models["tokenizer"]
     # Bounded staleness (expstream/rl/admission.py): reload newer weights and start only within the admission
     # bound, waiting otherwise. The version returned is the one loaded, admitted and stamped: the weights
     # are never reloaded again between the admission and the generation.
-    version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: refresh_weights(ctx, "actor"))
+    lock = ctx.models.get("model_lock") or threading.RLock()
+    version = wait_for_admission(ctx, batch.batch_id, len(batch) * n, refresh=lambda: _locked(lock, ctx))
     if ctx.metrics is not None:  # a prompt record has no version: show the one generating it (expstream/observe/metrics.py)
         ctx.metrics.policy_version.set(version)
     prompts = tokenize_prompts(batch, ctx)
@@ -148,7 +155,19 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         rows, vrows = [r for r in images for _ in range(n)], [r for r in videos for _ in range(n)]
         rids = [f"{p}#{i}" for p in batch.prompt_id for i in range(n)]
         visual = lambda input_ids: vision.model_kwargs(input_ids, rows, rids, videos=vrows)  # noqa: E731
-    outputs, logprobs = ctx.models["generator"].generate(
+    with lock:
+        outputs, logprobs = _generate(ctx, prompts, n, batch, visual)
+    return [_samples(batch, ctx, version, n, prompts, outputs, logprobs, images, videos, vision)]
+
+
+def _locked(lock: threading.RLock, ctx: StageContext) -> int:
+    with lock:
+        return int(refresh_weights(ctx, "actor"))
+
+
+def _generate(ctx: StageContext, prompts: list, n: int, batch: PromptBatch, visual: object) -> tuple[list, list]:
+    gen = ctx.topology.generate
+    return ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
         seed=batch_seed(ctx.topology.run.seed, batch.batch_id),
@@ -156,8 +175,13 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         return_log_probs=True,  # behaviour log-probs for the trainer's off-policy correction
         **({"model_inputs": visual} if visual is not None else {}),
     )
+
+
+def _samples(batch: PromptBatch, ctx: StageContext, version: int, n: int, prompts: list, outputs: list,
+             logprobs: list, images: list, videos: list, vision: object) -> SampleBatch:
+    gen, tok = ctx.topology.generate, ctx.models["tokenizer"]
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
-    return [SampleBatch(
+    return SampleBatch(
         batch_id=batch.batch_id,
         policy_version=int(version),
         n_samples_per_prompt=n,
@@ -175,8 +199,41 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         # response-level (B; o_b) until shard-preprocess aligns it with action_ids
         rollout_log_probs=_ragged(logprobs, np.float32),
         rollout_version=[int(version)] * len(outputs),
+        # a multi-turn run: the episodes' turn fields (docs/multi_turn.md); none in a single-turn run
+        **(first_turn_fields(outputs, int(version)) if ctx.topology.environment is not None else {}),
         **(_visual_fields(rep(images), rep(videos), vision) if any(images) or any(videos) else {}),
-    )]
+    )
+
+
+def next_turn(batch: SampleBatch, ctx: StageContext) -> SampleBatch:
+    """One more model turn of each episode of a turns record (docs/multi_turn.md): the context is the
+    episode's exact ids so far (prompt, model turns, observations), never re-tokenized; one sample per
+    episode, seeded by the record's id; the behaviour log-probs and the version per model turn appended.
+    The episode keeps the policy_version it was admitted under (admission accounting); turn_versions
+    says which version generated each turn."""
+    if batch.turn_lengths is None or batch.layout or batch.rollout_log_probs is None:
+        raise PoisonRecordError(f"generate: {batch.batch_id} on the turns topic is not an unfinished episode "
+                                "(turn_lengths and rollout_log_probs set, layout \"\"); only the environment stage "
+                                "writes there")
+    if batch.images or batch.videos:
+        raise PoisonRecordError(f"generate: {batch.batch_id}: multi-turn episodes with images or videos are not "
+                                "supported (docs/multi_turn.md); drop the environment block or the media")
+    gen, tok = ctx.topology.generate, ctx.models["tokenizer"]
+    lock = ctx.models.get("model_lock") or threading.RLock()
+    contexts = [np.concatenate([p, r]).tolist() for p, r in zip(batch.prompt_ids.rows(), batch.response_ids.rows(),
+                                                                 strict=True)]
+    with lock:
+        # admitted at its first turn: not counted again. The weights loaded now, not reloaded here: only the
+        # prompt path reloads (in its admission), so a prompt's weights never change between its admission
+        # and its generation (the turns consumer runs beside it in a multi-turn replica)
+        follower = ctx.models.get("actor_follower")
+        version = int(follower.version) if follower is not None else int(refresh_weights(ctx, "actor"))
+        outputs, logprobs = ctx.models["generator"].generate(
+            contexts, 1, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+            max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+            seed=batch_seed(ctx.topology.run.seed, batch.batch_id), should_stop=ctx.should_stop, return_log_probs=True)
+    decode = lambda rows: tok.batch_decode(rows, skip_special_tokens=gen.skip_special_tokens)  # noqa: E731
+    return with_turn(batch, outputs, logprobs, version, decode)
 
 
 def _ragged(rows: list, dtype: type) -> Ragged:

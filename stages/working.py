@@ -28,7 +28,7 @@ from expstream.observe.metrics import StageMetrics
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.errors import SchemaError
 from stages.commitgroup import Pending
-from stages.context import StageContext
+from stages.context import Routed, StageContext
 from stages.deadletters import (
     DeadLetters,
     ProcessFailure,
@@ -140,10 +140,12 @@ class Worker:
             outs = self.process(batch, self.ctx)
             if isinstance(outs, (SampleBatch, PromptBatch)):
                 outs = [outs]
-            return [Out(self.stage.output, encode(o), record_key(o),
+            # a Routed output goes to its own topic (the environment stage's turns), the rest to the output
+            routed = [(o.topic, o.batch) if isinstance(o, Routed) else (self.stage.output, o) for o in outs]
+            return [Out(topic, encode(o), record_key(o),
                         headers=provenance_headers(self.produced_by, getattr(o, "policy_version", 0)),
                         samples=len(o) if isinstance(o, SampleBatch) else 0)
-                    for o in outs]
+                    for topic, o in routed]
         except (SchemaError, ExpstreamError):
             raise
         except Exception as exc:  # a bug or a bad sample: data routed to the DLQ, never swallowed

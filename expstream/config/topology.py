@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from expstream.config.chains import Unit, check_chains, parse_chains, units
+from expstream.config.environment import ENVIRONMENT_STAGE, EnvironmentConfig, environment_from_raw
 from expstream.config.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from expstream.config.fieldtypes import check_block, check_fields
 from expstream.config.kafka import KafkaConfig
@@ -373,6 +374,7 @@ class Topology:
     record: RecordConfig = field(default_factory=RecordConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     chains: list[list[str]] = field(default_factory=list)  # stages run in one process (expstream/config/chains.py)
+    environment: EnvironmentConfig | None = None  # multi-turn episodes (expstream/config/environment.py)
     # loader: stage -> the algo.* key that switched it off though configured on (to_raw writes it on)
     switched_off: dict[str, str] = field(default_factory=dict, repr=False)
     # Which file this was read from (a path, or PACKAGED_SOURCE); logged and kept in summary.json.
@@ -386,8 +388,17 @@ class Topology:
     raw = property(to_raw, doc=":meth:`to_raw` (a fresh mapping each time: change the dataclasses, not this)")
 
     # ---- derived views -------------------------------------------------------------------
+    def stage_order(self) -> tuple[str, ...]:
+        """STAGE_ORDER, with the environment stage after generate when ``environment`` is set."""
+        return STAGE_ORDER[:1] + (ENVIRONMENT_STAGE,) + STAGE_ORDER[1:] if self.environment else STAGE_ORDER
+
     def enabled_stages(self) -> list[StageConfig]:
-        return [self.stages[name] for name in STAGE_ORDER if self.stages[name].enabled]
+        return [self.stages[name] for name in self.stage_order() if self.stages[name].enabled]
+
+    def stage_inputs(self, name: str) -> list[str]:
+        """The topics stage ``name`` consumes: its input, and for generate of a multi-turn run the turns topic."""
+        extra = [self.environment.turns_topic] if self.environment and name == "generate" else []
+        return [self.stages[name].input, *extra]
 
     def all_topics(self) -> dict[str, int]:
         """Topic -> partitions: ``topics.partitions``, raised for a stage's input topic to the most
@@ -396,11 +407,12 @@ class Topology:
         cannot at all; on Kafka it would move keys between partitions mid-run), so the headroom is
         created up front."""
         topics = {self.topics.input: self.topics.partitions}
-        heads = [self.stages[u.head] for u in self.units()]  # a chain's inner topics are not created
-        for u in self.units():
+        for u in self.units():  # a chain's inner topics are not created
             topics[self.stages[u.last].output] = self.topics.partitions
-        for st in heads:
-            topics[st.input] = max(topics[st.input], st.max_replicas)
+        for u in self.units():
+            head = self.stages[u.head]
+            for t in self.stage_inputs(head.name):
+                topics[t] = max(topics.get(t, self.topics.partitions), head.max_replicas)
         return topics
 
     def units(self) -> list[Unit]:
@@ -447,12 +459,13 @@ def valid_tree() -> dict[str, Any]:
         "models": fields_of(ModelsConfig),
         "generate": fields_of(GenerateConfig),
         "algo": fields_of(AlgoConfig),
-        "stages": {name: dict(stage_fields) for name in STAGE_ORDER},
+        "stages": {name: dict(stage_fields) for name in (*STAGE_ORDER, ENVIRONMENT_STAGE)},
         "topics": fields_of(TopicsConfig),
         "train": fields_of(TrainConfig),
         "async": fields_of(AsyncConfig),
         "record": fields_of(RecordConfig),
         "rewards": {**fields_of(RewardsConfig), "sources": FREE_FORM, "weights": FREE_FORM, "recipe": FREE_FORM},
+        "environment": fields_of(EnvironmentConfig),
     }
 
 
@@ -494,7 +507,7 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
 def build_topology(raw: dict[str, Any]) -> Topology:
     stages_raw = check_block(raw.get("stages"), "stages")
     for name in stages_raw:
-        if name not in STAGE_ORDER:
+        if name not in (*STAGE_ORDER, ENVIRONMENT_STAGE):
             raise unknown_key_error("stages", name, STAGE_ORDER, what="stage")
     topo = Topology(
         run=_from_dict(RunConfig, raw.get("run"), "run"),
@@ -509,13 +522,17 @@ def build_topology(raw: dict[str, Any]) -> Topology:
         record=_from_dict(RecordConfig, raw.get("record"), "record"),
         rewards=_from_dict(RewardsConfig, raw.get("rewards"), "rewards"),
         chains=parse_chains(raw.get("chains"), STAGE_ORDER),
+        environment=environment_from_raw(raw.get("environment")),
     )
-    for name in STAGE_ORDER:
+    if stages_raw.get(ENVIRONMENT_STAGE) is not None and topo.environment is None:
+        raise ConfigError("set, but there is no environment block", field="stages.environment",
+                          fix="add environment: {fn: module:function} (or url: ...), or remove stages.environment")
+    for name in topo.stage_order():
         st = check_block(stages_raw.get(name), f"stages.{name}")
         for key in ("name", "input"):
             if key in st:
                 raise ConfigError(f"stages.{name}.{key}: set by the loader; remove it from the topology")
-        st.setdefault("output", name.replace("-", "_"))
+        st.setdefault("output", "episodes" if name == ENVIRONMENT_STAGE else name.replace("-", "_"))
         if st.get("autoscale") is not None:
             where = f"stages.{name}.autoscale"
             auto = check_block(st["autoscale"], where)
@@ -549,6 +566,8 @@ def _switch_stages(topo: Topology) -> None:
             topo.stages[name].enabled, topo.switched_off[name] = False, key
     previous = topo.topics.input
     seen: dict[str, str] = {previous: "topics.input"}
+    if topo.environment:
+        seen[topo.environment.turns_topic] = "environment.turns_topic"
     for st in topo.enabled_stages():
         st.input = previous
         if st.output in seen:

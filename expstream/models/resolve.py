@@ -49,6 +49,8 @@ def check_models(topo: Topology) -> None:
     """
     if topo.models.reward_fn:
         reward_fn(topo.models.reward_fn)
+    if topo.environment is not None and topo.environment.fn:
+        import_function(topo.environment.fn, "environment.fn")
     for role in model_roles(topo):
         value = getattr(topo.models, role)
         if value not in (BUILTIN_TINY, BUILTIN_TINY_VL):

@@ -47,6 +47,7 @@ from expstream.config.topology import Topology
 from expstream.errors import EXIT_OK, ConfigError
 from expstream.faults import TRAINER_POINTS, fault_plan
 from expstream.procs import EXIT_WITH_PARENT_ENV
+from expstream.rl.episodes import turn_reward_sums
 from expstream.rl.experience import sample_id
 from expstream.train.checkpoint import BufferedRecord, Checkpoint, read_checkpoint, write_checkpoint
 from expstream.train.step import PolicyTrainer, experience_from_records
@@ -284,7 +285,9 @@ class Trainer:
         live = {s.key for s in self.buffer}
         for key in [k for k in self.records if k not in live]:
             del self.records[key]
-        rewards = np.concatenate([np.asarray(b.rewards, dtype=np.float64)[list(rows)] for b, rows in parts])
+        # a multi-turn episode's reward: the reward stage's plus its environment rewards (docs/multi_turn.md)
+        rewards = np.concatenate([(np.asarray(b.rewards, dtype=np.float64) + turn_reward_sums(b).numpy())[list(rows)]
+                                  for b, rows in parts])
         hist = Counter(str(self.step - s.version) for s in picked)
         kl = result.kl if exp.base_action_log_probs is not None else float(exp.info["kl"].mean()) \
             if "kl" in exp.info else 0.0
