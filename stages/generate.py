@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +16,9 @@ from expstream.rl.admission import admission_id, backpressure_on, wait_for_admis
 from expstream.train.weights import follower_for, refresh_weights
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages.context import StageContext
+
+if TYPE_CHECKING:
+    from expstream.models.decode_loop import InFlight
 
 
 def setup(ctx: StageContext) -> None:
@@ -148,6 +153,7 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         rows, vrows = [r for r in images for _ in range(n)], [r for r in videos for _ in range(n)]
         rids = [f"{p}#{i}" for p in batch.prompt_id for i in range(n)]
         visual = lambda input_ids: vision.model_kwargs(input_ids, rows, rids, videos=vrows)  # noqa: E731
+    in_flight = in_flight_for(ctx, version) if visual is None else None
     outputs, logprobs = ctx.models["generator"].generate(
         prompts, n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
@@ -155,6 +161,7 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         should_stop=ctx.should_stop,  # SIGTERM abandons a long generation between tokens (uncommitted)
         return_log_probs=True,  # behaviour log-probs for the trainer's off-policy correction
         **({"model_inputs": visual} if visual is not None else {}),
+        **({"in_flight": in_flight} if in_flight is not None else {}),
     )
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731 - groups are contiguous
     return [SampleBatch(
@@ -174,9 +181,35 @@ def process(batch: PromptBatch, ctx: StageContext) -> list[SampleBatch]:
         response_ids=_ragged(outputs, np.int32),
         # response-level (B; o_b) until shard-preprocess aligns it with action_ids
         rollout_log_probs=_ragged(logprobs, np.float32),
-        rollout_version=[int(version)] * len(outputs),
+        rollout_version=[int(version)] * len(outputs),  # the oldest token's: the version admitted under
+        # the version of every token when weights may change mid-generation (schema v4); absent otherwise
+        token_versions=None if in_flight is None else _ragged(in_flight.token_versions, np.int32),
         **(_visual_fields(rep(images), rep(videos), vision) if any(images) or any(videos) else {}),
     )]
+
+
+#: Why 0.2 s: as admission's poll (expstream/rl/admission.py): a newly announced version is loaded within 200 ms
+#: of its announcement, and a generate replica asks Redis at most 5 times a second however fast it decodes.
+IN_FLIGHT_POLL_S = 0.2
+
+
+def in_flight_for(ctx: StageContext, version: int) -> InFlight | None:
+    """``generate.in_flight_updates``: what the generator needs to load newly announced weights between two
+    decoding steps (docs/async.md "In-flight updates"); None when off."""
+    gen = ctx.topology.generate
+    if not gen.in_flight_updates:
+        return None
+    from expstream.models.decode_loop import InFlight
+
+    polled = {"at": time.monotonic(), "version": int(version)}
+
+    def poll() -> int:
+        now = time.monotonic()
+        if now - polled["at"] >= IN_FLIGHT_POLL_S:
+            polled["at"], polled["version"] = now, int(refresh_weights(ctx, "actor"))
+        return polled["version"]
+
+    return InFlight(poll=poll, version=int(version), mode=gen.in_flight_mode)
 
 
 def _ragged(rows: list, dtype: type) -> Ragged:
