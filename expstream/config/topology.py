@@ -157,6 +157,9 @@ class GenerateConfig:
     # between two decoding steps; keep: the KV cache stays, recompute: prompt + tokens so far are prefilled again
     in_flight_updates: bool = False
     in_flight_mode: str = "keep"
+    # a generation stopped by SIGTERM / scale-down goes back to the input topic with its prefix (tokens, versions,
+    # log-probs) and whichever replica reads it continues from there (docs/async.md "Resumable generations")
+    resumable: bool = False
 
     def __post_init__(self) -> None:
         _check(self.in_flight_mode in ("keep", "recompute"), "generate.in_flight_mode",
@@ -550,10 +553,11 @@ def _switch_stages(topo: Topology) -> None:
 
 def _check_cross_fields(topo: Topology) -> None:
     algo, gen, models = topo.algo, topo.generate, topo.models
-    if gen.in_flight_updates and gen.backend == "vllm":
-        raise ConfigError("generate.in_flight_updates: not available with generate.backend=vllm (docs/async.md "
-                          "\"In-flight updates\" says why)", field="generate.in_flight_updates",
-                          fix="use generate.backend=transformers, or set generate.in_flight_updates=false")
+    for knob in ("in_flight_updates", "resumable"):
+        if getattr(gen, knob) and gen.backend == "vllm":
+            raise ConfigError(f"generate.{knob}: not available with generate.backend=vllm (docs/async.md "
+                              "\"In-flight updates\" says why)", field=f"generate.{knob}",
+                              fix=f"use generate.backend=transformers, or set generate.{knob}=false")
     if topo.rewards.sources is None and models.reward is None and models.reward_fn is None:
         raise ConfigError("models.reward: no reward source: set models.reward to a model directory (or builtin:tiny) "
                           "or models.reward_fn to 'module:function', or name sources under rewards.sources")

@@ -36,7 +36,8 @@ from torch import Tensor
 
 from expstream.errors import ShutdownRequested
 
-__all__ = ["IN_FLIGHT_MODES", "InFlight", "LoopResult", "PartialGeneration", "prefix_tensor", "sample_loop"]
+__all__ = ["IN_FLIGHT_MODES", "InFlight", "LoopResult", "PartialGeneration", "cut_at_stop", "finished_in_prefix",
+           "prefix_tensor", "sample_loop"]
 
 #: ``generate.in_flight_mode`` values (see the module docstring).
 IN_FLIGHT_MODES = ("keep", "recompute")
@@ -144,6 +145,28 @@ def sample_loop(
         done = done | torch.isin(nxt, stops)
         pending = nxt[:, None]
     return LoopResult(seq[:, start:], _versions(versions, rows), swaps)
+
+
+def cut_at_stop(generated: list[list[int]], stops: set[int], max_new_tokens: int) -> list[list[int]]:
+    """Each row up to and including its first stop token, else its first ``max_new_tokens`` tokens.
+
+    A row without a stop token ran to max_new_tokens (generation only ends early once every row
+    has stopped), so it is never padded.
+    """
+    result: list[list[int]] = []
+    for row in generated:
+        cut = next((j + 1 for j, tok in enumerate(row) if tok in stops), None)
+        result.append(row[:cut] if cut is not None else row[:max_new_tokens])
+    return result
+
+
+def finished_in_prefix(prefix: list[list[int]] | None, result: list[list[int]], stops: list[int]) -> list[list[int]]:
+    """A resumed generation's rows: a row whose prefix already ended at a stop token gets no continuation
+    (the loop only padded it); the others as they are."""
+    if prefix is None:
+        return result
+    ends = set(stops)
+    return [[] if any(t in ends for t in p) else r for p, r in zip(prefix, result, strict=True)]
 
 
 def prefix_tensor(prefix: list[list[int]], pad_id: int, device: torch.device) -> Tensor:

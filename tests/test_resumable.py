@@ -1,0 +1,96 @@
+"""Resumable generations (issue 26 item 3) against the real broker and Redis.
+
+A generate replica asked to stop mid-generation (SIGTERM, scale-down: the runner's stop flag) with
+``generate.resumable`` hands the sequences in flight back to its input topic with their prefix and commits
+the prompt record; another replica reads that record and continues from the prefix, under the weights it has
+loaded by then (announced in Redis, read from the weight store). One rollout record per prompt record, every
+sample id once, final tokens = prefix + continuation, per-token versions and log-probs kept.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from expstream.kafka.clients import read_topic, topic_lag
+from expstream.state import RedisState
+from expstream.train.weights import open_store
+from schemas import PromptBatch, SampleBatch, decode, encode
+from stages import generate
+from stages.context import make_context
+from stages.runner import StageRunner
+from tests.runners import Running
+from tests.test_runner import produce, stage_topology
+
+pytestmark = pytest.mark.integration
+STOP_AFTER = 12  # decoding steps before replica A is asked to stop
+TOKENS = 48  # min = max new tokens: every row runs the whole length
+
+
+def test_a_stopped_generation_is_continued_by_another_replica(broker, redis_url, model_cache, tmp_path):
+    store_dir = tmp_path / "weights"
+    topo = stage_topology(broker, "generate", f"models.cache_dir={model_cache}", "generate.n_samples_per_prompt=2",
+                          f"generate.max_new_tokens={TOKENS}", f"generate.min_new_tokens={TOKENS}",
+                          "generate.resumable=true", "generate.in_flight_updates=true", "train.enabled=true",
+                          f"train.weight_store={store_dir}", "train.batch_size=64")
+    run_id = f"r{uuid.uuid4().hex[:8]}"
+    src, dst = topo.stages["generate"].input, topo.stages["generate"].output
+    produce(broker, src, [encode(PromptBatch(batch_id="p0", prompt_id=["a", "b"], prompt=["Hello there", "Add two"],
+                                             label=["", ""], reference=["", ""]))])
+
+    state_a = RedisState(redis_url, run_id)
+    ctx_a = make_context(topo, "generate", state=state_a, run_id=run_id, replica_id="0")
+    generate.setup(ctx_a)
+    steps = {"n": 0}
+    runner_a = StageRunner(ctx_a, generate.process, broker)
+
+    def stop_mid_generation() -> bool:  # what SIGTERM does, between two decoding steps
+        steps["n"] += 1
+        if steps["n"] > STOP_AFTER:
+            runner_a.stop_requested = True
+        return runner_a.stop_requested
+
+    ctx_a.should_stop = stop_mid_generation
+    running_a = Running(runner_a)
+    running_a.thread.join(120)
+    assert not running_a.thread.is_alive() and running_a.error is None, running_a.error
+    records = list(read_topic(broker, topo.kafka, src, timeout_s=5))
+    assert len(records) == 2, "the prefix went back to the input topic"
+    partial = decode(records[1].value)
+    assert isinstance(partial, SampleBatch) and partial.batch_id == "p0"
+    assert [len(r) for r in partial.response_ids.rows()] == [STOP_AFTER] * 4
+    assert [r.tolist() for r in partial.token_versions.rows()] == [[0] * STOP_AFTER] * 4
+    assert list(read_topic(broker, topo.kafka, dst, timeout_s=2)) == [], "nothing produced by the stopped replica"
+
+    # the trainer publishes version 1 meanwhile: replica B loads it and continues under it
+    model = ctx_a.models["generator"].model
+    v1 = {k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    open_store(str(store_dir)).publish("actor", 1, v1, step=0, offsets={}, run_id=run_id)
+    state_a.set_policy_version(1)
+    state_b = RedisState(redis_url, run_id)
+    ctx_b = make_context(topo, "generate", state=state_b, run_id=run_id, replica_id="1")
+    generate.setup(ctx_b)
+    running_b = Running(StageRunner(ctx_b, generate.process, broker))
+    try:
+        running_b.wait(lambda: running_b.runner.handled >= 1, 120, "the partial generation continued")
+    finally:
+        running_b.stop()
+    outs = [decode(r.value) for r in read_topic(broker, topo.kafka, dst, timeout_s=5)]
+    assert len(outs) == 1, "one rollout record per prompt record"
+    final = outs[0]
+    assert Counter(final.sample_ids()) == Counter(["a#0", "a#1", "b#0", "b#1"])
+    assert msgpack.unpackb(encode(final), raw=False)["version"] == 4
+    for pre, full, pre_lp, lp in zip(partial.response_ids.rows(), final.response_ids.rows(),
+                                     partial.rollout_log_probs.rows(), final.rollout_log_probs.rows(), strict=True):
+        assert len(full) == TOKENS and full[:STOP_AFTER].tolist() == pre.tolist()  # prefix + continuation
+        np.testing.assert_array_equal(lp[:STOP_AFTER], pre_lp)
+    assert [r.tolist() for r in final.token_versions.rows()] == [[0] * STOP_AFTER + [1] * (TOKENS - STOP_AFTER)] * 4
+    assert final.rollout_version == [0] * 4, "the oldest token's version (the one admitted under)"
+    assert topic_lag(broker, topo.kafka, running_b.runner.group_id, src) == {0: 0}, "both records committed"
+    state_a.close()
+    state_b.close()
