@@ -94,3 +94,46 @@ def test_a_stopped_generation_is_continued_by_another_replica(broker, redis_url,
     assert topic_lag(broker, topo.kafka, running_b.runner.group_id, src) == {0: 0}, "both records committed"
     state_a.close()
     state_b.close()
+
+
+@pytest.mark.e2e
+def test_a_continuous_run_with_in_flight_updates_bounds_staleness_by_the_oldest_token(tmp_path, model_cache):
+    """`expstream run --continuous` with in-flight updates (real broker and redis-server of its own): every trained
+    sample's oldest token is at most k versions behind the step that trains it (read from the recorded
+    experiences, not from the trainer's own histogram), and train.jsonl counts the mixed-version samples."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from expstream.tools.samples import iter_located
+
+    root = Path(__file__).resolve().parents[1]
+    steps, k = 4, 1
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {i}?"}) + "\n" for i in range(5)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "expstream", "run", "--continuous", "--prompts", str(prompts), "--output", str(out),
+           "--no-progress"]
+    for s in (f"models.cache_dir={model_cache}", "generate.max_new_tokens=64", "generate.min_new_tokens=8",
+              "generate.n_samples_per_prompt=2", "run.prompt_batch_size=2", "train.batch_size=8",
+              "run.timeout_s=300", f"train.max_steps={steps}", f"async.max_staleness={k}",
+              "generate.in_flight_updates=true"):
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(steps))
+    oldest: dict[str, int] = {}
+    for loc in iter_located(out, "experiences"):
+        rows = [r.tolist() for r in loc.batch.token_versions.rows()]  # in-flight: every record carries them
+        for sid, versions, v in zip(loc.batch.sample_ids(), rows, loc.batch.rollout_version, strict=True):
+            assert min(versions) >= v, "no token older than the version the sample was admitted under"
+            oldest[sid] = min(versions)
+    mixed = 0
+    for x in lines:
+        assert isinstance(x["mixed_version_samples"], int)
+        mixed += x["mixed_version_samples"]
+        for sid in x["sample_ids"]:
+            assert x["step"] - oldest[sid] <= k, (sid, x["step"], oldest[sid])
+    print(f"mixed-version samples over {steps} steps: {mixed}")
