@@ -214,6 +214,10 @@ def resume(partial: SampleBatch, ctx: StageContext) -> SampleBatch | BackToInput
                                 "generation (layout '', response_ids, rollout_log_probs, rollout_version); only "
                                 "generate itself writes SampleBatches there")
     gen = ctx.topology.generate
+    if gen.backend != "transformers":
+        raise PoisonRecordError(f"generate: partial generation {partial.batch_id!r} needs generate.backend=transformers "
+                                "to be continued (a vLLM replica cannot prefill a prefix); redrive it to a "
+                                "transformers generate")
     prefix = [r.tolist() for r in partial.response_ids.rows()]
     prompts = [r.tolist() for r in partial.prompt_ids.rows()]
     in_flight = in_flight_for(ctx, refresh_weights(ctx, "actor"), resuming=True)

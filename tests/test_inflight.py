@@ -134,7 +134,7 @@ def test_stop_keeps_the_prefix_and_a_resume_continues_it(tiny):
         torch.testing.assert_close(torch.tensor(rest_lp[row]), under_v1[4:], atol=1e-5, rtol=0)
 
 
-def test_vllm_in_flight_is_refused_before_any_stage_starts(tmp_path):
+def test_vllm_resumable_is_refused_before_any_stage_starts(tmp_path):
     import subprocess
     import sys
 
@@ -142,8 +142,8 @@ def test_vllm_in_flight_is_refused_before_any_stage_starts(tmp_path):
     prompts.write_text('{"prompt": "hi"}\n')
     proc = subprocess.run([sys.executable, "-m", "expstream", "run", "--output", str(tmp_path / "run"),
                            "--prompts", str(prompts),
-                           "--set", "generate.backend=vllm", "--set", "generate.in_flight_updates=true"],
+                           "--set", "generate.backend=vllm", "--set", "generate.resumable=true"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "generate.in_flight_updates" in proc.stderr and "backend=vllm" in proc.stderr
+    assert "generate.resumable" in proc.stderr and "backend=vllm" in proc.stderr
     assert not (tmp_path / "run" / "logs").exists()

@@ -553,11 +553,10 @@ def _switch_stages(topo: Topology) -> None:
 
 def _check_cross_fields(topo: Topology) -> None:
     algo, gen, models = topo.algo, topo.generate, topo.models
-    for knob in ("in_flight_updates", "resumable"):
-        if getattr(gen, knob) and gen.backend == "vllm":
-            raise ConfigError(f"generate.{knob}: not available with generate.backend=vllm (docs/async.md "
-                              "\"In-flight updates\" says why)", field=f"generate.{knob}",
-                              fix=f"use generate.backend=transformers, or set generate.{knob}=false")
+    if gen.resumable and gen.backend == "vllm":
+        raise ConfigError("generate.resumable: not available with generate.backend=vllm (docs/async.md \"Resumable "
+                          "generations\" says why)", field="generate.resumable",
+                          fix="use generate.backend=transformers, or set generate.resumable=false")
     if topo.rewards.sources is None and models.reward is None and models.reward_fn is None:
         raise ConfigError("models.reward: no reward source: set models.reward to a model directory (or builtin:tiny) "
                           "or models.reward_fn to 'module:function', or name sources under rewards.sources")
