@@ -102,3 +102,14 @@ def test_token_versions_travel_through_shard_preprocess_to_buffer_items():
         action_log_probs=f32([[0.0] * 3, [0.0] * 2]), returns=f32([[0.0] * 3, [0.0] * 2]),
         advantages=f32([[0.0] * 3, [0.0] * 2]))
     assert Experience(**padded_fields(plain)).token_versions is None
+
+
+def test_show_prints_the_version_of_each_token():
+    from expstream.tools.samples import Located, split_samples
+    from expstream.tools.showview import sample_dict
+
+    batch = decode(encode(rollouts([[2, 3, 3], [4], [2, 2, 2]])))
+    view = sample_dict(split_samples(batch, Located("t[0]@0", None, batch, None))[0])
+    assert view["tokens"]["version"] == [2, 3, 3] and view["tokens"]["rollout_lp"] == [-0.5, -1.5, -2.5]
+    plain = decode(encode(rollouts()))
+    assert "version" not in sample_dict(split_samples(plain, Located("t[0]@0", None, plain, None))[0])["tokens"]
