@@ -117,7 +117,8 @@ def _mean(xs: list[Any]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> str:
+def plot(results: list[dict[str, Any]], path: Path,
+         title: str = "reward per step, synchronous (k=0) vs asynchronous") -> str:
     try:
         import matplotlib
 
@@ -131,7 +132,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> str:
         ax.plot(range(len(r["reward"])), r["reward"], marker=".", label=label)
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward (mean over the step's samples)")
-    ax.set_title("reward per step, synchronous (k=0) vs asynchronous")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +173,8 @@ def long_tail(args: argparse.Namespace, ks: list[int], sets: list[str], work: Pa
                  for i in range(steps)], title="reward per step"))
     for r in results:
         r["k"] = r["name"]  # the plot's legend
-    note = plot(results, RESULTS_DIR / "async-inflight-rewards.png")
+    note = plot(results, RESULTS_DIR / "async-inflight-rewards.png",
+                title=f"reward per step, in-flight updates off vs on (max_new_tokens={args.max_new_tokens})")
     print(note)
     save("async-inflight", {"bench": "async-inflight", "steps": args.steps, "overrides": sets + workload,
                             "machine": machine(), "results": results, "png": note})
