@@ -29,7 +29,7 @@ from tests.test_runner import produce, stage_topology
 
 pytestmark = pytest.mark.integration
 STOP_AFTER = 12  # decoding steps before replica A is asked to stop
-TOKENS = 48  # min = max new tokens: every row runs the whole length
+TOKENS = 32  # min = max new tokens: every row runs the whole length
 
 
 def test_a_stopped_generation_is_continued_by_another_replica(broker, redis_url, model_cache, tmp_path):
@@ -115,7 +115,7 @@ def test_a_continuous_run_with_in_flight_updates_bounds_staleness_by_the_oldest_
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "expstream", "run", "--continuous", "--prompts", str(prompts), "--output", str(out),
            "--no-progress"]
-    for s in (f"models.cache_dir={model_cache}", "generate.max_new_tokens=64", "generate.min_new_tokens=8",
+    for s in (f"models.cache_dir={model_cache}", "generate.max_new_tokens=32", "generate.min_new_tokens=8",
               "generate.n_samples_per_prompt=2", "run.prompt_batch_size=2", "train.batch_size=8",
               "run.timeout_s=300", f"train.max_steps={steps}", f"async.max_staleness={k}",
               "generate.in_flight_updates=true"):
