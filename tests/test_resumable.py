@@ -92,6 +92,8 @@ def test_a_stopped_generation_is_continued_by_another_replica(broker, redis_url,
     assert [r.tolist() for r in final.token_versions.rows()] == [[0] * STOP_AFTER + [1] * (TOKENS - STOP_AFTER)] * 4
     assert final.rollout_version == [0] * 4, "the oldest token's version (the one admitted under)"
     assert topic_lag(broker, topo.kafka, running_b.runner.group_id, src) == {0: 0}, "both records committed"
+    flow = state_b.flows()["generate"]  # accounted once, by the record that finished it: nothing left in flight
+    assert (flow.get("in"), flow.get("out"), flow.get("dead", 0)) == (4, 4, 0), flow
     state_a.close()
     state_b.close()
 
