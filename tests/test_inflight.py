@@ -8,6 +8,7 @@ samples exactly what ``model.generate`` samples (the same logits chain).
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -147,3 +148,59 @@ def test_vllm_resumable_is_refused_before_any_stage_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "generate.resumable" in proc.stderr and "backend=vllm" in proc.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.integration
+def test_the_stage_loads_an_announced_version_mid_generation_through_redis_and_the_store(model_cache, redis_url,
+                                                                                         tmp_path):
+    """The generate stage with in-flight updates (recompute), its follower on a real Redis and weight store: a
+    version published and announced while a generation runs is loaded between two decoding steps; the tokens
+    before the swap have the old version's log-probs, those after the new one's (independent forward passes)."""
+    import uuid
+
+    from expstream.state import RedisState
+    from expstream.train.weights import open_store
+    from schemas import PromptBatch
+    from stages import generate
+    from stages.context import make_context
+
+    steps = 48
+    topo = load_topology(overrides=[
+        f"models.cache_dir={model_cache}", "generate.n_samples_per_prompt=2", f"generate.max_new_tokens={steps}",
+        f"generate.min_new_tokens={steps}", "generate.in_flight_updates=true", "generate.in_flight_mode=recompute",
+        "train.enabled=true", f"train.weight_store={tmp_path / 'weights'}", "train.batch_size=64"])
+    run_id = f"f{uuid.uuid4().hex[:8]}"
+    state = RedisState(redis_url, run_id)
+    ctx = make_context(topo, "generate", state=state, run_id=run_id)
+    generate.setup(ctx)
+    model, tok = ctx.models["generator"].model, ctx.models["tokenizer"]
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    v1 = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) if v.is_floating_point()
+          else v.clone() for k, v in v0.items()}
+    calls = {"n": 0}
+
+    def trainer_publishes_at_step_5() -> bool:  # and decoding slowed to 20 ms a step: the follower polls every 0.2 s
+        calls["n"] += 1
+        if calls["n"] == 5:
+            open_store(str(tmp_path / "weights")).publish("actor", 1, v1, step=0, offsets={}, run_id=run_id)
+            state.set_policy_version(1)
+        time.sleep(0.02)
+        return False
+
+    ctx.should_stop = trainer_publishes_at_step_5
+    try:
+        [out] = generate.process(PromptBatch(batch_id="p0", prompt_id=["a"], prompt=["Hello there"], label=[""],
+                                             reference=[""]), ctx)
+    finally:
+        state.close()
+    versions = [r.tolist() for r in out.token_versions.rows()]
+    swap = versions[0].index(1)
+    assert 4 <= swap < steps and versions == [[0] * swap + [1] * (steps - swap)] * 2
+    assert out.rollout_version == [0, 0] and ctx.models["actor_follower"].version == 1
+    banned = sorted(set(ctx.models["generator"].stop_token_ids) | set(never_sampled_token_ids(tok, model)))
+    for toks, lp in zip(out.response_ids.rows(), out.rollout_log_probs.rows(), strict=True):
+        prompt, toks, lp = out.prompt_ids.row(0).tolist(), toks.tolist(), torch.from_numpy(lp.copy())
+        torch.testing.assert_close(lp[:swap], independent_log_probs(model, v0, prompt, toks, banned)[:swap],
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(lp[swap:], independent_log_probs(model, v1, prompt, toks, banned)[swap:],
+                                   atol=1e-5, rtol=0)
