@@ -19,7 +19,7 @@ import numpy as np
 from schemas.errors import ValidationError
 from schemas.tensors import Ragged, as_dtype, normalise_indices, short_repr
 
-__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS", "V3_FIELDS", "V4_FIELDS",
+__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS", "V3_FIELDS", "V4_FIELDS", "V5_FIELDS",
            "PROMPT_V2_FIELDS"]
 
 #: Allowed values of ``SampleBatch.layout``.
@@ -27,25 +27,27 @@ LAYOUTS = ("", "padded", "packed")
 #: Action-level ragged fields: each must have exactly the lengths of ``action_ids``.
 ACTION_FIELDS = (
     "action_mask", "action_log_probs", "action_entropy", "base_action_log_probs",
-    "values", "kl", "token_rewards", "advantages", "returns", "rollout_log_probs",
+    "values", "kl", "token_rewards", "advantages", "returns", "rollout_log_probs", "token_versions",
 )  # fmt: skip
 #: Action-level fields that exist before shard-preprocess too: there (no ``action_ids`` yet) they
 #: are response-level, with the lengths of ``response_ids``; shard-preprocess aligns them.
-RESPONSE_LEVEL_BEFORE_ACTIONS = ("rollout_log_probs",)
+RESPONSE_LEVEL_BEFORE_ACTIONS = ("rollout_log_probs", "token_versions")
 #: SampleBatch fields added by schema version 2 (a version-1 record has none of them).
 V2_FIELDS = ("rollout_log_probs", "rollout_version", "logprob_version")
 #: SampleBatch fields added by schema version 3 (visual inputs by claim check; schemas/README.md).
 V3_FIELDS = ("images", "videos", "image_grid_thw", "video_grid_thw")
 #: SampleBatch fields added by schema version 4 (multi-turn episodes; docs/multi_turn.md).
 V4_FIELDS = ("turn_lengths", "turn_rewards", "turn_versions")
+#: SampleBatch fields added by schema version 5 (per-token policy versions, docs/async.md "In-flight updates").
+V5_FIELDS = ("token_versions",)
 #: PromptBatch fields added by schema version 2.
 PROMPT_V2_FIELDS = ("images", "videos")
 #: Wire dtype of every ragged field of SampleBatch.
 RAGGED_DTYPES = {
     "prompt_ids": "int32", "response_ids": "int32", "action_ids": "int32", "action_mask": "bool",
-    "image_grid_thw": "int32", "video_grid_thw": "int32",
+    "image_grid_thw": "int32", "video_grid_thw": "int32", "token_versions": "int32",
     "turn_lengths": "int32", "turn_rewards": "float32", "turn_versions": "int32",
-    **{f: "float32" for f in ACTION_FIELDS if f != "action_mask"},
+    **{f: "float32" for f in ACTION_FIELDS if f not in ("action_mask", "token_versions")},
 }  # fmt: skip
 
 
@@ -225,6 +227,7 @@ class SampleBatch(_Message):
         "returns": "ragged", "info": "arrays",
         "images": "opt_refs", "videos": "opt_refs", "image_grid_thw": "ragged", "video_grid_thw": "ragged",
         "turn_lengths": "ragged", "turn_rewards": "ragged", "turn_versions": "ragged",
+        "token_versions": "ragged",
     }  # fmt: skip
     #: Fields describing the whole micro-batch (not sliced by select / joined by concat).
     PER_BATCH: ClassVar[tuple[str, ...]] = (
@@ -277,6 +280,10 @@ class SampleBatch(_Message):
     turn_lengths: Ragged | None = None  # Ragged int32 (B; 2k-1 or 2k) lengths of those segments, model first
     turn_rewards: Ragged | None = None  # Ragged float32 (B; k or k-1) the environment's reward per model turn
     turn_versions: Ragged | None = None  # Ragged int32 (B; k) policy version that generated each model turn
+    # v5: the policy version each token was sampled under (in-flight weight updates, docs/async.md). Ragged int32
+    # with rollout_log_probs' lengths: (B; o_b) from generate, (B; a_b) from shard-preprocess on. None: every
+    # token of sample b was sampled under rollout_version[b] (every record before version 5).
+    token_versions: Ragged | None = None
 
     def sample_ids(self) -> list[str]:
         """``f"{group_id}#{sample_index}"`` for every sample."""
@@ -327,6 +334,9 @@ class SampleBatch(_Message):
                 raise _err(self, "kl_coef", f"must be finite, got {self.kl_coef}")
         for name, dtype in RAGGED_DTYPES.items():
             self._ragged(name, dtype, B, ids)
+        tv = self.token_versions
+        if tv is not None and tv.values.size and int(tv.values.min()) < 0:
+            raise _err(self, "token_versions", "negative policy versions; versions start at 0 (the initial weights)")
         for name in ("rewards", "processed_rewards"):
             if getattr(self, name) is not None:
                 setattr(self, name, self._vector(name, getattr(self, name), B, ids))

@@ -25,6 +25,7 @@ import numpy as np
 from expstream.errors import PoisonRecordError
 from expstream.rl.episodes import model_token_mask
 from expstream.rl.layout import action_lengths, align_rollout_log_probs, padded_layout, rows_of
+from expstream.rl.versions import align_token_versions
 from schemas import Ragged, SampleBatch
 from stages.context import StageContext
 
@@ -55,7 +56,10 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
         if mb.rollout_log_probs is not None:  # response-level -> aligned with action_ids
             rollout = align_rollout_log_probs(mb.response_ids.rows(), mb.rollout_log_probs.rows(), action_rows)
             changes["rollout_log_probs"] = Ragged.from_rows(rollout, "float32")
-        # one replace: rollout_log_probs turns action-level in the same step as action_ids appears
+        if mb.token_versions is not None:  # per-token versions (in-flight updates): the same alignment
+            versions = align_token_versions(mb.response_ids.rows(), mb.token_versions.rows(), action_rows)
+            changes["token_versions"] = Ragged.from_rows(versions, "int32")
+        # one replace: rollout_log_probs (and token_versions) turn action-level in the same step as action_ids appears
         out.append(mb.replace(**changes))
     return out
 

@@ -265,3 +265,46 @@ def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine
     alive = _processes()
     assert not [p for p in [*generate_pids, *started] if p in alive], (generate_pids, started)
     assert not [p for p, st in alive.items() if int(st[3]) in generate_pids], "a process of a generate session survives"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
+def test_in_flight_update_between_engine_steps_changes_later_log_probs_only(engine, hf, tiny, mode):
+    """generate.in_flight_updates with vLLM (issue 26): a version loaded between two engine steps (on the engine
+    thread, through the follower's path: VllmWeights.load_state_dict) changes the log-probs of the later tokens
+    only; recompute re-prefills the running requests under the new weights (their later log-probs are the new
+    policy's), keep keeps their KV cache."""
+    from expstream.models.decode_loop import InFlight
+    from expstream.models.hf import load_causal_lm
+    from expstream.models.vllm_generator import VllmWeights
+
+    swap_at, steps = 4, 10
+    new = load_causal_lm(tiny["actor"])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    weights, calls = VllmWeights(engine, tiny["actor"]), {"n": 0, "v": 0}
+
+    def poll() -> int:
+        if calls["n"] == swap_at:
+            weights.load_state_dict(new.state_dict())
+            calls["v"] = 1
+        calls["n"] += 1
+        return calls["v"]
+
+    ps = prompts(hf.tokenizer)
+    inf = InFlight(poll=poll, version=0, mode=mode)
+    try:
+        outs, lp = engine.generate(ps, 2, temperature=1.0, max_new_tokens=steps, seed=3, ignore_eos=True,
+                                   return_log_probs=True, in_flight=inf)
+    finally:
+        engine.reload(state_dict=load_causal_lm(tiny["actor"]).state_dict())
+    assert inf.swaps == 1 and all(len(o) == steps for o in outs)
+    assert inf.token_versions == [[0] * swap_at + [1] * (steps - swap_at)] * 6
+    rows = [p for p in ps for _ in range(2)]
+    old_lp, new_lp = recompute(hf.model, rows, outs), recompute(new, rows, outs)
+    for got, old, newer in zip(lp, old_lp, new_lp, strict=True):
+        assert max(abs(a - b) for a, b in zip(got[:swap_at], old[:swap_at], strict=True)) <= TOL
+        assert min(abs(a - b) for a, b in zip(got[swap_at:], old[swap_at:], strict=True)) > TOL
+        if mode == "recompute":
+            assert max(abs(a - b) for a, b in zip(got[swap_at:], newer[swap_at:], strict=True)) <= TOL

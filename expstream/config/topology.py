@@ -162,8 +162,17 @@ class GenerateConfig:
     # CPU backend's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, unless that is set in the environment)
     vllm_max_model_len: int = 512
     vllm_kv_cache_gib: int = 1
+    # in-flight weight updates (docs/async.md "In-flight updates"): a newly announced policy version is loaded
+    # between two decoding steps; keep: the KV cache stays, recompute: prompt + tokens so far are prefilled again
+    in_flight_updates: bool = False
+    in_flight_mode: str = "keep"
+    # a generation stopped by SIGTERM / scale-down goes back to the input topic with its prefix (tokens, versions,
+    # log-probs) and whichever replica reads it continues from there (docs/async.md "Resumable generations")
+    resumable: bool = False
 
     def __post_init__(self) -> None:
+        _check(self.in_flight_mode in ("keep", "recompute"), "generate.in_flight_mode",
+               f"got {self.in_flight_mode!r}; use keep (the KV cache stays) or recompute (re-prefill)")
         _check(self.backend in ("transformers", "vllm"), "generate.backend",
                f"got {self.backend!r}; use transformers (default) or vllm (after `make setup-vllm`)")
         _check(self.vllm_max_model_len >= 2, "generate.vllm_max_model_len", "must be >= 2 tokens")
@@ -579,6 +588,15 @@ def _switch_stages(topo: Topology) -> None:
 
 def _check_cross_fields(topo: Topology) -> None:
     algo, gen, models = topo.algo, topo.generate, topo.models
+    if gen.resumable and gen.backend == "vllm":
+        raise ConfigError("generate.resumable: not available with generate.backend=vllm (docs/async.md \"Resumable "
+                          "generations\" says why)", field="generate.resumable",
+                          fix="use generate.backend=transformers, or set generate.resumable=false")
+    for knob in ("in_flight_updates", "resumable"):
+        if getattr(gen, knob) and topo.environment is not None:
+            raise ConfigError(f"generate.{knob}: not available with an environment block yet (a multi-turn episode "
+                              "records its versions per turn, docs/multi_turn.md)", field=f"generate.{knob}",
+                              fix=f"set generate.{knob}=false, or remove the environment block")
     if topo.rewards.sources is None and models.reward is None and models.reward_fn is None:
         raise ConfigError("models.reward: no reward source: set models.reward to a model directory (or builtin:tiny) "
                           "or models.reward_fn to 'module:function', or name sources under rewards.sources")
