@@ -153,10 +153,24 @@ class GenerateConfig:
     # CPU backend's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, unless that is set in the environment)
     vllm_max_model_len: int = 512
     vllm_kv_cache_gib: int = 1
+    # backend=sglang only (docs/sglang.md): a running server to use instead of one per replica, and the
+    # SGLang environment's python that starts one (None: .venv-sglang of the checkout)
+    sglang_url: str | None = None
+    sglang_python: str | None = None
+    # FIRE sampling (expstream/models/fire.py): the first response token at first_token_temperature
+    use_fire: bool = False
+    first_token_temperature: float = 10.0
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("transformers", "vllm"), "generate.backend",
-               f"got {self.backend!r}; use transformers (default) or vllm (after `make setup-vllm`)")
+        _check(self.backend in ("transformers", "vllm", "sglang"), "generate.backend",
+               f"got {self.backend!r}; use transformers (default), vllm (after `make setup-vllm`) or sglang "
+               "(after `make setup-sglang`)")
+        _check(self.first_token_temperature > 0, "generate.first_token_temperature", "must be > 0")
+        _check(not self.use_fire or self.temperature > 0, "generate.use_fire",
+               "FIRE samples the first token hot and the rest at generate.temperature, which must then be > 0 "
+               "(set use_fire: false for greedy decoding)")
+        _check(self.sglang_url is None or str(self.sglang_url).startswith(("http://", "https://")),
+               "generate.sglang_url", f"got {self.sglang_url!r}; write it as http://host:port")
         _check(self.vllm_max_model_len >= 2, "generate.vllm_max_model_len", "must be >= 2 tokens")
         _check(isinstance(self.vllm_kv_cache_gib, int) and self.vllm_kv_cache_gib >= 1, "generate.vllm_kv_cache_gib", "must be a whole number of GiB >= 1 (vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer)")
         _check(self.n_samples_per_prompt >= 1, "generate.n_samples_per_prompt", "must be >= 1")

@@ -357,6 +357,7 @@ class TransformersGenerator:
         should_stop: Callable[[], bool] | None = None,
         return_log_probs: bool = False,
         model_inputs: Callable[[Tensor], dict[str, Any]] | None = None,
+        first_token_temperature: float | None = None,
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """Generate ``n`` samples per prompt; returns ``len(prompts) * n`` token lists.
 
@@ -378,6 +379,9 @@ class TransformersGenerator:
         is abandoned with :class:`~expstream.errors.ShutdownRequested` (nothing is returned, so a
         stage never emits a cut-short response). A stop therefore waits for at most one forward
         pass (the prompt's prefill, or one token), not for ``max_new_tokens`` of them.
+
+        ``first_token_temperature`` (FIRE, expstream/models/fire.py): the first token is sampled at that
+        temperature, the rest at ``temperature``; needs ``temperature > 0``.
         """
         from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
@@ -394,6 +398,9 @@ class TransformersGenerator:
             attention_mask[i, width - len(r) :] = 1
 
         greedy = temperature == 0
+        if first_token_temperature is not None and (greedy or not first_token_temperature > 0):
+            raise ValueError(f"first_token_temperature={first_token_temperature} needs temperature > 0 and a "
+                             f"positive first_token_temperature (temperature={temperature})")
         # The whole logits chain is ours (HF adds none: no suppress_tokens / min_new_tokens /
         # warpers in the config), in HF's own order and with HF's own classes, so the tokens are
         # those of plain `model.generate` with these settings, and the behaviour log-probs can be
@@ -401,7 +408,7 @@ class TransformersGenerator:
         recorder = _BehaviourLogProbs() if return_log_probs else None
         chain = self._logits_chain(
             width, greedy, temperature, top_k, top_p,
-            max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder,
+            max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder, first_token_temperature,
         )  # fmt: skip
         cfg = GenerationConfig(
             do_sample=not greedy,
@@ -478,13 +485,14 @@ class TransformersGenerator:
 
     def _logits_chain(
         self, width: int, greedy: bool, temperature: float, top_k: int, top_p: float, min_new_tokens: int,
-        recorder: _BehaviourLogProbs | None,
+        recorder: _BehaviourLogProbs | None, first_token_temperature: float | None = None,
     ) -> Any:
         """The logits processors of one generation, in the order HF builds them.
 
         Token suppression (EOS before ``min_new_tokens``; the pad token), then, when sampling,
         temperature -> top-k -> top-p. ``recorder`` reads the raw logits when greedy (the plain
         softmax) and the fully processed scores when sampling (the distribution sampled from).
+        FIRE's first-step rescaling (``first_token_temperature``) comes right before the temperature warper.
         """
         from transformers import (
             LogitsProcessorList,
@@ -504,6 +512,10 @@ class TransformersGenerator:
         if self.suppress_token_ids:
             chain.append(SuppressTokensLogitsProcessor(list(self.suppress_token_ids), device=self.device))
         if not greedy:
+            if first_token_temperature is not None:
+                from expstream.models.fire import FirstTokenTemperature
+
+                chain.append(FirstTokenTemperature(width, float(temperature) / float(first_token_temperature)))
             if float(temperature) != 1.0:
                 chain.append(TemperatureLogitsWarper(float(temperature)))
             if top_k > 0:

@@ -181,15 +181,25 @@ class VllmGenerator:
         ignore_eos: bool = False,
         should_stop: Callable[[], bool] | None = None,
         return_log_probs: bool = False,
+        first_token_temperature: float | None = None,
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """``n`` samples per prompt in one engine batch; the contract of TransformersGenerator.generate.
 
         ``seed`` seeds prompt g's requests with ``seed + g``, so a micro-batch samples the same
         tokens whenever it is (re)processed, whatever else the engine is doing.
+        ``first_token_temperature`` (FIRE): two engine calls, expstream.models.fire.generate_two_phase.
         """
         from expstream.models.hf import check_generate_args
 
         check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
+        if first_token_temperature is not None and first_token_temperature != temperature:
+            from expstream.models.fire import generate_two_phase
+
+            tokens, lps = generate_two_phase(
+                self.generate, prompts, n, first_token_temperature=first_token_temperature, temperature=temperature,
+                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, stop_token_ids=self.stop_token_ids,
+                seed=seed, ignore_eos=ignore_eos, top_p=top_p, top_k=top_k, should_stop=should_stop)
+            return (tokens, lps) if return_log_probs else tokens
         if self._closed:
             raise RuntimeError("VllmGenerator.generate after close()")
         if not prompts:
