@@ -61,7 +61,8 @@ def teardown(ctx: StageContext) -> None:
     close = getattr(ctx.models.get("generator"), "close", None)
     if close is not None:
         close()
-        ctx.log.info("generate: %s engine shut down", ctx.topology.generate.backend)
+        name = {"vllm": "vLLM", "sglang": "SGLang"}.get(ctx.topology.generate.backend, ctx.topology.generate.backend)
+        ctx.log.info("generate: %s engine shut down", name)
 
 
 def committed(batches: list, ctx: StageContext) -> None:
