@@ -1,8 +1,7 @@
 """FIRE sampling (issue 27): the first response token at first_token_temperature, the rest at temperature.
 
-The transformers backend here, and the two-phase path of the engine backends (vLLM, SGLang) run on the
-transformers generator as its engine; the engines themselves are checked in tests/test_vllm.py and
-tests/test_sglang.py. Every expected log-prob comes from an independent forward pass of the model.
+The transformers backend here, and the two-phase path of the SGLang backend run on the transformers
+generator as its engine; the engines themselves are checked in tests/test_vllm.py and tests/test_sglang.py. Every expected log-prob comes from an independent forward pass of the model.
 """
 
 from __future__ import annotations
@@ -111,8 +110,8 @@ def test_transformers_first_tokens_of_a_group_are_more_diverse_with_fire(gens):
     assert distinct_first_tokens(fire, 16) >= 4
 
 
-def test_two_phase_fire_of_the_engine_backends_samples_hot_first_and_continues_at_temperature(gens):
-    """generate_two_phase (what the vLLM and SGLang backends run) with the transformers generator as engine."""
+def test_two_phase_fire_samples_hot_first_and_continues_at_temperature(gens):
+    """generate_two_phase (what the SGLang backend runs) with the transformers generator as engine."""
     from expstream.models.fire import generate_two_phase
 
     gen = gens[0]

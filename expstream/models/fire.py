@@ -6,17 +6,21 @@ from ``softmax(logits / first_token_temperature)`` and every later one from ``so
 temperature)``; top-k and top-p apply to both, and the behaviour log-prob of the first token is its
 log-prob under the hot distribution (docs/numerics.md "FIRE sampling").
 
-Two ways, one per kind of backend:
+Three backends, two ways:
 
 * transformers: :class:`FirstTokenTemperature`, a logits processor placed before the temperature
   warper, multiplies the first step's scores by ``temperature / first_token_temperature`` (so the
   warper's division by ``temperature`` leaves ``logits / first_token_temperature``); later steps pass
   through untouched. With equal temperatures the factor is exactly 1.0 and the scores are unchanged
   bit for bit.
-* engines behind a request API (vLLM, SGLang): :func:`generate_two_phase` asks the engine for one
-  token per sample at the hot temperature, then continues every sample from ``prompt + first token``
-  at ``temperature`` (the prompt's KV is reused from the prefix cache). With equal temperatures it is
-  not used at all (the plain one-phase call samples exactly as without FIRE).
+* vLLM: the same rescaling by an engine-level logits processor driven by a per-request argument
+  (:mod:`expstream.models.vllm_fire`; vLLM refuses temperatures above 2, so the hot temperature cannot
+  be a request's own). One engine call, seeds unchanged.
+* SGLang (custom logit processors there are pickled callables behind a server flag):
+  :func:`generate_two_phase` asks the server for one token per sample at the hot temperature, then
+  continues every sample from ``prompt + first token`` at ``temperature`` (the prompt's KV comes from
+  the radix cache). With equal temperatures it is not used at all (the plain one-phase call samples
+  exactly as without FIRE).
 """
 
 from __future__ import annotations
