@@ -145,3 +145,31 @@ def test_two_phase_fire_ends_a_sample_whose_first_token_is_a_stop_token(gens):
     assert outs == [[eos], [7, 8, 9]] and lp == [[-0.5], [-0.25, -1.0, -2.0]]
     assert calls[0][2]["temperature"] == HOT and calls[1][2]["temperature"] == T
     assert calls[1][0] == [[1, 2, 7]] and calls[1][2]["max_new_tokens"] == 2
+
+
+def test_the_generate_stage_samples_with_fire_when_use_fire_is_on(model_cache):
+    """stages/generate.py hands generate.first_token_temperature to the generator: the rollout log-probs
+    of a record's first tokens are those of the hot distribution (pad never sampled, EOS not before
+    min_new_tokens=1), the later ones at temperature."""
+    from harness import example_prompt_batches
+
+    from expstream.config.topology import load_topology
+    from stages import generate
+    from stages.context import make_context
+
+    topo = load_topology(overrides=[f"models.cache_dir={model_cache}", "generate.use_fire=true",
+                                    "generate.temperature=0.7", "generate.first_token_temperature=5.0"])
+    ctx = make_context(topo, "generate")
+    generate.setup(ctx)
+    out = generate.process(example_prompt_batches(topo, "fire", 1)[0], ctx)[0]
+    gen = ctx.models["generator"]
+    never, stops = list(gen.suppress_token_ids), list(gen.stop_token_ids)
+    for i in range(len(out.response_ids)):
+        prompt, response = [int(t) for t in out.prompt_ids.row(i)], [int(t) for t in out.response_ids.row(i)]
+        with torch.no_grad():
+            logits = gen.model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+        logits[:, never] = -float("inf")
+        logits[0, stops] = -float("inf")
+        want = [float(torch.log_softmax(logits[t] / (5.0 if t == 0 else 0.7), -1)[tok]) for t, tok in enumerate(response)]
+        got = [float(x) for x in out.rollout_log_probs.row(i)]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL, (i, got, want)
