@@ -301,7 +301,7 @@ class SamplingSupport:
 
     @classmethod
     def of(cls, tokenizer: Any, model: Any, backend: str, min_new_tokens: int) -> SamplingSupport:
-        """The support of ``generate.backend`` (``transformers`` | ``vllm``) for this tokenizer and model."""
+        """The support of ``generate.backend`` (``transformers`` | ``vllm`` | ``sglang``) for this tokenizer and model."""
         never = never_sampled_token_ids(tokenizer, model) if backend == "transformers" else []
         return cls(tuple(never), tuple(stop_token_ids(tokenizer, model)), max(0, int(min_new_tokens)))
 
