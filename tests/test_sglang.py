@@ -155,6 +155,18 @@ def test_a_published_version_updates_the_server_in_place(engine, hf, tiny, tmp_p
     assert restored == before
 
 
+def test_an_existing_server_at_sglang_url_is_used_and_left_running(engine, hf):
+    from expstream.models.sglang_generator import SglangGenerator
+
+    other = SglangGenerator(engine.model_dir, hf.tokenizer, url=engine.url + "/")
+    assert other.server is None and other.url == engine.url
+    ps = prompts(hf.tokenizer)
+    want = engine.generate(ps, 1, temperature=0, max_new_tokens=5, ignore_eos=True)
+    assert other.generate(ps, 1, temperature=0, max_new_tokens=5, ignore_eos=True) == want
+    other.close()
+    assert engine.generate(ps, 1, temperature=0, max_new_tokens=5, ignore_eos=True) == want, "still serving"
+
+
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "expstream", *args], cwd=ROOT, env=env, capture_output=True,
