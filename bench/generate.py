@@ -256,7 +256,8 @@ def main() -> int:
         from generate_sglang import sglang_section
 
         sglang_rows, results["sglang"] = sglang_section(args, topology, stage_context, run_stage, rows, batches,
-                                                        max(rate["transformers_1t"], rate["transformers_2t"]))
+                                                        max(rate["transformers_1t"], rate["transformers_2t"]),
+                                                        stage_overhead_ms)
     if not args.vllm:
         print(table(["measure", "tokens/s or figure", "ratio", "goal"],
                     [["transformers stage, 1 thread", fmt(rate["transformers_1t"], ".0f"), "", ""],

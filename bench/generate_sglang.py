@@ -43,7 +43,7 @@ def _bare(ctx: Any, token_batches: list[list[list[int]]], seeds: list[int]) -> t
 
 
 def sglang_section(args: Any, topology: Any, stage_context: Any, run_stage: Any, rows: list, batches: list,
-                   best_tf: float) -> tuple[list[list[str]], dict[str, Any]]:
+                   best_tf: float, stage_overhead_ms: Any) -> tuple[list[list[str]], dict[str, Any]]:
     """Table rows and results of the SGLang measurements (the helpers are bench/generate.py's)."""
     from expstream.launch.prompts import prompt_batches
     from expstream.models.hf import load_causal_lm
@@ -73,6 +73,8 @@ def sglang_section(args: Any, topology: Any, stage_context: Any, run_stage: Any,
                 count, seconds, _cpu = fn()
                 passes.setdefault(name, []).append(round(count / seconds))
                 rate[name] = max(rate.get(name, 0.0), count / seconds)
+        progress("sglang: the stage's own work per record")
+        overhead = {"per_record": stage_overhead_ms(ctx, batches[0]), "one_record": stage_overhead_ms(ctx, whole[0])}
         progress("sglang weight update")
         sd = load_causal_lm(model_dir(topo, "actor")).state_dict()
         gen = ctx.models["generator"]
@@ -96,11 +98,13 @@ def sglang_section(args: Any, topology: Any, stage_context: Any, run_stage: Any,
         ["median of paired passes, SGLang stage / bare: per record, one record",
          f"{fmt(paired['per_record'])}x, {fmt(paired['one_record'])}x", "", ">= 0.95x"],
         ["best SGLang stage / best transformers", fmt(ratio(best_stage, best_tf)) + "x", "", ""],
+        [f"the SGLang stage's own CPU per record, 2 / {len(rows)} prompts",
+         f"{fmt(overhead['per_record'])} / {fmt(overhead['one_record'])} ms", "outside the /generate call", ""],
         ["SGLang weight update in the stage (median of 5)", fmt(sorted(reloads)[2] * 1000, ".1f") + " ms",
          "/update_weights_from_disk + /flush_cache", ""],
         ["SGLang server start (stage setup)", fmt(start_s) + " s", "", ""],
     ]
-    results = {"rates": rate, "passes": passes, "paired_median_stage_vs_bare": paired, "reload_s": reloads,
+    results = {"rates": rate, "stage_overhead_ms": overhead, "passes": passes, "paired_median_stage_vs_bare": paired, "reload_s": reloads,
                "server_start_s": round(start_s, 2), "stage_vs_bare": ratio(best_stage, best_bare),
                "stage_vs_transformers": ratio(best_stage, best_tf)}
     return out, results
