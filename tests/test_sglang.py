@@ -167,6 +167,20 @@ def test_an_existing_server_at_sglang_url_is_used_and_left_running(engine, hf):
     assert engine.generate(ps, 1, temperature=0, max_new_tokens=5, ignore_eos=True) == want, "still serving"
 
 
+def test_a_stop_abandons_the_generation_and_aborts_its_requests(engine, hf):
+    """SIGTERM in a stage sets should_stop: the running /generate is aborted (/abort_request per row) and
+    ShutdownRequested raised (the micro-batch is left uncommitted); the server serves the next call."""
+    from expstream.errors import ShutdownRequested
+
+    ps = prompts(hf.tokenizer)
+    t0 = time.monotonic()
+    with pytest.raises(ShutdownRequested, match="abandoned"):
+        engine.generate(ps, 4, temperature=1.0, max_new_tokens=2000, ignore_eos=True,
+                        should_stop=lambda: time.monotonic() > t0 + 0.3)
+    assert engine.generate(ps, 1, temperature=0, max_new_tokens=4, ignore_eos=True) == \
+        hf.generate(ps, 1, temperature=0, max_new_tokens=4, ignore_eos=True)
+
+
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "expstream", *args], cwd=ROOT, env=env, capture_output=True,
