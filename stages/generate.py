@@ -43,6 +43,19 @@ def setup(ctx: StageContext) -> None:
         # weights published by the trainer reload into the engine in place (VllmGenerator.reload)
         ctx.models["actor_follower"] = follower_for(ctx, "actor", VllmWeights(generator, actor))
         return
+    if topo.generate.backend == "sglang":
+        from expstream.models.sglang_generator import SglangGenerator, SglangWeights, check_generate_config
+
+        check_generate_config(topo.generate)
+        gen = topo.generate
+        actor = model_dir(topo, "actor")
+        generator = SglangGenerator(actor, tok, url=gen.sglang_url, python=gen.sglang_python,
+                                    device=topo.models.device, seed=topo.run.seed)
+        ctx.log.info("generate: SGLang server %s for %s ready in %.2f s", generator.url, actor, generator.startup_s)
+        ctx.models["generator"] = generator
+        # weights published by the trainer: /update_weights_from_disk, then /flush_cache (SglangGenerator.reload)
+        ctx.models["actor_follower"] = follower_for(ctx, "actor", SglangWeights(generator, actor))
+        return
     model = load_causal_lm(model_dir(topo, "actor"), device=topo.models.device)
     ctx.models["generator"] = TransformersGenerator(model, tok, device=topo.models.device)
     # a vision-language actor: images come back from the blob store (expstream/models/vl.py); None otherwise
@@ -52,11 +65,12 @@ def setup(ctx: StageContext) -> None:
 
 
 def teardown(ctx: StageContext) -> None:
-    """Shut a vLLM engine down (a no-op for the transformers backend)."""
+    """Shut a vLLM engine or the replica's SGLang server down (a no-op for the transformers backend)."""
     close = getattr(ctx.models.get("generator"), "close", None)
     if close is not None:
         close()
-        ctx.log.info("generate: vLLM engine shut down")
+        name = {"vllm": "vLLM", "sglang": "SGLang"}.get(ctx.topology.generate.backend, ctx.topology.generate.backend)
+        ctx.log.info("generate: %s engine shut down", name)
 
 
 def committed(batches: list, ctx: StageContext) -> None:
@@ -176,6 +190,8 @@ def process(batch: PromptBatch | SampleBatch, ctx: StageContext) -> list[SampleB
                 return_log_probs=True,  # behaviour log-probs for the trainer's off-policy correction
                 **({"model_inputs": visual} if visual is not None else {}),
                 **({"in_flight": in_flight} if in_flight is not None else {}),
+                # FIRE (expstream/models/fire.py): the first token hot, the rest at temperature
+                **({"first_token_temperature": gen.first_token_temperature} if gen.use_fire else {}),
             )
     except PartialGeneration as stop:  # generate.resumable: the prefix goes back to the input topic
         return [_partial(ctx, batch.batch_id, meta, rep(prompts), stop.tokens, stop.log_probs, stop.versions,

@@ -108,6 +108,24 @@ def test_sampled_log_probs_equal_the_actor_recomputation(engine, hf, temperature
     assert again == outs, "the same seed samples the same tokens (a redelivered micro-batch)"
 
 
+def test_fire_samples_the_first_token_hot_and_the_rest_at_temperature(engine, hf):
+    """FIRE on vLLM (two engine calls, expstream/models/fire.py): the first token's log-prob is
+    log_softmax(logits / 10) of an independent transformers forward, the later ones at 0.7; with equal
+    temperatures the tokens and log-probs are those of plain sampling, byte for byte."""
+    ps = prompts(hf.tokenizer)
+    outs, lp = engine.generate(ps, 3, temperature=0.7, max_new_tokens=6, seed=13, ignore_eos=True,
+                               return_log_probs=True, first_token_temperature=10.0)
+    assert len(outs) == 9 and all(len(o) == 6 for o in outs)
+    rows = [p for p in ps for _ in range(3)]
+    hot = recompute(hf.model, rows, outs, 10.0)
+    rest = recompute(hf.model, rows, outs, 0.7)
+    assert max_diff([r[:1] for r in lp], [r[:1] for r in hot]) <= 1e-5
+    assert max_diff([r[1:] for r in lp], [r[1:] for r in rest]) <= 1e-5
+    assert max(abs(a[0] - b[0]) for a, b in zip(lp, rest, strict=True)) > 1e-2, "the first token is not at 0.7"
+    kw = dict(temperature=0.7, max_new_tokens=6, seed=13, return_log_probs=True)
+    assert engine.generate(ps, 3, first_token_temperature=0.7, **kw) == engine.generate(ps, 3, **kw)
+
+
 def long_prompt(tok, tokens: int = 200) -> list[int]:
     """A prompt of ``tokens`` tokens: longer than one KV block (128 on CPU), so its first block is cached."""
     ids = tok("def add(a, b):\n    return a + b\n\nx = [i * i for i in range(10)]\n", add_special_tokens=False)

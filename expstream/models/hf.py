@@ -225,8 +225,11 @@ def _as_id_set(value: Any) -> set[int]:
 
 
 def check_generate_args(prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                        min_new_tokens: int) -> None:
+                        min_new_tokens: int, first_token_temperature: float | None = None) -> None:
     """The argument checks of every generator's ``generate`` (ValueError naming the argument)."""
+    if first_token_temperature is not None and (temperature == 0 or not first_token_temperature > 0):
+        raise ValueError(f"first_token_temperature={first_token_temperature} needs temperature > 0 and a "
+                         f"positive first_token_temperature (temperature={temperature})")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if max_new_tokens < 1:
@@ -358,7 +361,7 @@ class SamplingSupport:
 
     @classmethod
     def of(cls, tokenizer: Any, model: Any, backend: str, min_new_tokens: int) -> SamplingSupport:
-        """The support of ``generate.backend`` (``transformers`` | ``vllm``) for this tokenizer and model."""
+        """The support of ``generate.backend`` (``transformers`` | ``vllm`` | ``sglang``) for this tokenizer and model."""
         never = never_sampled_token_ids(tokenizer, model) if backend == "transformers" else []
         return cls(tuple(never), tuple(stop_token_ids(tokenizer, model)), max(0, int(min_new_tokens)))
 
@@ -404,11 +407,8 @@ class TransformersGenerator:
         prompts: list[list[int]],
         n: int,
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        max_new_tokens: int = 32,
-        min_new_tokens: int = 1,
+        temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+        max_new_tokens: int = 32, min_new_tokens: int = 1,
         seed: int | None = None,
         ignore_eos: bool = False,
         should_stop: Callable[[], bool] | None = None,
@@ -416,6 +416,7 @@ class TransformersGenerator:
         model_inputs: Callable[[Tensor], dict[str, Any]] | None = None,
         in_flight: InFlight | None = None,
         prefix: list[list[int]] | None = None,
+        first_token_temperature: float | None = None,
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """Generate ``n`` samples per prompt; returns ``len(prompts) * n`` token lists.
 
@@ -441,10 +442,11 @@ class TransformersGenerator:
         ``in_flight`` (:class:`expstream.models.decode_loop.InFlight`): sample with that module's decode loop
         (new weights between two steps; each token's version left in ``in_flight.token_versions``); ``prefix``:
         tokens an interrupted generation already has, one row per output row (only the continuation returns).
+        ``first_token_temperature`` (FIRE, expstream/models/fire.py): the first token at that temperature.
         """
         from transformers import StoppingCriteriaList
 
-        check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
+        check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens, first_token_temperature)
         if not prompts:
             return ([], []) if return_log_probs else []
         input_ids, attention_mask = left_padded([list(map(int, p)) for p in prompts for _ in range(n)],
@@ -457,7 +459,7 @@ class TransformersGenerator:
         recorder = _BehaviourLogProbs() if return_log_probs else None
         chain = self._logits_chain(
             width, greedy, temperature, top_k, top_p,
-            max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder,
+            max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder, first_token_temperature,
         )  # fmt: skip
 
         if should_stop is not None and should_stop():
@@ -544,13 +546,14 @@ class TransformersGenerator:
 
     def _logits_chain(
         self, width: int, greedy: bool, temperature: float, top_k: int, top_p: float, min_new_tokens: int,
-        recorder: _BehaviourLogProbs | None,
+        recorder: _BehaviourLogProbs | None, first_token_temperature: float | None = None,
     ) -> Any:
         """The logits processors of one generation, in the order HF builds them.
 
         Token suppression (EOS before ``min_new_tokens``; the pad token), then, when sampling,
         temperature -> top-k -> top-p. ``recorder`` reads the raw logits when greedy (the plain
         softmax) and the fully processed scores when sampling (the distribution sampled from).
+        FIRE's first-step rescaling (``first_token_temperature``) comes right before the temperature warper.
         """
         from transformers import (
             LogitsProcessorList,
@@ -570,6 +573,10 @@ class TransformersGenerator:
         if self.suppress_token_ids:
             chain.append(SuppressTokensLogitsProcessor(list(self.suppress_token_ids), device=self.device))
         if not greedy:
+            if first_token_temperature is not None:
+                from expstream.models.fire import FirstTokenTemperature
+
+                chain.append(FirstTokenTemperature(width, float(temperature) / float(first_token_temperature)))
             if float(temperature) != 1.0:
                 chain.append(TemperatureLogitsWarper(float(temperature)))
             if top_k > 0:

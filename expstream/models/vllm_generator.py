@@ -137,6 +137,8 @@ class VllmGenerator:
         _engine_env(kv_cache_gib)
         from vllm import LLM
 
+        from expstream.models.vllm_fire import FirstTokenScale
+
         self.model_dir = str(model_dir)
         self.tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -154,7 +156,9 @@ class VllmGenerator:
             # A prompt's prefill is never split over steps: on CPU a seeded request whose partial-prefill
             # sample is discarded fails (`CPU Generator does not use offset`), and seeds are how a
             # redelivered micro-batch samples the same tokens again.
-            enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, MAX_BATCHED_TOKENS)))
+            enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, MAX_BATCHED_TOKENS),
+            # FIRE (generate.use_fire): rescales a request's first position; a no-op for other requests
+            logits_processors=[FirstTokenScale]))
         self.engine = self.llm.llm_engine
         self.startup_s = time.perf_counter() - t0
         self.last_reload_s: float | None = None
@@ -169,9 +173,12 @@ class VllmGenerator:
 
     # -- sampling ---------------------------------------------------------------------------------
     def _params(self, n: int, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-                min_new_tokens: int, seed: int | None, ignore_eos: bool, logprobs: bool, delta: bool = False) -> Any:
+                min_new_tokens: int, seed: int | None, ignore_eos: bool, logprobs: bool, delta: bool = False,
+                fire_ratio: float | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
+        from expstream.models.vllm_fire import FIRE_ARG
 
         greedy = temperature == 0
         return SamplingParams(
@@ -183,6 +190,7 @@ class VllmGenerator:
             logprobs=0 if logprobs else None, flat_logprobs=logprobs, detokenize=False, skip_special_tokens=False,
             # in-flight updates: the new tokens of every step, to stamp each with the version that sampled it
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+            **({"extra_args": {FIRE_ARG: fire_ratio}} if fire_ratio is not None else {}),
         )
 
     def generate(
@@ -200,6 +208,7 @@ class VllmGenerator:
         should_stop: Callable[[], bool] | None = None,
         return_log_probs: bool = False,
         in_flight: Any = None,
+        first_token_temperature: float | None = None,
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """``n`` samples per prompt in one engine batch; the contract of TransformersGenerator.generate.
 
@@ -208,10 +217,18 @@ class VllmGenerator:
         (expstream.models.decode_loop.InFlight): polled between two engine steps (a reload runs in place on
         the engine thread: keep the running requests' KV cache, or recompute them); each token's version is
         left in ``in_flight.token_versions``.
+        ``first_token_temperature`` (FIRE): the engine's FirstTokenScale processor rescales each request's
+        first position (expstream/models/vllm_fire.py); equal to ``temperature`` it changes nothing.
         """
         from expstream.models.hf import check_generate_args
 
         check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
+        fire_ratio = None
+        if first_token_temperature is not None and first_token_temperature != temperature:
+            if temperature == 0 or not first_token_temperature > 0:
+                raise ValueError(f"first_token_temperature={first_token_temperature} needs temperature > 0 and a "
+                                 f"positive first_token_temperature (temperature={temperature})")
+            fire_ratio = float(temperature) / float(first_token_temperature)
         if self._closed:
             raise RuntimeError("VllmGenerator.generate after close()")
         if not prompts:
@@ -222,12 +239,13 @@ class VllmGenerator:
         return self._on_engine_thread(lambda: self._generate(
             prompts, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens, seed=seed, ignore_eos=ignore_eos, should_stop=should_stop,
-            return_log_probs=return_log_probs, in_flight=in_flight))
+            return_log_probs=return_log_probs, in_flight=in_flight, fire_ratio=fire_ratio))
 
     def _generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float, top_k: int,
                   max_new_tokens: int, min_new_tokens: int, seed: int | None, ignore_eos: bool,
                   should_stop: Callable[[], bool] | None, return_log_probs: bool,
-                  in_flight: Any = None) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+                  in_flight: Any = None,
+                  fire_ratio: float | None = None) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         # vLLM refuses n > 1 with greedy decoding: the n samples of a greedy prompt are one sample, copied.
         per_request = 1 if temperature == 0 else n
         ids = [f"expstream-{os.getpid()}-{next(_ids)}" for _ in prompts]
@@ -236,7 +254,7 @@ class VllmGenerator:
             params = self._params(per_request, temperature=temperature, top_p=top_p, top_k=top_k,
                                   max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                   seed=None if seed is None else (seed + g) % 2**31, ignore_eos=ignore_eos,
-                                  logprobs=return_log_probs, delta=in_flight is not None)
+                                  logprobs=return_log_probs, delta=in_flight is not None, fire_ratio=fire_ratio)
             self.engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, params)
         done: dict[str, Any] = {}
         acc: dict[tuple[str, int], list[list]] = {}  # in-flight: (request, sample) -> [tokens, log-probs, versions]
