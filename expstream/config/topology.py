@@ -25,6 +25,7 @@ from expstream.config.overrides import FREE_FORM, parse_override, set_dotted
 from expstream.config.rawform import BLOCK_ATTRS, topology_raw  # noqa: F401  (BLOCK_ATTRS re-exported)
 from expstream.config.redaction import apply_secrets, env_topology_secrets
 from expstream.config.rewards import RewardsConfig, RewardSourceConfig  # noqa: F401  (the rewards block, re-exported)
+from expstream.config.storeurl import parse_store
 from expstream.errors import ConfigError, unknown_key_error
 
 #: train.off_policy choices (docs/async.md has each formula).
@@ -95,6 +96,8 @@ class RunConfig:
         _check(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
         _check(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
         _check(self.media_max_mb > 0, "run.media_max_mb", f"got {self.media_max_mb!r}; give a size in MiB > 0")
+        if self.blob_store is not None:
+            parse_store(self.blob_store, "run.blob_store")  # `s3:` is an error, not a directory named `s3:`
 
 
 @dataclass
@@ -233,7 +236,7 @@ class TrainConfig:
     train_critic: bool = True  # with gae: train and publish the critic too
     critic_lr: float = 1e-3
     checkpoint_every: int = 1  # steps between checkpoints (offsets are committed only after one)
-    weight_store: str | None = None  # a directory; null = <run output>/weights
+    weight_store: str | None = None  # a directory or s3://BUCKET/PREFIX; null = <run output>/weights
     # versions the weight store keeps: null = async.max_staleness + 1 (the staleness window); N = the N
     # newest (never fewer than max_staleness + 1); 0 = every version. The latest checkpoint's is always kept.
     keep_versions: int | None = None
@@ -254,6 +257,8 @@ class TrainConfig:
         _check(self.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
         _check(self.keep_versions is None or self.keep_versions >= 0, "train.keep_versions",
                "must be null (the staleness window: async.max_staleness + 1), N >= 1 (the N newest) or 0 (all)")
+        if self.weight_store is not None:
+            parse_store(self.weight_store, "train.weight_store")
 
 
 @dataclass
