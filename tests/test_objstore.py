@@ -199,3 +199,61 @@ def test_run_with_an_unreachable_store_stops_before_any_stage(tmp_path, model_ca
     assert len(lines) == 1 and "train.weight_store" in lines[0] and "AWS_ENDPOINT_URL" in lines[0]
     assert "s3cr3t-x" not in proc.stderr + proc.stdout
     assert not (Path(out) / "run" / "logs").exists()  # no stage started
+
+
+# --- end to end ----------------------------------------------------------------------------------
+def secret_in_files(root: Path, secret: str) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_a_continuous_run_trains_through_the_object_store(tmp_path, model_cache, s3_server, s3_bucket):
+    """The trainer publishes to s3://, generate and actor-logprob reload from it: the staleness bound
+    holds over more steps than it allows, which needs rollouts of newer versions."""
+    from tests.harness import run_expstream
+
+    steps, k = 4, 1
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {i}?"}) + "\n" for i in range(5)))
+    store = f"{s3_bucket}/run/w"
+    proc, out = run_expstream(tmp_path, "--continuous", prompts=prompts, cache=model_cache, env=s3_server.env(),
+                              timeout=400, sets=["generate.max_new_tokens=6", "generate.n_samples_per_prompt=2",
+                                                 "run.prompt_batch_size=2", "train.batch_size=8", "run.timeout_s=150",
+                                                 f"train.max_steps={steps}", f"async.max_staleness={k}",
+                                                 f"train.weight_store={store}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+    assert [x["policy_version"] for x in lines] == list(range(1, steps + 1))
+    for x in lines:  # step s trains versions >= s - k: generate followed the store
+        assert max(int(s) for s in x["staleness_hist"]) <= k, x
+    assert not (out / "weights").exists()  # nothing published locally
+    kept = {key.split("/")[2] for key in keys_of(s3_server, s3_bucket) if key.endswith("manifest.json")}
+    assert f"v{steps:06d}" in kept
+    for stage in ("generate", "actor-logprob"):
+        log = (out / "run" / "logs" / f"{stage}-0.log").read_text()
+        assert f"loaded in place from {store}/v0000" in log, log[-2000:]
+    assert secret_in_files(out, s3_server.env()["AWS_SECRET_ACCESS_KEY"]) == []
+
+
+@pytest.mark.e2e
+def test_a_run_with_images_keeps_its_blobs_in_the_object_store(tmp_path, s3_server, s3_bucket):
+    from tests.harness import run_expstream
+    from tests.test_vision import png
+
+    (tmp_path / "ok.png").write_bytes(png((80, 60)))
+    lines = [{"id": "one", "prompt": "shape?", "images": ["ok.png"]}, {"id": "text", "prompt": "2+2?"},
+             {"id": "two", "prompt": "which?", "images": [f"data:image/png;base64,{__import__('base64').b64encode(png()).decode()}"]}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc, out = run_expstream(tmp_path, prompts=prompts, env=s3_server.env(), timeout=300,
+                              sets=["models.actor=builtin:tiny-vl", "run.prompt_batch_size=3",
+                                    f"models.cache_dir={tmp_path / 'models'}", "generate.max_new_tokens=6",
+                                    f"run.blob_store={s3_bucket}/blobs"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["groups_complete"] == 3, summary
+    assert not (out / "blobs").exists()
+    want = {blob_ref(png((80, 60)))[7:], blob_ref(png())[7:]}
+    assert {key.rsplit("/", 1)[1] for key in keys_of(s3_server, s3_bucket)} == want
+    assert secret_in_files(out, s3_server.env()["AWS_SECRET_ACCESS_KEY"]) == []
