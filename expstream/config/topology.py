@@ -349,7 +349,7 @@ class StageConfig:
 @dataclass
 class TopicsConfig:
     input: str = "prompts"
-    partitions: int = 2
+    partitions: int = 8  # room to scale live: a stage runs at most as many replicas as its input has partitions
 
     def __post_init__(self) -> None:
         _check(self.partitions >= 1, "topics.partitions", "must be >= 1")
