@@ -22,6 +22,7 @@ from expstream.config.kafka import KafkaConfig  # noqa: E402
 from expstream.kafka.topics import create_topics  # noqa: E402
 from expstream.launch.localservers import LocalBroker, LocalRedis  # noqa: E402
 from expstream.state import MemoryState, RedisState, State  # noqa: E402
+from tests.harness import S3Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -137,36 +138,6 @@ def fresh_topic(broker: str) -> Callable[..., str]:
         return name
 
     return make
-
-
-class S3Server:
-    """A real S3-protocol server (moto's server mode, what s3fs's own tests use) on a loopback port."""
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-
-    def env(self) -> dict[str, str]:
-        """The standard AWS variables for this server (the only way expstream is configured for a store)."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing-key-id",
-                "AWS_SECRET_ACCESS_KEY": "testing-secret-never-shown", "AWS_DEFAULT_REGION": "us-east-1"}
-
-    def make_bucket(self) -> str:
-        import boto3
-
-        name = f"b{uuid.uuid4().hex[:12]}"
-        env = self.env()
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                     aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-                     region_name=env["AWS_DEFAULT_REGION"]).create_bucket(Bucket=name)
-        return name
-
-    def stop(self) -> None:
-        self._server.stop()
 
 
 @pytest.fixture(scope="session")

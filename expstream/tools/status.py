@@ -196,11 +196,13 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
         lags, deads = _broker_view(topo, bootstrap, run_id, admin)
         for st in topo.enabled_stages():
             lag, dead = lags.get(st.name), deads.get(st.name)
-            alive = sum(1 for (stage, _r), t in beats.items() if stage == st.name and now - t <= ALIVE_WITHIN_S)
+            ids = sorted(r for (stage, r), t in beats.items() if stage == st.name and now - t <= ALIVE_WITHIN_S)
+            alive = len(ids)
             dropped = int(counters.get("dynamic_sampling_dropped_groups", 0)) * n if st.name == "advantage" else 0
             extra = scraped["stages"].get(st.name, {})
             stages[st.name] = {
                 "replicas_alive": alive, "replicas_wanted": wanted.get(st.name, st.replicas),
+                "replica_ids": ids,  # --replica-id of each live replica, this host's and other machines
                 "restarts": int(scraped["restarts"].get(st.name, 0)),
                 **window_stats(recents[st.name], now),
                 "input_topic": st.input, "input_lag_records": lag, "input_lag_s": extra.get("age"),
