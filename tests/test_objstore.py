@@ -237,7 +237,7 @@ def test_a_continuous_run_trains_through_the_object_store(tmp_path, model_cache,
 
 
 @pytest.mark.e2e
-def test_a_run_with_images_keeps_its_blobs_in_the_object_store(tmp_path, s3_server, s3_bucket):
+def test_a_run_with_images_keeps_its_blobs_in_the_object_store(tmp_path, model_cache, s3_server, s3_bucket):
     from tests.harness import run_expstream
     from tests.test_vision import png
 
@@ -248,7 +248,7 @@ def test_a_run_with_images_keeps_its_blobs_in_the_object_store(tmp_path, s3_serv
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     proc, out = run_expstream(tmp_path, prompts=prompts, env=s3_server.env(), timeout=300,
                               sets=["models.actor=builtin:tiny-vl", "run.prompt_batch_size=3",
-                                    f"models.cache_dir={tmp_path / 'models'}", "generate.max_new_tokens=6",
+                                    f"models.cache_dir={model_cache}", "generate.max_new_tokens=6",
                                     f"run.blob_store={s3_bucket}/blobs"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -257,3 +257,24 @@ def test_a_run_with_images_keeps_its_blobs_in_the_object_store(tmp_path, s3_serv
     want = {blob_ref(png((80, 60)))[7:], blob_ref(png())[7:]}
     assert {key.rsplit("/", 1)[1] for key in keys_of(s3_server, s3_bucket)} == want
     assert secret_in_files(out, s3_server.env()["AWS_SECRET_ACCESS_KEY"]) == []
+
+
+def test_a_follower_whose_store_does_not_answer_keeps_its_weights_and_tries_again(s3_server, s3_bucket, redis_state,
+                                                                                  monkeypatch, caplog):
+    store = open_store(s3_bucket)
+    store.publish("actor", 1, small_state_dict(1), step=0, offsets={}, run_id="r")
+    model = Small()
+    before = model.lin.bias.detach().clone()
+    follower = PolicyFollower(store, redis_state, "actor", model, logging.getLogger("test.s3down"))
+    redis_state.set_policy_version(1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the store goes away
+    down = ObjectStore(parse_store(s3_bucket, "f"), read_retry=Policy(base_s=0.05, cap_s=0.1, give_up_s=0.2),
+                       client_retry={"max_retries": 0})
+    follower.store = ObjectWeightStore(down)
+    with caplog.at_level(logging.ERROR, logger="test.s3down"):
+        assert follower.refresh() == 0  # no exception into the stage: the micro-batch goes on with v0
+    assert torch.equal(model.lin.bias.detach(), before) and follower.refused is None
+    assert "trying again" in caplog.text
+    follower.store = store  # back: the next refresh loads v1
+    assert follower.refresh() == 1
+    assert torch.equal(model.lin.bias.detach(), small_state_dict(1)["lin.bias"])

@@ -100,7 +100,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     # Redis given on the command line answer (one line and exit 2, not 34 s of retries).
     check_output_dir(out_dir)
     check_services(args.bootstrap_servers, args.redis_url, topo.kafka)
-    check_stores({"train.weight_store": topo.train.weight_store, "run.blob_store": topo.run.blob_store})
+    # the object stores this run will use (an s3:// store it would not touch is not a reason to stop it)
+    check_stores({"train.weight_store": topo.train.weight_store if topo.train.enabled else None,
+                  "run.blob_store": topo.run.blob_store if has_media(rows) else None})
     timeline = Timeline()
     with ExitStack() as stack:
         # Held until the summary is written (released last, or at process exit).

@@ -19,7 +19,7 @@ Errors: a missing object is :class:`ObjectMissingError` (not retriable: the call
 means: a dead-lettered sample, a version gone); anything else (unreachable, 5xx, timeouts) is
 retried here with backoff (:data:`READ_RETRY`) and then raised as :class:`ObjectStoreError`,
 retriable (the stage runner retries the record later; nothing is half-read: a get returns all the
-bytes or raises). A refused credential is :class:`ObjectStoreAuthError`, not retriable.
+bytes or raises). A refused credential is :class:`ObjectStoreAuthError`, retried the same way.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class ObjectStoreError(ExpstreamError):
 
 
 class ObjectStoreAuthError(ObjectStoreError):
-    """The store refused the credentials or the request (403/401). Not retriable."""
-
-    retriable = False
+    """The store refused the credentials or the request (403/401). Retried like an outage all the same:
+    the records wait (nothing is dead-lettered for a store's configuration) until the credentials are
+    fixed; ``expstream run``'s preflight refuses them before anything starts."""
 
 
 class ObjectMissingError(ExpstreamError):

@@ -32,7 +32,7 @@ from expstream.errors import ConfigError
 from expstream.kafka.topics import (
     POLICY_TOPIC,  # one name for the announcement topic; topics.py stays torch-free
 )
-from expstream.models.objstore import open_object_store
+from expstream.models.objstore import ObjectStoreError, open_object_store
 from expstream.train.manifest import (  # noqa: F401  (re-exported: the store's public names stay here)
     MANIFEST_FILE,
     REPUBLISH_FIX,
@@ -397,7 +397,12 @@ class PolicyFollower:
         announced = int(self.state.policy_version())
         if announced <= self.version or (self.refused is not None and announced <= self.refused):
             return self.version
-        target = self._target(announced)
+        try:
+            target = self._target(announced)
+        except ObjectStoreError as exc:
+            self.log.error("weights: cannot list %s versions in %s, keeping v%d; trying again before the next "
+                           "micro-batch: %s", self.role, self.store, self.version, exc)
+            return self.version
         if target is None or target <= self.version:
             return self.version
         t0 = time.perf_counter()
@@ -416,6 +421,10 @@ class PolicyFollower:
                     announced, target = newer, retarget
             _check_fits(self.model, tensors)  # before load_state_dict, which may copy some tensors then raise
             self.model.load_state_dict(tensors, strict=True)
+        except ObjectStoreError as exc:  # the store did not answer (retried already): keep the weights, try again
+            self.log.error("weights: cannot read %s v%d from %s, keeping v%d; trying again before the next "
+                           "micro-batch: %s", self.role, target, self.store.describe(self.role, target), self.version, exc)
+            return self.version
         except (CorruptWeightsError, RuntimeError) as exc:
             self.refused = announced
             self.log.error("weights: refused %s v%d from %s, keeping v%d: %s", self.role, target,
