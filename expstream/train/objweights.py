@@ -18,6 +18,7 @@ weights; ``discard_after`` also removes weights objects that never got a manifes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -85,6 +86,10 @@ class ObjectWeightStore:
         try:
             self.store.put(manifest_key, text, create_only=True)
         except ObjectExistsError as exc:
+            # a retried PUT whose first try had landed (its answer lost) finds our own manifest: that is success
+            with contextlib.suppress(ObjectMissingError):
+                if self.store.get(manifest_key) == text:
+                    return manifest
             raise WeightStoreError(f"{role} v{version} was published concurrently at {self.store.url(manifest_key)}; "
                                    "only one trainer may publish a run's versions") from exc
         return manifest
