@@ -310,7 +310,7 @@ class StageRunner:
 
         def connect() -> bool:
             try:
-                self.producer = make_producer(self.bootstrap, cfg)
+                self.producer = make_producer(self.bootstrap, cfg, spread=True)
                 self.consumer = make_consumer(self.bootstrap, self.group_id, cfg)
             except BrokerUnavailableError:
                 if self.producer is not None:

@@ -22,6 +22,7 @@ from expstream.config.kafka import KafkaConfig  # noqa: E402
 from expstream.kafka.topics import create_topics  # noqa: E402
 from expstream.launch.localservers import LocalBroker, LocalRedis  # noqa: E402
 from expstream.state import MemoryState, RedisState, State  # noqa: E402
+from tests.harness import S3Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -156,3 +157,23 @@ def fresh_topic(broker: str) -> Callable[..., str]:
         return name
 
     return make
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """The session-wide S3 server (moto, in a thread of the test process, loopback only)."""
+    pytest.importorskip("moto", reason="moto[server] is in the dev extra: pip install -e .[dev]")
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the session's S3 server, with the AWS variables set in this process
+    (children get them with ``env=s3_server.env()``); returns its ``s3://`` URL."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{s3_server.make_bucket()}"

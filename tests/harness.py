@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,36 @@ def example_prompt_batches(topo, tag: str, records: int) -> list:
                                prompt=[r["prompt"] for r in recs], label=[r["label"] for r in recs],
                                reference=["" for _ in recs]))
     return out
+
+
+class S3Server:
+    """A real S3-protocol server (moto's server mode, what s3fs's own tests use) on a loopback port."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not one line per request on stderr
+        self._server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables for this server (the only way expstream is configured for a store)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing-key-id",
+                "AWS_SECRET_ACCESS_KEY": "testing-secret-never-shown", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def make_bucket(self) -> str:
+        import boto3
+
+        name = f"b{uuid.uuid4().hex[:12]}"
+        env = self.env()
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                     region_name=env["AWS_DEFAULT_REGION"]).create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        self._server.stop()

@@ -278,3 +278,53 @@ def test_missing_sasl_password_exits_2_naming_the_variable(monkeypatch, capsys):
                  "--set", "kafka.security_protocol=SASL_PLAINTEXT", "--set", "kafka.sasl_mechanism=SCRAM-SHA-512"])
     assert code == 2
     assert "EXPSTREAM_KAFKA_PASSWORD" in capsys.readouterr().err
+
+
+# ---- issue 23 item 4: the continuous loop in compose (profile rl), weights through MinIO ---------------
+RL = {"minio", "minio-init", "trainer"}
+AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def test_the_rl_profile_adds_minio_and_the_trainer_and_nothing_else_needs_them(services):
+    assert {name for name, svc in services.items() if "rl" in (svc.get("profiles") or [])} == RL
+    for name, svc in services.items():
+        if name not in RL:  # a plain `docker compose up` must not wait for a service of a profile it leaves off
+            assert not RL & set(svc.get("depends_on") or {}), name
+    minio = services["minio"]
+    assert minio["image"].startswith("quay.io/minio/minio:RELEASE.")  # pinned, not :latest
+    assert "minio server /data" in " ".join(minio["entrypoint"]) and "healthcheck" in minio
+    init = services["minio-init"]
+    assert init["depends_on"]["minio"]["condition"] == "service_healthy"
+    bucket = re.search(r"mc mb --ignore-existing store/([a-z0-9.-]+)", " ".join(init["entrypoint"])).group(1)
+    trainer = services["trainer"]
+    assert trainer["command"][:2] == ["expstream", "train"]
+    args = dict(zip(trainer["command"][2::2], trainer["command"][3::2], strict=False))
+    assert args["--bootstrap-servers"] == "kafka:9092" and "--redis-url" not in args and args["--output"]
+    assert args["--run-id"] == services["generate"]["command"][services["generate"]["command"].index("--run-id") + 1]
+    assert trainer["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+    assert env_of(trainer)["EXPSTREAM_REDIS_URL"] == f"redis://:{REDIS_PASSWORD_REF}@redis:6379/0"
+    # the rl topology the trainer reads by default, mounted where the stages can read it too
+    default = re.fullmatch(r"\$\{EXPSTREAM_TOPOLOGY:-([^}]*)\}", args["--topology"]).group(1)
+    mount = next(v for v in trainer["volumes"] if v.startswith("./deploy/rl:"))
+    source, target = mount.split(":")[:2]
+    local = ROOT / source / Path(default).relative_to(target)
+    topo = load_topology(local)
+    assert topo.train.enabled and topo.train.weight_store.startswith(f"s3://{bucket}/")
+    assert topo.run.blob_store.startswith(f"s3://{bucket}/")
+    assert re.search(rf"^# EXPSTREAM_TOPOLOGY={re.escape(default)}$", (ROOT / ".env.example").read_text(), re.M)
+    for name in (*STAGE_ORDER, "init-topics"):  # the stages read the same file when EXPSTREAM_TOPOLOGY names it
+        assert mount in services[name]["volumes"], name
+
+
+def test_the_store_is_configured_only_by_the_aws_variables_from_env(services):
+    minio_env = env_of(services["minio"])
+    assert minio_env["MINIO_ROOT_PASSWORD"] == "${MINIO_ROOT_PASSWORD:-}"  # checked by the entrypoint, not `:?`
+    assert "MINIO_ROOT_PASSWORD" in " ".join(services["minio"]["entrypoint"])
+    for name in (*STAGE_ORDER, "trainer"):
+        env = env_of(services[name])
+        for var in AWS_VARS:
+            assert env[var].startswith("${"), f"{name}: {var} = {env[var]!r} is written in the file"
+        assert env["AWS_SECRET_ACCESS_KEY"] == "${MINIO_ROOT_PASSWORD:-}"
+        assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"]
+        assert env["AWS_ENDPOINT_URL"].endswith("http://minio:9000}")
+    assert re.search(r"^MINIO_ROOT_PASSWORD=$", (ROOT / ".env.example").read_text(), re.M)

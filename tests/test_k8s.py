@@ -393,7 +393,7 @@ def _objs(files: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def test_a_marked_stage_gets_a_scaled_object_and_the_partitions_for_it():
-    topo = load_topology(None, ["stages.postprocess.autoscale.max=6"])
+    topo = load_topology(None, ["topics.partitions=2", "stages.postprocess.autoscale.max=6"])  # below the max
     files, text, _ = render(topo, RenderOptions(run_id="r9", keda=("advantage",)))
     scaled = {s["spec"]["scaleTargetRef"]["name"]: s for s in _objs(files) if s["kind"] == "ScaledObject"}
     assert set(scaled) == {"expstream-reward", "expstream-postprocess", "expstream-advantage"}

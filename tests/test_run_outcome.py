@@ -27,7 +27,7 @@ from tests.test_collector import GARBAGE, prompt_batch
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[1]
 N = 4
-PARTITIONS = 2  # topology.yaml topics.partitions: the run's create_topics accepts the topic as it is
+PARTITIONS = 8  # topology.yaml topics.partitions: the run's create_topics accepts the topic as it is
 
 
 @pytest.fixture(scope="module")

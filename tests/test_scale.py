@@ -71,14 +71,15 @@ def test_policy_brings_a_count_outside_the_bounds_back() -> None:
 
 # ---- configuration ---------------------------------------------------------------------------
 def test_autoscale_max_sizes_the_input_topic() -> None:
-    topo = load_topology(None, ["stages.reward.autoscale={min: 1, max: 5}", "algo.init_kl_coef=0"])
+    topo = load_topology(None, ["topics.partitions=2", "stages.reward.autoscale={min: 1, max: 5}",
+                                "algo.init_kl_coef=0"])
     topics = topo.all_topics()
     assert topo.stages["reward"].input == "actor"
     assert topics["actor"] == 5 and topics["rewarded"] == 2 and topics["prompts"] == 2
 
 
 def test_replicas_sizes_the_input_topic_too() -> None:
-    topics = load_topology(None, ["stages.generate.replicas=3"]).all_topics()
+    topics = load_topology(None, ["topics.partitions=2", "stages.generate.replicas=3"]).all_topics()
     assert topics["prompts"] == 3
 
 
@@ -102,9 +103,9 @@ def fake_run_dir(tmp_path: Path, *sets: str) -> Path:
 
 
 @pytest.mark.parametrize("item, named", [("critic=2", "critic=2"), ("rewrd=2", "rewrd=2"), ("reward=0", "reward=0"),
-                                         ("reward=3", "reward=3"), ("reward", "reward")])
+                                         ("reward=9", "reward=9"), ("reward", "reward")])
 def test_scale_refuses_a_bad_item_with_exit_2(tmp_path: Path, item: str, named: str) -> None:
-    out = fake_run_dir(tmp_path)  # critic is off (group_norm); every topic has 2 partitions
+    out = fake_run_dir(tmp_path)  # critic is off (group_norm); every topic has 8 partitions
     proc = subprocess.run([PY, "-m", "expstream", "scale", "--run-dir", str(out), item], env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_CONFIG, proc.stderr

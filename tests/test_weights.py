@@ -189,8 +189,9 @@ def test_a_follower_whose_version_is_deleted_while_loading_loads_the_newest_inst
 def test_open_store(tmp_path):
     assert isinstance(open_store(str(tmp_path)), DirectoryWeightStore)
     assert open_store(f"file://{tmp_path}").root == tmp_path
-    with pytest.raises(ConfigError, match="train.weight_store"):
-        open_store("s3://bucket/weights")
+    for bad in ("gs://bucket/weights", "s3:", "s3:/bucket", "s3://", "s3://B"):
+        with pytest.raises(ConfigError, match="train.weight_store"):
+            open_store(bad)
 
 
 def test_tied_weights_are_stored(tmp_path):

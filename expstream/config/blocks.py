@@ -14,6 +14,7 @@ from typing import Any
 
 from expstream.config.estimators import ESTIMATORS, KL_ESTIMATORS
 from expstream.config.fieldtypes import check_block, check_fields
+from expstream.config.storeurl import parse_store
 from expstream.errors import ConfigError, unknown_key_error
 
 #: train.off_policy choices (docs/async.md has each formula).
@@ -68,6 +69,8 @@ class RunConfig:
         check_value(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
         check_value(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
         check_value(self.media_max_mb > 0, "run.media_max_mb", f"got {self.media_max_mb!r}; give a size in MiB > 0")
+        if self.blob_store is not None:
+            parse_store(self.blob_store, "run.blob_store")  # `s3:` is an error, not a directory named `s3:`
 
 
 @dataclass
@@ -236,7 +239,7 @@ class TrainConfig:
     train_critic: bool = True  # with gae: train and publish the critic too
     critic_lr: float = 1e-3
     checkpoint_every: int = 1  # steps between checkpoints (offsets are committed only after one)
-    weight_store: str | None = None  # a directory; null = <run output>/weights
+    weight_store: str | None = None  # a directory or s3://BUCKET/PREFIX; null = <run output>/weights
     # versions the weight store keeps: null = async.max_staleness + 1 (the staleness window); N = the N
     # newest (never fewer than max_staleness + 1); 0 = every version. The latest checkpoint's is always kept.
     keep_versions: int | None = None
@@ -257,6 +260,8 @@ class TrainConfig:
         check_value(self.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
         check_value(self.keep_versions is None or self.keep_versions >= 0, "train.keep_versions",
                "must be null (the staleness window: async.max_staleness + 1), N >= 1 (the N newest) or 0 (all)")
+        if self.weight_store is not None:
+            parse_store(self.weight_store, "train.weight_store")
 
 
 @dataclass
@@ -347,7 +352,7 @@ class StageConfig:
 @dataclass
 class TopicsConfig:
     input: str = "prompts"
-    partitions: int = 2
+    partitions: int = 8  # room to scale live: a stage runs at most as many replicas as its input has partitions
 
     def __post_init__(self) -> None:
         check_value(self.partitions >= 1, "topics.partitions", "must be >= 1")

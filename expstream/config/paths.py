@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from expstream.config.storeurl import is_object_url
 from expstream.config.topology import Topology
 
 #: The defaults under the run's --output: the weight store of a continuous run, the blob store.
@@ -23,10 +24,15 @@ def absolute(path: str | Path) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def resolve_weight_store(topo: Topology, out_dir: Path) -> Path:
-    """``train.weight_store`` made absolute (default ``<out_dir>/weights``), and ``train.enabled`` set."""
-    store = Path(absolute(topo.train.weight_store or Path(out_dir) / DEFAULT_STORE_DIR))
-    topo.train.weight_store, topo.train.enabled = str(store), True
+def resolve_weight_store(topo: Topology, out_dir: Path) -> Path | str:
+    """``train.weight_store`` made absolute (default ``<out_dir>/weights``), and ``train.enabled`` set;
+    an object-store URL (``s3://``) is kept as it is (and returned as text)."""
+    where = topo.train.weight_store
+    topo.train.enabled = True
+    if is_object_url(where):
+        return str(where)
+    store = Path(absolute(where or Path(out_dir) / DEFAULT_STORE_DIR))
+    topo.train.weight_store = str(store)
     return store
 
 

@@ -25,6 +25,7 @@ from kafka.producer.future import RecordMetadata
 
 from expstream.config.kafka import KafkaConfig, MiB
 from expstream.errors import BrokerUnavailableError, ProduceError
+from expstream.kafka.partitioning import RoundRobinPartitioner
 
 __all__ = [
     "MiB",
@@ -75,11 +76,18 @@ _BOOTSTRAP_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 
 def make_producer(
-    bootstrap: str | Sequence[str], cfg: KafkaConfig | None = None, **overrides: Any
+    bootstrap: str | Sequence[str], cfg: KafkaConfig | None = None, *, spread: bool = False, **overrides: Any
 ) -> KafkaProducer:
-    """A KafkaProducer taking ``bytes`` values/keys (no serializers). ``overrides`` win over ``cfg``."""
+    """A KafkaProducer taking ``bytes`` values/keys (no serializers). ``overrides`` win over ``cfg``.
+
+    ``spread``: records go round-robin over a topic's partitions instead of by key hash (the pipeline's
+    data records: the feeder's and every stage's outputs; expstream/kafka/partitioning.py), so that
+    the replicas of the next stage get even shares on short runs too. Without it a key keeps its
+    partition (the tools, the policy log, dead-letter redrives)."""
     cfg = cfg or KafkaConfig()
     kw = {**cfg.client_kwargs("producer"), **overrides}
+    if spread:
+        kw.setdefault("partitioner", RoundRobinPartitioner())
     try:
         return KafkaProducer(bootstrap_servers=_bootstrap_list(bootstrap), **kw)
     except _BOOTSTRAP_ERRORS as exc:

@@ -164,7 +164,7 @@ def publish_end_of_input(topo: Topology, ctx: StageContext, bootstrap: str, held
     from stages import end_of_input
 
     outputs = end_of_input(ctx)
-    producer = make_producer(bootstrap, topo.kafka)
+    producer = make_producer(bootstrap, topo.kafka, spread=True)
     try:
         send_all_and_confirm(producer, [(topo.output_topic, encode(b), b.batch_id.encode(),
                                          provenance_headers(ctx.stage.name, b.policy_version)) for b in outputs],

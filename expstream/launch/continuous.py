@@ -228,7 +228,7 @@ def run_continuous(topo: Topology, rows: list[PromptRow], out: Any, sup: Supervi
     record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
     feeder = out.feeder = EpochFeeder(rows, topo.run.prompt_batch_size, topo.run.seed)
     train_log = out.train_log = TrainLog(out.out_dir / TRAIN_LOG)
-    producer = make_producer(bootstrap, topo.kafka)
+    producer = make_producer(bootstrap, topo.kafka, spread=True)
     last_step_at = time.monotonic()
     watch = YieldWatch(len(rows) * topo.generate.n_samples_per_prompt)
     try:

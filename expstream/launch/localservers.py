@@ -130,8 +130,10 @@ class _ServerProcess:
     #: server gets when its parent dies.
     stop_signal: int = signal.SIGTERM
 
-    def __init__(self, run_dir: Path | str, port: int | None = None) -> None:
+    def __init__(self, run_dir: Path | str, port: int | None = None, *, host: str | None = None) -> None:
         self.run_dir = Path(run_dir)
+        if host is not None:  # another local address (a veth of a test's network namespace); default loopback
+            self.host = host
         self._requested_port = port
         self.port: int | None = port
         self._proc: subprocess.Popen | None = None
@@ -381,8 +383,9 @@ class LocalBroker(_ServerProcess):
     # to go away. Its memory:// storage has nothing to flush, so the fast path loses nothing.
     stop_signal = signal.SIGINT
 
-    def __init__(self, run_dir: Path | str, port: int | None = None, *, binary: str | None = None) -> None:
-        super().__init__(run_dir, port)
+    def __init__(self, run_dir: Path | str, port: int | None = None, *, binary: str | None = None,
+                 host: str | None = None) -> None:
+        super().__init__(run_dir, port, host=host)
         self._binary = binary
 
     def _argv(self, port: int) -> list[str]:
@@ -462,8 +465,9 @@ class LocalRedis(_ServerProcess):
         appendonly: bool = True,
         binary: str | None = None,
         password: str | None = None,
+        host: str | None = None,
     ) -> None:
-        super().__init__(run_dir, port)
+        super().__init__(run_dir, port, host=host)
         self.appendonly = appendonly
         self._binary = binary
         self.password = password

@@ -12,6 +12,9 @@ the prompt file are read, before models are built, the fork server or any server
    within :data:`PREFLIGHT_TIMEOUT_S`.
 3. Redis (``--redis-url``): a PING within :data:`PREFLIGHT_TIMEOUT_S`. A refused password
    (WRONGPASS, NOAUTH) is an :class:`~expstream.errors.AuthError` at once, never retried.
+4. Object stores (``train.weight_store``, ``run.blob_store`` when they are ``s3://`` URLs): one list
+   request each within :data:`PREFLIGHT_TIMEOUT_S` (:func:`check_stores`); the error names the URL
+   and the AWS variables to check, never their values.
 
 Services that ``expstream run`` starts itself (no address given) are not checked here: the local
 server start-up waits for them to answer.
@@ -28,7 +31,7 @@ from expstream.config.kafka import KafkaConfig
 from expstream.config.redaction import redact_url
 from expstream.errors import AuthError, ConfigError
 
-__all__ = ["PREFLIGHT_TIMEOUT_S", "check_output_dir", "check_kafka", "check_redis", "check_services"]
+__all__ = ["PREFLIGHT_TIMEOUT_S", "check_output_dir", "check_kafka", "check_redis", "check_services", "check_stores"]
 
 log = logging.getLogger("expstream.preflight")
 
@@ -178,3 +181,23 @@ def check_services(bootstrap: str | None, redis_url: str | None, cfg: KafkaConfi
     if redis_url:
         check_redis(redis_url, timeout_s)
         log.info("preflight: Redis at %s answers", redact_url(redis_url))
+
+
+def check_stores(stores: dict[str, str | None], timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+    """Step 4: every ``s3://`` store of ``stores`` (field -> value) answers a list request; directories
+    are not checked here (``--output``'s check and the first write say what is wrong with them)."""
+    import datetime
+
+    from expstream.config.storeurl import is_object_url, parse_store
+    from expstream.models.objstore import STORE_FIX, ObjectStoreError, open_object_store
+
+    for field, where in stores.items():
+        if not is_object_url(where):
+            continue
+        loc = parse_store(str(where), field)
+        retry = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=timeout_s)}
+        try:
+            open_object_store(loc, field, client_retry=retry, timeout_s=timeout_s).probe()
+        except ObjectStoreError as exc:
+            raise ConfigError(f"object store {loc.url} cannot be used: {exc}", field=field, fix=STORE_FIX) from exc
+        log.info("preflight: object store %s answers (%s)", loc.url, field)

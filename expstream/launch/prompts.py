@@ -347,7 +347,7 @@ def feed_prompts(bootstrap: str, cfg: KafkaConfig, topic: str, rows: list[Prompt
                  first_index: int = 0) -> int:
     """Publish the prompts and confirm every send; returns the number of records. Refused rows
     (``PromptRow.refused``) go to the dead-letter twin of ``topic`` instead, one letter each."""
-    producer = make_producer(bootstrap, cfg)
+    producer = make_producer(bootstrap, cfg, spread=True)
     try:
         rows = _send_refused(producer, cfg, topic, rows)
         return send_prompt_batches(producer, cfg, topic, list(prompt_batches(rows, batch_size, first_index)))

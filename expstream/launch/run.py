@@ -52,7 +52,7 @@ from expstream.launch.collect import (
 )
 from expstream.launch.continuous import run_continuous
 from expstream.launch.outcome import ContinuousOutcome, RunOutcome
-from expstream.launch.preflight import check_output_dir, check_services
+from expstream.launch.preflight import check_output_dir, check_services, check_stores
 from expstream.launch.prompts import PromptRow, dead_letter_refused, has_media, read_prompts, store_media
 from expstream.launch.rundir import claim_run_dir
 from expstream.launch.services import FORK_ENTRY, RunServices, stage_argv, stage_env, write_resolved_topology
@@ -100,6 +100,9 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
     # Redis given on the command line answer (one line and exit 2, not 34 s of retries).
     check_output_dir(out_dir)
     check_services(args.bootstrap_servers, args.redis_url, topo.kafka)
+    # the object stores this run will use (an s3:// store it would not touch is not a reason to stop it)
+    check_stores({"train.weight_store": topo.train.weight_store if topo.train.enabled else None,
+                  "run.blob_store": topo.run.blob_store if has_media(rows) else None})
     timeline = Timeline()
     with ExitStack() as stack:
         # Held until the summary is written (released last, or at process exit).

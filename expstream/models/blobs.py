@@ -8,8 +8,9 @@ finds its blobs, and a reference is its own integrity check: :meth:`DirectoryBlo
 verifies the hash of what it reads.
 
 The default store is a directory, ``<run dir>/blobs/`` (DESIGN.md, "The run directory"), laid out
-``blobs/<first 2 hex>/<64 hex>``. Another backend (an object store) implements the three methods of
-:class:`BlobStore` and is opened by :func:`open_blob_store` from its URL.
+``blobs/<first 2 hex>/<64 hex>``. ``run.blob_store=s3://BUCKET/PREFIX`` puts them in an
+S3-compatible object store instead (:class:`ObjectBlobStore`, the same ``<2 hex>/<64 hex>`` keys
+under the prefix), so that stages on other hosts read them (docs/deploy.md "Adding machines").
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from expstream.config.storeurl import is_object_url
 from expstream.errors import ConfigError, PoisonRecordError
+from expstream.models.objstore import ObjectExistsError, ObjectMissingError, ObjectStore, open_object_store
 
 REF_PREFIX = "sha256:"
 _REF = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -100,12 +103,62 @@ class DirectoryBlobStore:
         return self.path(ref).is_file()
 
 
+class ObjectBlobStore:
+    """Blobs as objects ``<prefix>/<2 hex>/<64 hex>`` of an S3-compatible store (expstream/models/objstore.py).
+
+    A put is create-only (content-addressed: an object already there holds the same bytes, checked by
+    every get); a get is retried with backoff on failures of the store (then a retriable
+    ObjectStoreError: the record waits, nothing is dead-lettered for an outage) and a missing or
+    corrupt object is a :class:`MissingBlobError` for the sample that needs it.
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    def __repr__(self) -> str:
+        return f"ObjectBlobStore({self.store.url()!r})"
+
+    @staticmethod
+    def key(ref: str) -> str:
+        digest = check_ref(ref)[len(REF_PREFIX):]
+        return f"{digest[:2]}/{digest}"
+
+    def put(self, data: bytes) -> str:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"ObjectBlobStore.put takes bytes, got {type(data).__name__}")
+        data = bytes(data)
+        ref = blob_ref(data)
+        try:
+            self.store.put(self.key(ref), data, create_only=True)
+        except ObjectExistsError:
+            pass  # content-addressed: already there
+        return ref
+
+    def get(self, ref: str) -> bytes:
+        key = self.key(ref)
+        try:
+            data = self.store.get(key)
+        except ObjectMissingError:
+            raise MissingBlobError(f"blob {ref} is not in {self.store.url()}; the feeder stores every image of a run "
+                                   "there before feeding it (was the bucket or prefix emptied, or does "
+                                   "run.blob_store differ between hosts?)") from None
+        if blob_ref(data) != ref:
+            raise MissingBlobError(f"blob {ref} in {self.store.url()} is corrupt (its bytes hash to {blob_ref(data)}); "
+                                   f"delete {self.store.url(key)} and feed the prompt again")
+        return data
+
+    def exists(self, ref: str) -> bool:
+        return self.store.exists(self.key(ref))
+
+
 def open_blob_store(path_or_url: str | os.PathLike[str]) -> BlobStore:
-    """A store from a directory path or ``file://`` URL (other schemes: implement BlobStore)."""
+    """A store from a directory path, a ``file://`` URL or an ``s3://BUCKET/PREFIX`` URL."""
     text = str(path_or_url)
     if text.startswith("file://"):
         text = text[len("file://"):]
+    elif is_object_url(text):
+        return ObjectBlobStore(open_object_store(text, "run.blob_store"))
     elif "://" in text:
-        raise ConfigError(f"blob store {text!r}: only directories (or file:// URLs) are built in",
-                          field="run.blob_store", fix="give a directory, or implement expstream.models.blobs.BlobStore")
+        raise ConfigError(f"blob store {text!r}: only directories, file:// and s3:// URLs are built in",
+                          field="run.blob_store", fix="give a directory or s3://BUCKET/PREFIX")
     return DirectoryBlobStore(text)

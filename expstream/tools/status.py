@@ -198,11 +198,13 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
         for st in topo.enabled_stages():
             unit = unit_of[st.name]
             lag, dead = lags.get(st.name), deads.get(st.name)
-            alive = sum(1 for (stage, _r), t in beats.items() if stage == unit.head and now - t <= ALIVE_WITHIN_S)
+            ids = sorted(r for (stage, r), t in beats.items() if stage == unit.head and now - t <= ALIVE_WITHIN_S)
+            alive = len(ids)
             dropped = int(counters.get("dynamic_sampling_dropped_groups", 0)) * n if st.name == "advantage" else 0
             extra = scraped["stages"].get(unit.name, {})  # a chain's endpoint is its process's
             stages[st.name] = {
                 "replicas_alive": alive, "replicas_wanted": wanted.get(unit.name, st.replicas),
+                "replica_ids": ids,  # --replica-id:pid of each live replica, this host's and other machines'
                 "restarts": int(scraped["restarts"].get(unit.name, 0)),
                 **({"chain": unit.name} if unit.chained else {}),
                 **window_stats(recents[st.name], now),

@@ -17,22 +17,44 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgpack
 import torch
 
-from expstream.errors import ConfigError, ExpstreamError
+from expstream.config.storeurl import parse_store
+from expstream.errors import ConfigError
 from expstream.kafka.topics import (
     POLICY_TOPIC,  # one name for the announcement topic; topics.py stays torch-free
 )
+from expstream.models.objstore import ObjectStoreError, open_object_store
+from expstream.train.manifest import (  # noqa: F401  (re-exported: the store's public names stay here)
+    MANIFEST_FILE,
+    REPUBLISH_FIX,
+    ROLES,
+    VERSION_DIR,
+    WEIGHTS_FILE,
+    CorruptWeightsError,
+    Manifest,
+    VersionGoneError,
+    WeightStoreError,
+    check_role,
+    cpu_tensors,
+)
+from expstream.train.objweights import ObjectWeightStore
+
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+# Why 3: a follower whose version was deleted by retention retries with the newest announced one; the
+# trainer would have to publish keep_versions more versions during each single load to exhaust three.
+GONE_RETRIES = 3
+# Why 1 MiB: hashing reads the file in chunks so that a large model is not held twice in memory.
+_HASH_CHUNK = 1024 * 1024
 
 __all__ = [
     "POLICY_TOPIC",
@@ -52,81 +74,6 @@ __all__ = [
     "follower_for",
     "refresh_weights",
 ]
-
-#: The roles a store holds: the policy, and the critic when the trainer trains one (gae).
-ROLES = ("actor", "critic")
-WEIGHTS_FILE = "model.safetensors"
-MANIFEST_FILE = "manifest.json"
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_TMP_PREFIX = ".tmp-"
-_TRASH_PREFIX = ".trash-"
-# Why 3: a follower whose version was deleted by retention retries with the newest announced one; the
-# trainer would have to publish keep_versions more versions during each single load to exhaust three.
-GONE_RETRIES = 3
-# Why 1 MiB: hashing reads the file in chunks so that a large model is not held twice in memory.
-_HASH_CHUNK = 1024 * 1024
-
-_REPUBLISH_FIX = ("the file was changed or only half written after publication; publish the version again "
-                  "from the trainer's checkpoint, or delete that version directory (followers keep the "
-                  "previous weights meanwhile)")
-
-
-class WeightStoreError(ExpstreamError):
-    """A weight store operation failed (a version published twice, an unknown role). Not retriable."""
-
-    retriable = False
-
-
-class CorruptWeightsError(WeightStoreError):
-    """A stored version is missing, half written, or does not match its manifest's sha256."""
-
-
-class VersionGoneError(CorruptWeightsError):
-    """The version is not in the store (any more): deleted by retention (``train.keep_versions``) while
-    a reader wanted it, or never published here. A follower then loads the newest announced version."""
-
-
-# --- the manifest ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Manifest:
-    """What a published version is: written next to the weights and sent on the ``policy`` topic."""
-
-    version: int  # the policy version this file is (>= 1; 0 = the initial model, never stored)
-    step: int  # the trainer step that produced it (version = step + 1 for the reference trainer)
-    role: str  # "actor" | "critic"
-    sha256: str  # hex digest of model.safetensors, checked by every load
-    dtype: str  # torch dtype name of the tensors ("float32"; several joined by "," when mixed)
-    run_id: str  # the run that published it
-    created: float  # unix time of publication
-    # "topic[p]" -> [first, last] experience offsets trained on since the previous version
-    offsets: dict[str, list[int]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["offsets"] = {str(k): [int(a), int(b)] for k, (a, b) in self.offsets.items()}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
-        """Build from ``to_dict()``'s output; a missing or mistyped field is a CorruptWeightsError."""
-        if not isinstance(d, Mapping):
-            raise CorruptWeightsError(f"manifest: expected a mapping, got {type(d).__name__}")
-        types = {"version": int, "step": int, "role": str, "sha256": str, "dtype": str, "run_id": str,
-                 "created": (int, float)}
-        for name, typ in types.items():
-            if name not in d:
-                raise CorruptWeightsError(f"manifest: field {name!r} is missing (fields: {sorted(d)})")
-            if not isinstance(d[name], typ) or isinstance(d[name], bool):
-                raise CorruptWeightsError(f"manifest: field {name!r} = {d[name]!r} has the wrong type")
-        offsets = d.get("offsets") or {}
-        if not isinstance(offsets, Mapping) or not all(
-                isinstance(v, (list, tuple)) and len(v) == 2 for v in offsets.values()):
-            raise CorruptWeightsError(f"manifest: offsets must map 'topic[p]' to [first, last], got {offsets!r}")
-        return cls(version=int(d["version"]), step=int(d["step"]), role=str(d["role"]),
-                   sha256=str(d["sha256"]), dtype=str(d["dtype"]), run_id=str(d["run_id"]),
-                   created=float(d["created"]),
-                   offsets={str(k): [int(v[0]), int(v[1])] for k, v in offsets.items()})
-
 
 # --- the store -------------------------------------------------------------------------------------
 class WeightStore(Protocol):
@@ -149,11 +96,6 @@ class WeightStore(Protocol):
     def describe(self, role: str, version: int) -> str: ...
 
 
-def _check_role(role: str) -> None:
-    if role not in ROLES:
-        raise WeightStoreError(f"unknown weight role {role!r}; use one of {', '.join(ROLES)}")
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -165,24 +107,6 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-
-
-def _cpu_tensors(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
-    """Detached, contiguous CPU copies; tensors sharing storage (tied embeddings) are cloned, since
-    safetensors refuses shared memory. Returns them and the dtype name(s)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise WeightStoreError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
-        t = t.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel() > 0:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in out.values()})
-    return out, ",".join(dtypes)
 
 
 def sha256_file(path: Path) -> str:
@@ -226,7 +150,7 @@ class DirectoryWeightStore:
         """
         from safetensors.torch import save_file
 
-        _check_role(role)
+        check_role(role)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise WeightStoreError(f"{role} version {version!r}: published versions start at 1 "
                                    "(0 is the initial model, never stored)")
@@ -234,7 +158,7 @@ class DirectoryWeightStore:
         if final.exists():
             raise WeightStoreError(f"{role} v{version} already exists at {final}: a version is written once; "
                                    "publish the next version, or discard_after() leftovers of a killed trainer")
-        tensors, dtype = _cpu_tensors(state_dict)
+        tensors, dtype = cpu_tensors(state_dict)
         self.role_dir(role).mkdir(parents=True, exist_ok=True)
         tmp = self.role_dir(role) / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         tmp.mkdir()
@@ -260,7 +184,7 @@ class DirectoryWeightStore:
         return manifest
 
     def manifest(self, role: str, version: int) -> Manifest:
-        _check_role(role)
+        check_role(role)
         path = self.path(role, version) / MANIFEST_FILE
         if not self.path(role, version).is_dir():
             raise VersionGoneError(f"{role} v{version}: {self.path(role, version)} is missing: deleted by retention "
@@ -273,14 +197,14 @@ class DirectoryWeightStore:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise CorruptWeightsError(f"{role} v{version}: {path} is not readable JSON ({exc}); fix: "
-                                      f"{_REPUBLISH_FIX}") from exc
+                                      f"{REPUBLISH_FIX}") from exc
         try:
             m = Manifest.from_dict(data)
         except CorruptWeightsError as exc:
-            raise CorruptWeightsError(f"{role} v{version}: {path}: {exc}; fix: {_REPUBLISH_FIX}") from exc
+            raise CorruptWeightsError(f"{role} v{version}: {path}: {exc}; fix: {REPUBLISH_FIX}") from exc
         if m.role != role or m.version != version:
             raise CorruptWeightsError(f"{role} v{version}: {path} describes {m.role} v{m.version}; "
-                                      f"fix: {_REPUBLISH_FIX}")
+                                      f"fix: {REPUBLISH_FIX}")
         return m
 
     def load(self, role: str, version: int) -> dict[str, torch.Tensor]:
@@ -300,27 +224,27 @@ class DirectoryWeightStore:
             raise VersionGoneError(f"{role} v{version}: {path} was deleted while it was being loaded (retention: "
                                    "train.keep_versions)") from exc
         except OSError as exc:
-            raise CorruptWeightsError(f"{role} v{version}: cannot read {path} ({exc}); fix: {_REPUBLISH_FIX}") from exc
+            raise CorruptWeightsError(f"{role} v{version}: cannot read {path} ({exc}); fix: {REPUBLISH_FIX}") from exc
         digest = hashlib.sha256(data).hexdigest()
         if digest != m.sha256:
             raise CorruptWeightsError(
                 f"{role} v{version}: {path} has sha256 {digest[:12]}… ({len(data)} bytes) but its manifest "
-                f"says {m.sha256[:12]}…; fix: {_REPUBLISH_FIX}")
+                f"says {m.sha256[:12]}…; fix: {REPUBLISH_FIX}")
         try:
             return load_bytes(data)
         except (SafetensorError, ValueError, RuntimeError) as exc:
             raise CorruptWeightsError(f"{role} v{version}: {path} matches its hash but is not a safetensors "
-                                      f"file ({exc}); fix: {_REPUBLISH_FIX}") from exc
+                                      f"file ({exc}); fix: {REPUBLISH_FIX}") from exc
 
     def versions(self, role: str) -> list[int]:
         """Complete versions, ascending (``.tmp-`` publications in progress are not versions)."""
-        _check_role(role)
+        check_role(role)
         base = self.role_dir(role)
         if not base.is_dir():
             return []
         out = []
         for entry in base.iterdir():
-            m = _VERSION_DIR.match(entry.name)
+            m = VERSION_DIR.match(entry.name)
             if m and (entry / MANIFEST_FILE).is_file():
                 out.append(int(m.group(1)))
         return sorted(out)
@@ -336,7 +260,7 @@ class DirectoryWeightStore:
         Each version is first renamed out of its name (atomic), then deleted, so a reader never
         sees a partly deleted version under a version name. Call it only from the (one) trainer.
         """
-        _check_role(role)
+        check_role(role)
         base = self.role_dir(role)
         if not base.is_dir():
             return []
@@ -349,7 +273,7 @@ class DirectoryWeightStore:
     def delete(self, role: str, version: int) -> bool:
         """Delete one version: renamed out of its name (atomic: readers stop listing it), then removed.
         False when it is not there. Call it only from the (one) trainer."""
-        _check_role(role)
+        check_role(role)
         trash = self.role_dir(role) / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
         try:
             os.rename(self.path(role, version), trash)
@@ -377,17 +301,15 @@ def prune_versions(store: WeightStore, role: str, *, keep: int, checkpoint: int 
 
 
 def open_store(path_or_url: str) -> WeightStore:
-    """The store at ``path_or_url``: a directory path (or ``file://`` URL) -> DirectoryWeightStore."""
+    """The store at ``path_or_url``: a directory path (or ``file://`` URL) -> DirectoryWeightStore;
+    ``s3://BUCKET/PREFIX`` -> ObjectWeightStore (expstream/train/objweights.py)."""
     text = str(path_or_url)
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    elif "://" in text:
-        raise ConfigError(f"weight store {path_or_url!r}: only directories are supported", field="train.weight_store",
-                          fix="give a directory path (a shared filesystem in a deployment), or add a WeightStore "
-                          "implementation for that scheme")
     if not text:
         raise ConfigError("weight store path is empty", field="train.weight_store", fix="give a directory path")
-    return DirectoryWeightStore(Path(text).expanduser())
+    loc = parse_store(text, "train.weight_store")  # `s3:` or `gs://` is an error, not a directory
+    if loc.kind == "s3":
+        return ObjectWeightStore(open_object_store(loc, "train.weight_store"))
+    return DirectoryWeightStore(Path(loc.path).expanduser())
 
 
 # --- announcement ----------------------------------------------------------------------------------
@@ -447,7 +369,7 @@ class PolicyFollower:
 
     def __init__(self, store: WeightStore, state: Any, role: str, model: Any,
                  log: logging.Logger | None = None, metrics: Any = None) -> None:
-        _check_role(role)
+        check_role(role)
         self.store = store
         self.state = state
         self.role = role
@@ -475,7 +397,12 @@ class PolicyFollower:
         announced = int(self.state.policy_version())
         if announced <= self.version or (self.refused is not None and announced <= self.refused):
             return self.version
-        target = self._target(announced)
+        try:
+            target = self._target(announced)
+        except ObjectStoreError as exc:
+            self.log.error("weights: cannot list %s versions in %s, keeping v%d; trying again before the next "
+                           "micro-batch: %s", self.role, self.store, self.version, exc)
+            return self.version
         if target is None or target <= self.version:
             return self.version
         t0 = time.perf_counter()
@@ -494,6 +421,10 @@ class PolicyFollower:
                     announced, target = newer, retarget
             _check_fits(self.model, tensors)  # before load_state_dict, which may copy some tensors then raise
             self.model.load_state_dict(tensors, strict=True)
+        except ObjectStoreError as exc:  # the store did not answer (retried already): keep the weights, try again
+            self.log.error("weights: cannot read %s v%d from %s, keeping v%d; trying again before the next "
+                           "micro-batch: %s", self.role, target, self.store.describe(self.role, target), self.version, exc)
+            return self.version
         except (CorruptWeightsError, RuntimeError) as exc:
             self.refused = announced
             self.log.error("weights: refused %s v%d from %s, keeping v%d: %s", self.role, target,
