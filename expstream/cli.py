@@ -1,6 +1,5 @@
 """``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay | rewind
-| serve-reward
-| scale | status | report | k8s | feed.
+| serve-reward | scale | status | report | k8s | feed.
 
 Argument parsing and dispatch only, from a table: each command module contributes an
 ``expstream.config.cli_args.Command`` (its name, help, arguments, entry function, and whether it reads
