@@ -1,5 +1,5 @@
 """``expstream`` command line: run | stage | train | topics | models | dlq | record | show | diff | replay | rewind
-| serve-reward.
+| serve-reward | scale | status | report | k8s | feed.
 
 Argument parsing and dispatch only, from a table: each command module contributes an
 ``expstream.config.cli_args.Command`` (its name, help, arguments, entry function, and whether it reads
@@ -25,6 +25,7 @@ from expstream.config.redaction import env_redis_url
 from expstream.config.topology import find_topology, load_topology
 from expstream.errors import EXIT_BROKEN_PIPE, EXIT_CONFIG, EXIT_FAILED, ConfigError, ExpstreamError
 from expstream.launch.commands import RUN, STAGE, TRAIN
+from expstream.launch.feed import FEED
 from expstream.launch.k8s import K8S
 from expstream.launch.scale import SCALE
 from expstream.models.resolve import MODELS
@@ -41,7 +42,7 @@ from expstream.tools.tail import TOPICS
 
 #: The subcommands, in the order ``expstream --help`` lists them.
 COMMANDS: tuple[Command, ...] = (RUN, STAGE, TRAIN, TOPICS, MODELS, DLQ, SHOW, DIFF, REPLAY, RECORD, REWIND,
-                                 SERVE_REWARD, SCALE, STATUS, REPORT, K8S)
+                                 SERVE_REWARD, SCALE, STATUS, REPORT, K8S, FEED)
 
 
 def _setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001

@@ -25,7 +25,7 @@ from expstream.errors import ExpstreamError
 from stages.context import StageContext
 from stages.pausing import PausedPolling
 
-__all__ = ["REWIND_ACK_TTL_S", "REWIND_CHECK_INTERVAL_S", "ReplicaRewind"]
+__all__ = ["REWIND_ACK_TTL_S", "REWIND_CHECK_INTERVAL_S", "ReplicaRewind", "parse_move"]
 
 # Why 0.5 s: how often a replica reads its stage's rewind request between records; one Redis GET per
 # replica per half second is nothing, and a rewind waits at most this long for an idle replica.
@@ -108,6 +108,10 @@ class ReplicaRewind:
     def move(self, request: str, moved: set[TopicPartition]) -> bool:
         """``<id>/move/<p:offset,...>``: seek and commit every owned partition named.
 
+        Only the partitions of the topics the request names move (generate of a multi-turn run has a runner
+        per topic in one replica, each with its own ReplicaRewind; a request of an earlier version names no
+        topic: every owned partition named).
+
         Args:
             request: the request text (any other step than ``move`` asks nothing more than the pause).
             moved: the partitions already moved for this request; updated.
@@ -117,9 +121,10 @@ class ReplicaRewind:
         _, _, rest = request.partition("/")
         if not rest.startswith("move/"):
             return True  # the pause step: paused is all it asks
-        targets = dict(tuple(int(x) for x in item.split(":")) for item in filter(None, rest[5:].split(",")))
+        by_topic = parse_move(rest[5:])
         ok = True
         for tp in sorted(self.consumer.assignment()):
+            targets = by_topic.get(tp.topic, by_topic.get(None, {}))
             if tp in moved or tp.partition not in targets:
                 continue
             offset = targets[tp.partition]
@@ -136,3 +141,19 @@ class ReplicaRewind:
             self.log.warning("stage %s replica %s: rewound %s[%d] to %d (committed)", self.stage,
                              self.replica_key, tp.topic, tp.partition, offset)
         return ok
+
+
+def parse_move(body: str) -> dict[str | None, dict[int, int]]:
+    """``<topic>/<p:offset,...>[/<topic>/...]`` (expstream/tools/rewind.py move_request) -> targets per topic;
+    ``<p:offset,...>`` alone (an earlier tool) -> ``{None: targets}``, for every topic."""
+    def offsets(text: str) -> dict[int, int]:
+        out = {}
+        for item in filter(None, text.split(",")):
+            partition, offset = item.split(":")
+            out[int(partition)] = int(offset)
+        return out
+
+    parts = body.split("/")
+    if len(parts) == 1:
+        return {None: offsets(parts[0])}
+    return {parts[i]: offsets(parts[i + 1]) for i in range(0, len(parts) - 1, 2)}

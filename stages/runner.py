@@ -102,6 +102,7 @@ class StageRunner:
         # a chain's log lines come from its unit (``expstream.stage.postprocess+advantage``)
         self.log = logging.getLogger(f"expstream.stage.{label or self.stage.name}")
         self.group_id = stage_group(ctx.run_id, self.stage.name) + group_suffix
+        self.group_suffix = group_suffix  # also on its rewind acknowledgements (stages/rewinding.py)
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
@@ -199,8 +200,8 @@ class StageRunner:
                              bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
         self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
-        self.rewinding = ReplicaRewind(self.ctx, self.consumer, self.pausing, self.replica_key, self.log,
-                                       lambda: self.stop_requested)
+        self.rewinding = ReplicaRewind(self.ctx, self.consumer, self.pausing, self.replica_key + self.group_suffix,
+                                       self.log, lambda: self.stop_requested)
 
     def start_joining(self) -> None:
         """Connect and join the consumer group on a thread while the stage's ``setup`` loads its models.

@@ -19,8 +19,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = Path(__file__).parent / "data" / "cli_parser_before_issue22.json"
 MACHINE_DEPENDENT_DEFAULTS = {("stage", "replica_id")}
-#: Subcommands added since issue 22, after the ones of BEFORE (each has its own tests): `k8s` (issue 25).
-ADDED_SINCE = ("k8s",)
+#: Subcommands added since issue 22, after the ones of BEFORE (each has its own tests): `k8s` (issue 25),
+#: `feed` (issue 25's follow-up: tests/test_feed.py).
+ADDED_SINCE = ("k8s", "feed")
 #: Arguments whose help text changed since issue 22 (command, dest): `stage NAME` also names a chain (issue 28).
 HELP_CHANGED_SINCE = {("stage", "name")}
 

@@ -365,3 +365,115 @@ def test_rewind_reward_on_a_live_run(tmp_path: Path, tmp_path_factory: pytest.Te
             pass
         run.close()
 
+
+
+# --- generate of a multi-turn run: its second group on the turns topic --------------------------------
+def test_parse_move_names_topics_and_reads_the_earlier_form() -> None:
+    from stages.rewinding import parse_move
+
+    assert parse_move("prompts/0:3,1:7") == {"prompts": {0: 3, 1: 7}}
+    assert parse_move("prompts/0:3/turns/0:5") == {"prompts": {0: 3}, "turns": {0: 5}}
+    assert parse_move("0:3,1:7") == {None: {0: 3, 1: 7}}  # a tool of an earlier version: every topic
+
+
+def test_turns_targets_move_back_to_the_moment_and_never_forward() -> None:
+    from expstream.config.kafka import KafkaConfig
+    from expstream.tools.rewind import TopicView, turns_targets
+
+    index = {0: [Entry(o, 1000 + 100 * o, f"t{o}") for o in range(10)], 1: [Entry(o, 1050 + 100 * o, None)
+                                                                           for o in range(4)]}
+    view = TopicView("turns", {0: 0, 1: 0}, {0: 10, 1: 4}, index, {})
+    # the moment 1420: partition 0 from offset 5 (ts 1500), partition 1's records all older (end 4)
+    assert turns_targets(1420, view, {0: 10, 1: 2}, KafkaConfig()) == ({0: 5}, [1])
+    assert turns_targets(1420, view, {0: 5, 1: 4}, KafkaConfig()) == ({}, [])  # already there
+    assert turns_targets(None, view, {0: 10, 1: 4}, KafkaConfig()) == ({}, [])  # offsets: the turns group stays
+
+
+class TurnsRig:
+    """A generate replica of a multi-turn run (its prompts runner and its turns runner, one process, copying
+    stages) on one-partition topics: 6 prompt records p00.. (ts t0 + i s) and 6 turn records t00.. (+0.5 s)."""
+
+    def __init__(self, broker: str, redis_url: str, tmp_path: Path) -> None:
+        from expstream.launch.replica import turns_runner
+
+        self.broker, self.redis_url = broker, redis_url
+        tag = uuid.uuid4().hex[:8]
+        self.prompts, self.turns, self.dst = f"mp-{tag}", f"mt-{tag}", f"mo-{tag}"
+        create_topics(broker, {self.prompts: 1, self.turns: 1, self.dst: 1}, with_dlq=True)
+        topo = load_topology(overrides=[f"topics.input={self.prompts}", "environment.fn=tests.envfns:mixed",
+                                        f"environment.turns_topic={self.turns}", f"stages.generate.output={self.dst}"])
+        self.topo_path = tmp_path / "topology.yaml"
+        self.topo_path.write_text(yaml.safe_dump(topo.to_raw()))
+        self.run_id = f"rwt{tag}"
+        self.t0 = int(time.time() * 1000) - 60_000
+        producer = make_producer(broker)
+        for i in range(6):
+            producer.send(self.prompts, value=_prompts(f"p{i:02d}"), timestamp_ms=self.t0 + 1000 * i).get(10)
+            producer.send(self.turns, value=_prompts(f"t{i:02d}"), timestamp_ms=self.t0 + 1000 * i + 500).get(10)
+        producer.close()
+        self.state = RedisState(redis_url, self.run_id)
+        ctx = make_context(topo, "generate", state=self.state, run_id=self.run_id, replica_id="0")
+        main_runner = StageRunner(ctx, _copy, broker)
+        self.running = [Running(main_runner), Running(turns_runner(ctx, _copy, main_runner, broker))]
+        self.wait_outputs(12)
+
+    def outputs(self) -> list[str]:
+        return [peek_header(r.value)[2] for r in read_topic(self.broker, None, self.dst)]
+
+    def wait_outputs(self, n: int, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.outputs()) < n:
+            for r in self.running:
+                assert r.error is None, repr(r.error)
+            assert time.monotonic() < deadline, f"{len(self.outputs())} of {n} outputs after {timeout_s}s"
+            time.sleep(0.2)
+        time.sleep(1.5)  # anything beyond the expected count would arrive now
+
+    def again(self) -> Counter:
+        return Counter({b: c - 1 for b, c in Counter(self.outputs()).items() if c > 1})
+
+    def committed(self) -> tuple[int, int]:
+        admin = make_admin(self.broker)
+        try:
+            g, t = group_id_of(self.run_id, "generate"), group_id_of(self.run_id, "generate") + ".turns"
+            return (admin.list_group_offsets({g: [TopicPartition(self.prompts, 0)]})[g][TopicPartition(self.prompts, 0)]
+                    .offset, admin.list_group_offsets({t: [TopicPartition(self.turns, 0)]})[t][TopicPartition(
+                        self.turns, 0)].offset)
+        finally:
+            admin.close()
+
+    def rewind(self, *extra: str) -> int:
+        return main(["rewind", "--stage", "generate", "--bootstrap-servers", self.broker, "--redis-url",
+                     self.redis_url, "--run-id", self.run_id, "--topology", str(self.topo_path), "--yes", *extra])
+
+    def close(self) -> None:
+        for r in self.running:
+            r.runner.stop_requested = True
+        for r in self.running:
+            r.stop()
+        self.state.close()
+
+
+def test_rewind_of_generate_in_a_multi_turn_run_moves_the_turns_group_by_time_only(broker: str, redis_url: str,
+                                                                                 tmp_path: Path, capsys) -> None:
+    """An offset rewind moves the prompts group alone (before: the turns runner also took the offsets as its
+    own topic's and reprocessed t02..); a time rewind moves both groups to the same moment."""
+    rig = TurnsRig(broker, redis_url, tmp_path)
+    try:
+        assert rig.committed() == (6, 6)
+        assert rig.rewind("--to", "0:2") == 0
+        out = capsys.readouterr().out
+        assert f"{rig.turns}: unchanged (offsets name {rig.prompts}'s records" in out, out
+        rig.wait_outputs(12 + 4)
+        assert rig.again() == Counter(dict.fromkeys(["p02", "p03", "p04", "p05"], 1))
+        assert rig.committed() == (6, 6)
+        # the moment of p03 (t0 + 3 s): prompts from p03, turns from t03 (t0 + 3.5 s)
+        assert rig.rewind("--to", f"@{rig.t0 + 3000}") == 0
+        out = capsys.readouterr().out
+        assert f"{rig.turns}[0]: 6 -> 3 (end 6): 3 record(s) reprocessed, batches t03 .. t05" in out, out
+        rig.wait_outputs(12 + 4 + 6)
+        assert rig.again() == Counter({"p02": 1, "p03": 2, "p04": 2, "p05": 2, "t03": 1, "t04": 1, "t05": 1})
+        assert rig.committed() == (6, 6)
+        assert [r.runner.rewinds for r in rig.running] == [2, 2], "both runners paused for both rewinds"
+    finally:
+        rig.close()

@@ -303,3 +303,36 @@ def test_autoscaler_adds_replicas_under_a_backlog_and_removes_them_when_it_drain
     finally:
         gate.touch()
         run.close()
+
+
+# ---- the lag the autoscaler reads (real broker) ----------------------------------------------
+@pytest.mark.integration
+def test_generate_lag_of_a_multi_turn_run_counts_the_turns_topic_too(broker: str, fresh_topic) -> None:
+    """generate's backlog in a multi-turn run = uncommitted prompts + uncommitted turn records (its second
+    group ``<generate's>.turns``); every other stage reads its input alone."""
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    from expstream.kafka.clients import make_admin, make_producer
+    from expstream.kafka.topics import stage_group
+    from expstream.launch.scale import lag_reader
+
+    prompts, turns, rollouts = fresh_topic(prefix="sp"), fresh_topic(prefix="st"), fresh_topic(prefix="sr")
+    producer = make_producer(broker)
+    for topic, n in ((prompts, 3), (turns, 5), (rollouts, 2)):
+        for i in range(n):
+            producer.send(topic, b"x%d" % i).get(timeout=30)
+    producer.close()
+    multi = load_topology(overrides=[f"topics.input={prompts}", "environment.fn=tests.envfns:mixed",
+                                     f"environment.turns_topic={turns}", f"stages.generate.output={rollouts}"])
+    single = load_topology(overrides=[f"topics.input={prompts}", f"stages.generate.output={rollouts}"])
+    assert multi.stages["environment"].input == rollouts
+    run_id = f"lag{os.getpid()}"
+    assert lag_reader(single, broker, run_id)("generate") == 3
+    assert lag_reader(multi, broker, run_id)("generate") == 3 + 5
+    assert lag_reader(multi, broker, run_id)("environment") == 2
+    admin = make_admin(broker)  # generate's turns group has taken 4 of the 5 turn records
+    admin.alter_group_offsets(stage_group(run_id, "generate") + ".turns",
+                              {TopicPartition(turns, 0): OffsetAndMetadata(4, "", -1)})
+    admin.close()
+    assert lag_reader(multi, broker, run_id)("generate") == 3 + 1

@@ -49,6 +49,16 @@ def stage_group(run_id: str, stage: str) -> str:
     return f"expstream.{run_id}.{stage}"
 
 
+#: What generate's second consumer group of a multi-turn run adds to its group (expstream/launch/replica.py).
+TURNS_GROUP_SUFFIX = ".turns"
+
+
+def turns_group(run_id: str) -> str:
+    """The consumer group generate's replicas read the turns topic with in a multi-turn run
+    (docs/multi_turn.md): ``<generate's group>.turns``; what ``scale`` and ``rewind`` read too."""
+    return stage_group(run_id, "generate") + TURNS_GROUP_SUFFIX
+
+
 def loop_topics(topo: Topology) -> dict[str, int]:
     """The topics a continuous run adds to the pipeline's (no ``.dlq`` twins): ``policy`` when
     ``train.enabled``, else none."""

@@ -257,16 +257,18 @@ def read_prompts(path: str | Path, *, media_root: str | os.PathLike[str] | None 
     return rows
 
 
-def prompt_batches(rows: list[PromptRow], batch_size: int, first_index: int = 0) -> Iterator[PromptBatch]:
-    """Records of ``batch_size`` prompts, ids ``p{first_index:06d}`` onwards (stable across runs).
-    A refused row is a ValueError: it is dead-lettered (:func:`refused_letters`), never fed."""
+def prompt_batches(rows: list[PromptRow], batch_size: int, first_index: int = 0,
+                   id_suffix: str = "") -> Iterator[PromptBatch]:
+    """Records of ``batch_size`` prompts, ids ``p{first_index:06d}{id_suffix}`` onwards (stable across
+    runs; ``expstream feed`` puts the epoch in the suffix). A refused row is a ValueError: it is
+    dead-lettered (:func:`refused_letters`), never fed."""
     refused = [r.prompt_id for r in rows if r.refused]
     if refused:
         raise ValueError(f"PromptRow {refused[0]!r} was refused ({len(refused)} rows): feed the others and "
                          "dead-letter these (feed_prompts, dead_letter_refused)")
     for k, start in enumerate(range(0, len(rows), batch_size), start=first_index):
         chunk = rows[start: start + batch_size]
-        yield PromptBatch(batch_id=f"p{k:06d}", prompt_id=[r.prompt_id for r in chunk],
+        yield PromptBatch(batch_id=f"p{k:06d}{id_suffix}", prompt_id=[r.prompt_id for r in chunk],
                           prompt=[r.prompt for r in chunk], label=[r.label for r in chunk],
                           reference=[r.reference for r in chunk], **media_fields(chunk))
 
@@ -344,13 +346,14 @@ def dead_letter_refused(bootstrap: str, cfg: KafkaConfig, topic: str, rows: list
 
 
 def feed_prompts(bootstrap: str, cfg: KafkaConfig, topic: str, rows: list[PromptRow], batch_size: int,
-                 first_index: int = 0) -> int:
+                 first_index: int = 0, id_suffix: str = "") -> int:
     """Publish the prompts and confirm every send; returns the number of records. Refused rows
     (``PromptRow.refused``) go to the dead-letter twin of ``topic`` instead, one letter each."""
     producer = make_producer(bootstrap, cfg, spread=True)
     try:
         rows = _send_refused(producer, cfg, topic, rows)
-        return send_prompt_batches(producer, cfg, topic, list(prompt_batches(rows, batch_size, first_index)))
+        batches = list(prompt_batches(rows, batch_size, first_index, id_suffix))
+        return send_prompt_batches(producer, cfg, topic, batches)
     finally:
         producer.close(timeout=10)
 

@@ -145,10 +145,11 @@ def turns_runner(ctx: Any, process: Any, main: Any, bootstrap: str) -> Any:
         return None
     import dataclasses
 
+    from expstream.kafka.topics import TURNS_GROUP_SUFFIX
     from stages.runner import StageRunner
 
     tctx = dataclasses.replace(ctx, stage=dataclasses.replace(ctx.stage, input=ctx.topology.environment.turns_topic))
-    return StageRunner(tctx, process, bootstrap, group_suffix=".turns", metrics=False, stop=main.stop_event)
+    return StageRunner(tctx, process, bootstrap, group_suffix=TURNS_GROUP_SUFFIX, metrics=False, stop=main.stop_event)
 
 
 def run_both(runner: Any, turns: Any) -> int:

@@ -240,16 +240,23 @@ class Scaler:
 
 
 def lag_reader(topo: Topology, bootstrap: str, run_id: str) -> Callable[[str], int]:
-    """``lag_of(stage)``: uncommitted records of the stage's input for its group (expstream.kafka.clients.topic_lag)."""
+    """``lag_of(stage)``: uncommitted records of the stage's input for its group (expstream.kafka.clients.topic_lag).
+
+    generate of a multi-turn run (not chained: a chain has no turns runner) reads the turns topic too, as
+    the group ``<generate's>.turns`` (expstream/launch/replica.py): its backlog is the sum of both, since
+    a replica works through the unfinished episodes as well as the prompts (docs/multi_turn.md)."""
     from expstream.kafka.clients import topic_lag
-    from expstream.kafka.topics import stage_group
+    from expstream.kafka.topics import stage_group, turns_group
 
     heads = {u.name: topo.stages[u.head] for u in topo.units()}  # a chain reads as its first stage
 
     def lag_of(name: str) -> int:
         st = heads[name]
-        lag = topic_lag(bootstrap, topo.kafka, stage_group(run_id, st.name), st.input, timeout_s=10.0)
-        return int(sum(lag.values()))
+        total = sum(topic_lag(bootstrap, topo.kafka, stage_group(run_id, st.name), st.input, timeout_s=10.0).values())
+        if name == "generate" and topo.environment is not None:
+            total += sum(topic_lag(bootstrap, topo.kafka, turns_group(run_id), topo.environment.turns_topic,
+                                   timeout_s=10.0).values())
+        return int(total)
 
     return lag_of
 

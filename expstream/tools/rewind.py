@@ -33,7 +33,7 @@ from expstream.config.kafka import KafkaConfig
 from expstream.config.topology import Topology, load_topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
 from expstream.kafka.clients import end_offsets, make_admin, make_consumer
-from expstream.kafka.topics import stage_group
+from expstream.kafka.topics import TURNS_GROUP_SUFFIX, stage_group, turns_group
 from expstream.tools.recorder import Position, parse_position
 from expstream.tools.recording import PartitionReader, partition_path, recorded_partitions, recorded_topics
 from schemas.codec import peek_header
@@ -249,6 +249,46 @@ def make_plan(view: TopicView, targets: dict[int, int], committed: dict[int, int
     return plans
 
 
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One consumer group a rewind moves: its topic and the partitions' target offsets."""
+
+    group: str
+    topic: str
+    targets: dict[int, int]
+
+
+def position_time(pos: Position, view: TopicView) -> int | None:
+    """The moment ``pos`` names on the input topic: a time as given, a batch id's earliest record's
+    timestamp; None for offsets (they name positions of that topic alone)."""
+    if pos.kind == "time":
+        return pos.time_ms
+    if pos.kind == "batch":
+        stamps = [e.timestamp for entries in view.index.values() for e in entries if e.batch_id == pos.batch_id]
+        return min(stamps) if stamps else None
+    return None
+
+
+def turns_targets(time_ms: int | None, view: TopicView, committed: dict[int, int | None],
+                  cfg: KafkaConfig) -> tuple[dict[int, int], list[int]]:
+    """generate's turns group in a multi-turn run (docs/multi_turn.md "Rewinding generate"): back to the first
+    turn record at or after ``time_ms`` (pure; no Kafka). Never forward: a skipped turn record is an episode
+    that never finishes (its group neither arrives nor is counted lost). Returns (targets, partitions held
+    back from moving forward)."""
+    if time_ms is None:
+        return {}, []
+    targets, held = {}, []
+    for p in sorted(view.ends):
+        c = committed.get(p)
+        current = c if c is not None else (view.starts[p] if cfg.auto_offset_reset == "earliest" else view.ends[p])
+        target = _first_at_or_after(view.index.get(p, []), time_ms, view.ends[p])
+        if target < current:
+            targets[p] = target
+        elif target > current:
+            held.append(p)
+    return targets, held
+
+
 def commit_when_empty(admin: Any, group: str, topic: str, targets: dict[int, int], deadline: float,
                       refresh: Any) -> None:
     """Step 5 without live replicas: commit ``targets`` for ``group`` from outside; the broker refuses it
@@ -332,6 +372,8 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
                           fix=f"one of {', '.join(n for n, s in topo.stages.items() if s.enabled)}")
     pos = parse_rewind_position(args.to)
     cfg, topic, group = topo.kafka, stage.input, group_id_of(run_id, stage.name)
+    # generate of a multi-turn run reads the turns topic too, as a second group (docs/multi_turn.md)
+    multi_turn = stage.name == "generate" and topo.environment is not None and not (unit and unit.chained)
 
     view = view_topic(bootstrap, cfg, topic, run_dir)
     targets = resolve_targets(pos, view.index, view.starts, view.ends, topic)
@@ -344,22 +386,21 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
                   "the rest read from the topic)")
         for pp in plan:
             print(pp.line(topic))
+        moves = [(Move(group, topic, targets), view)] + (plan_turns(admin, bootstrap, topo, run_id, pos, view, run_dir)
+                                                         if multi_turn else [])
         note = rewind_note(topo, stage.name)
         if note:
             print(note)
         if args.dry_run:
             print("dry run: nothing changed")
             return EXIT_OK
-        if not args.yes:
-            if not sys.stdin.isatty():
-                raise ConfigError("rewind moves a live consumer group and asks first", field="--yes",
-                                  fix="pass --yes to proceed without a prompt (or --dry-run to only look)")
-            if input("stop the stage's replicas and move the offsets? [y/N] ").strip().lower() not in ("y", "yes"):
-                print("not rewound")
-                return EXIT_OK
+        if not confirmed(args):
+            print("not rewound")
+            return EXIT_OK
         state = RedisState(redis_url, run_id)
         try:
-            moved = handshake(state, admin, stage.name, group, topic, targets, args.timeout)
+            before = handshake(state, admin, stage.name, [m for m, _ in moves], args.timeout,
+                               ("", TURNS_GROUP_SUFFIX) if multi_turn else ("",))
         except RewindAborted as exc:
             print(f"expstream rewind: aborted, {'PARTLY MOVED' if exc.moved else 'nothing changed'}: {exc}",
                   file=sys.stderr)
@@ -367,11 +408,43 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
         finally:
             state.close()
         print(f"rewound {stage.name}: offsets committed; the replicas resume and reprocess from there:")
-        for pp in make_plan(view, targets, moved, cfg):
-            print(pp.line(topic))
+        for m, v in moves:
+            for pp in make_plan(v, m.targets, before[m.topic], cfg):
+                print(pp.line(m.topic))
         return EXIT_OK
     finally:
         admin.close()
+
+
+def confirmed(args: argparse.Namespace) -> bool:
+    """``--yes``, or the operator's answer on a terminal (none: a ConfigError naming --yes)."""
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise ConfigError("rewind moves a live consumer group and asks first", field="--yes",
+                          fix="pass --yes to proceed without a prompt (or --dry-run to only look)")
+    return input("stop the stage's replicas and move the offsets? [y/N] ").strip().lower() in ("y", "yes")
+
+
+def plan_turns(admin: Any, bootstrap: str, topo: Topology, run_id: str, pos: Position, view: TopicView,
+               run_dir: Path | None) -> list[tuple[Move, TopicView]]:
+    """generate's turns group in a multi-turn run: its plan printed, its move (none when it stays)."""
+    assert topo.environment is not None, "a multi-turn run's generate"
+    cfg, group, topic = topo.kafka, turns_group(run_id), topo.environment.turns_topic
+    tview = view_topic(bootstrap, cfg, topic, run_dir)
+    committed = committed_offsets(admin, group, topic, sorted(tview.ends))
+    targets, held = turns_targets(position_time(pos, view), tview, committed, cfg)
+    print(f"  and generate's turns group {group} (topic {topic}):")
+    if pos.kind == "offset":
+        print(f"  {topic}: unchanged (offsets name {view.topic}'s records; give a time or batch:<id> to move the turns "
+              "group to the same moment; the episodes of the rewound prompts start again from their first turn "
+              "either way)")
+        return []
+    for pp in make_plan(tview, targets, committed, cfg):
+        print(pp.line(topic))
+    for p in held:
+        print(f"  {topic}[{p}]: not moved forward (skipping turn records would drop episodes in flight)")
+    return [(Move(group, topic, targets), tview)] if targets else []
 
 
 def rewind_note(topo: Topology, stage: str) -> str | None:
@@ -391,14 +464,19 @@ def live_replicas(state: Any, stage: str, now: float | None = None) -> set[str]:
     return {r for (s, r), t in state.heartbeats().items() if s == stage and now - t < LIVE_HEARTBEAT_S}
 
 
-def move_request(request: str, targets: dict[int, int]) -> str:
-    """The ``move`` step's request text: ``<id>/move/<p:offset,...>`` (stages/rewinding.py parses it)."""
-    return f"{request}/move/" + ",".join(f"{p}:{o}" for p, o in sorted(targets.items()))
+def move_request(request: str, moves: list[Move]) -> str:
+    """The ``move`` step's request text: ``<id>/move/<topic>/<p:offset,...>[/<topic>/<p:offset,...>]``
+    (stages/rewinding.py parses it; a topic name holds no ``/``). The topic tells a replica's runners
+    apart: generate of a multi-turn run has one per topic, and each moves only its own."""
+    return f"{request}/move/" + "/".join(
+        f"{m.topic}/" + ",".join(f"{p}:{o}" for p, o in sorted(m.targets.items())) for m in moves)
 
 
-def handshake(state: Any, admin: Any, stage: str, group: str, topic: str, targets: dict[int, int],
-              timeout_s: float) -> dict[int, int | None]:
-    """Steps 2-7; returns the offsets the group had committed when it was paused (before the move)."""
+def handshake(state: Any, admin: Any, stage: str, moves: list[Move], timeout_s: float,
+              ack_suffixes: tuple[str, ...] = ("",)) -> dict[str, dict[int, int | None]]:
+    """Steps 2-7; returns per topic the offsets its group had committed when paused (before the move).
+    ``ack_suffixes``: every live replica acknowledges under its heartbeat name plus each of them (generate
+    of a multi-turn run: ``""`` and ``.turns``, its two runners)."""
     request = uuid.uuid4().hex[:12]
     deadline = time.monotonic() + timeout_s
     current = [request]
@@ -408,7 +486,8 @@ def handshake(state: Any, admin: Any, stage: str, group: str, topic: str, target
 
     def wait_acks(step: str) -> set[str]:
         while True:
-            live, acked = live_replicas(state, stage), state.rewind_acks(stage, current[0])
+            live = {r + suffix for r in live_replicas(state, stage) for suffix in ack_suffixes}
+            acked = state.rewind_acks(stage, current[0])
             if not live - acked:
                 return acked & live
             if time.monotonic() > deadline:
@@ -424,22 +503,23 @@ def handshake(state: Any, admin: Any, stage: str, group: str, topic: str, target
     try:
         paused = wait_acks("pause")
         log.info("rewind %s: paused by %s", stage, ", ".join(sorted(paused)) or "no live replica")
-        before = committed_offsets(admin, group, topic, sorted(targets))
-        current[0] = move_request(request, targets)
+        before = {m.topic: committed_offsets(admin, m.group, m.topic, sorted(m.targets)) for m in moves}
+        current[0] = move_request(request, moves)
         refresh()
         moved = wait_acks("move")
-        if not moved:  # no live replica: nobody in the group, so commit from outside
-            commit_when_empty(admin, group, topic, targets, deadline, refresh)
-        while (now := committed_offsets(admin, group, topic, sorted(targets))) != targets:
-            # a partition no live replica owned (a member that is not ours, or one still joining)
-            if time.monotonic() > deadline:
-                raise RewindAborted(f"the replicas moved {topic} partially: committed now "
-                                    f"{ {p: o for p, o in now.items()} }, wanted {targets}; partitions not yet "
-                                    "at their target were not owned by a live replica", moved=True)
-            refresh()
-            time.sleep(ROUND_S)
-        log.info("rewind %s: committed %s for group %s", stage,
-                 ", ".join(f"{topic}[{p}]@{o}" for p, o in sorted(targets.items())), group)
+        for m in moves:
+            if not moved:  # no live replica: nobody in the group, so commit from outside
+                commit_when_empty(admin, m.group, m.topic, m.targets, deadline, refresh)
+            while (now := committed_offsets(admin, m.group, m.topic, sorted(m.targets))) != m.targets:
+                # a partition no live replica owned (a member that is not ours, or one still joining)
+                if time.monotonic() > deadline:
+                    raise RewindAborted(f"the replicas moved {m.topic} partially: committed now "
+                                        f"{ {p: o for p, o in now.items()} }, wanted {m.targets}; partitions not "
+                                        "yet at their target were not owned by a live replica", moved=True)
+                refresh()
+                time.sleep(ROUND_S)
+            log.info("rewind %s: committed %s for group %s", stage,
+                     ", ".join(f"{m.topic}[{p}]@{o}" for p, o in sorted(m.targets.items())), m.group)
         return before
     finally:
         state.clear_rewind_request(stage)
