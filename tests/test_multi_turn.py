@@ -59,7 +59,7 @@ def test_single_turn_topology_has_no_environment_stage_nor_turns_topic():
     names = [(s.name, s.input, s.output) for s in multi.enabled_stages()][:3]
     assert names == [("generate", "prompts", "rollouts"), ("environment", "rollouts", "episodes"),
                      ("shard-preprocess", "episodes", "batches")]
-    assert multi.stage_inputs("generate") == ["prompts", "turns"] and multi.all_topics()["turns"] == 2
+    assert multi.stage_inputs("generate") == ["prompts", "turns"] and multi.all_topics()["turns"] == multi.topics.partitions
     assert load_topology(overrides=[f"{k}={v}" for k, v in _flat(multi.to_raw()["environment"])]).environment \
         == multi.environment
 
