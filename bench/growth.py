@@ -1,12 +1,16 @@
-"""What a continuous run keeps as it goes: Redis keys and memory, and the weight store's size.
+"""What a continuous run keeps as it goes: Redis, every process's memory, the recording, the weights.
 
 Runs ``expstream run --continuous`` (embedded broker and redis-server, the built-in tiny models) for
-``--steps`` trainer steps and, while it runs, samples once a second: the trainer's step (lines of
-``train.jsonl``), Redis ``DBSIZE`` and ``INFO memory`` ``used_memory``, the run's keys by kind
-(``group``, ``window``, ...: the part of the key after the run prefix, up to its first ``:``), and
-the weight store's versions and bytes. Prints the sample nearest each of ``--at`` (steps) as a
-table and the summary line as JSON (also written to ``bench/results/growth.json``). Nothing is
-asserted; tests/test_growth.py checks the plateau.
+``--steps`` trainer steps and, while it runs, samples once a second: the trainer's step and samples
+(``train.jsonl``), Redis ``DBSIZE`` and ``INFO memory`` ``used_memory``, the run's keys by kind
+(``group``, ``window``, ...: the part of the key after the run prefix, up to its first ``:``), the
+weight store's versions and bytes, the RSS of every process of the run's tree (by its title: stage
+replicas, recorder, fork server, broker, redis-server, the CLI), the recording's bytes
+(``<output>/topics``) and samples/s (trained samples over the last ~10 s). Prints the sample nearest
+each of ``--at`` (steps) as a table, the growth per 100 steps of every curve between the first
+``--at`` and the end, and the summary line as JSON (also written to ``bench/results/growth.json``);
+with matplotlib, the curves to ``bench/results/<name>.png``. Nothing is asserted;
+tests/test_growth.py checks the plateau.
 
     .venv/bin/python bench/growth.py                          # 500 steps, ~4-6 min on 2 cores
     .venv/bin/python bench/growth.py --steps 120 --at 40,80,120 --set train.keep_versions=0
@@ -43,6 +47,75 @@ def store_size(path: Path) -> tuple[int, int]:
             except OSError:
                 pass
     return versions, size
+
+
+def tree_rss(root: int) -> dict[str, float]:
+    """RSS in MiB of every process under ``root`` (Linux /proc), keyed by a short name from its title."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    data = fh.read()
+                parent[int(entry)] = int(data[data.rfind(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    kids: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        kids.setdefault(ppid, []).append(pid)
+    out: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(kids.get(pid, []))
+        try:
+            title = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+            rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        out[process_name(pid, root, title)] = round(rss / 1024, 1)
+    return out
+
+
+def process_name(pid: int, root: int, title: str) -> str:
+    """``cli``, ``broker``, ``redis``, ``stage <name>[i]``, ``recorder``, ``forkserver`` or the title's start."""
+    if pid == root:
+        return "cli"
+    if "tansu" in title:
+        return "broker"
+    if "redis-server" in title:
+        return "redis"
+    if title.startswith("expstream stage "):
+        return "stage " + title.split()[2]
+    for word in ("record", "forkserver", "fork-server", "supervisor"):
+        if word in title:
+            return word
+    return f"{title[:40]} ({pid})"
+
+
+def dir_bytes(path: Path) -> int:
+    size = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                size += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return size
+
+
+def trained(jsonl: Path) -> tuple[int, int]:
+    """(steps, samples) of train.jsonl so far."""
+    if not jsonl.exists():
+        return 0, 0
+    steps = samples = 0
+    for line in jsonl.read_text().splitlines():
+        try:
+            samples += int(json.loads(line).get("samples", 0))
+        except ValueError:
+            continue  # a line being written
+        steps += 1
+    return steps, samples
 
 
 def redis_sample(url: str, run_id: str) -> dict:
@@ -98,15 +171,20 @@ def main() -> int:
                 jsonl = out / "train.jsonl"
                 if not services.exists():
                     continue
-                step = len(jsonl.read_text().splitlines()) if jsonl.exists() else 0
+                step, done = trained(jsonl)
                 try:
                     red = redis_sample(json.loads(services.read_text())["redis_url"], run_id)
                 except Exception as exc:  # noqa: BLE001 - the run is ending: redis is gone
                     print(f"redis sample failed at step {step}: {exc}", file=sys.stderr)
                     continue
                 versions, size = store_size(out / "weights")
-                samples.append({"step": step, "t": round(time.monotonic() - started, 1), **red,
-                                "store_versions": versions, "store_mb": round(size / 2**20, 2)})
+                now = round(time.monotonic() - started, 1)
+                back = [x for x in samples if now - x["t"] >= 10]
+                rate = (done - back[-1]["samples"]) / (now - back[-1]["t"]) if back else None
+                samples.append({"step": step, "t": now, "samples": done, **red,
+                                "store_versions": versions, "store_mb": round(size / 2**20, 2),
+                                "rss_mb": tree_rss(proc.pid), "recording_mb": round(dir_bytes(out / "topics") / 2**20, 3),
+                                "samples_per_s": None if rate is None else round(rate, 2)})
                 if step and step % 50 == 0:
                     print(f"step {step}: {samples[-1]}", file=sys.stderr)
         finally:
@@ -125,8 +203,13 @@ def main() -> int:
         print(f"{row['step']:>6} {row['t']:>7} {row['keys']:>7} {row['used_memory'] / 2**20:>15.2f} "
               f"{row['store_versions']:>15} {row['store_mb']:>9.2f}  {row['kinds']}")
         print(f"{'':>6} KB by kind: {row['kind_kb']}")
+    growth = growth_per_100(samples, at[0])
+    print(f"per 100 steps from step {at[0]} to the end: {json.dumps(growth)}")
     summary = {"bench": "growth", "steps": args.steps, "sets": args.sets, "exit": proc.returncode, "rows": rows,
-               "load": os.getloadavg()}
+               "per_100_steps": growth, "load": os.getloadavg()}
+    plot(samples, ROOT / "bench" / "results" / f"{args.name}.png")
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (ROOT / "bench" / "results" / f"{args.name}-samples.json").write_text(json.dumps(samples) + "\n")
     print(json.dumps(summary))
     results = ROOT / "bench" / "results"
     results.mkdir(exist_ok=True)
@@ -134,6 +217,57 @@ def main() -> int:
     if tmp is not None:
         tmp.cleanup()
     return 0 if proc.returncode == 0 else 1
+
+
+def growth_per_100(samples: list[dict], start: int) -> dict[str, float]:
+    """Every curve's change per 100 steps between the first sample at ``start`` steps and the last."""
+    late = [x for x in samples if x["step"] >= start]
+    if len(late) < 2 or late[-1]["step"] == late[0]["step"]:
+        return {}
+    a, b = late[0], late[-1]
+    k = 100 / (b["step"] - a["step"])
+    out = {"redis_keys": (b["keys"] - a["keys"]) * k, "redis_used_mb": (b["used_memory"] - a["used_memory"]) / 2**20 * k,
+           "store_mb": (b["store_mb"] - a["store_mb"]) * k, "recording_mb": (b["recording_mb"] - a["recording_mb"]) * k}
+    for name in sorted(set(a["rss_mb"]) & set(b["rss_mb"])):
+        out[f"rss_mb {name}"] = (b["rss_mb"][name] - a["rss_mb"][name]) * k
+    return {key: round(v, 3) for key, v in out.items()}
+
+
+def plot(samples: list[dict], path: Path) -> None:
+    """Four panels against the trainer's step: Redis, RSS per process, recording + store, samples/s."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    if not samples:
+        return
+    steps = [x["step"] for x in samples]
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    ax[0][0].plot(steps, [x["keys"] for x in samples], label="Redis keys")
+    twin = ax[0][0].twinx()
+    twin.plot(steps, [x["used_memory"] / 2**20 for x in samples], color="tab:red", label="used_memory MiB")
+    ax[0][0].set_title("Redis: keys (blue), used_memory MiB (red)")
+    names = sorted({n for x in samples for n in x["rss_mb"]})
+    for name in names:
+        ax[0][1].plot(steps, [x["rss_mb"].get(name) for x in samples], label=name)
+    ax[0][1].set_title("RSS MiB per process")
+    ax[0][1].legend(fontsize=6, ncol=2)
+    ax[1][0].plot(steps, [x["recording_mb"] for x in samples], label="recording MiB")
+    ax[1][0].plot(steps, [x["store_mb"] for x in samples], label="weight store MiB")
+    ax[1][0].legend()
+    ax[1][0].set_title("bytes on disk")
+    ax[1][1].plot(steps, [x["samples_per_s"] for x in samples])
+    ax[1][1].set_title("trained samples/s (10 s window)")
+    for a in ax.flat:
+        a.set_xlabel("trainer step")
+    fig.tight_layout()
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=80)
+    print(f"plot: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
