@@ -13,6 +13,7 @@ with matplotlib, the curves to ``bench/results/<name>.png``. Nothing is asserted
 tests/test_growth.py checks the plateau.
 
     .venv/bin/python bench/growth.py                          # 500 steps, ~4-6 min on 2 cores
+    .venv/bin/python bench/growth.py --prompt-counts 48,96,192,384,768   # the finite run's throughput
     .venv/bin/python bench/growth.py --steps 120 --at 40,80,120 --set train.keep_versions=0
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def store_size(path: Path) -> tuple[int, int]:
@@ -145,7 +147,12 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--output", default=None, help="run directory (default: a temporary one, removed)")
     ap.add_argument("--name", default="growth")
+    ap.add_argument("--prompt-counts", default=None,
+                    help="instead of the continuous loop: one finite run per prompt count (e.g. 48,96,...,768), "
+                         "samples/s of each against the count")
     args = ap.parse_args()
+    if args.prompt_counts:
+        return finite_scaling([int(x) for x in args.prompt_counts.split(",")], args.sets, args.name)
     at = [int(x) for x in args.at.split(",")]
     tmp = None
     if args.output is None:
@@ -217,6 +224,42 @@ def main() -> int:
     if tmp is not None:
         tmp.cleanup()
     return 0 if proc.returncode == 0 else 1
+
+
+def finite_scaling(counts: list[int], sets: list[str], name: str) -> int:
+    """One ``expstream run`` (finite, generated prompts, report off) per prompt count: samples, wall,
+    summary samples/s and steady samples/s, and the ratio of each rate to the smallest count's."""
+    from common import write_prompts
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scaling-") as tmp:
+        for n in counts:
+            prompts = write_prompts(Path(tmp) / f"p{n}.jsonl", n)
+            out = Path(tmp) / f"run{n}"
+            cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
+                   "--no-progress", "--no-report", "--set", "run.timeout_s=1200"]
+            for s in sets:
+                cmd += ["--set", s]
+            t0 = time.monotonic()
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+            wall = time.monotonic() - t0
+            summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+            rows.append({"prompts": n, "exit": rc, "samples": summary.get("samples"), "cmd_wall_s": round(wall, 2),
+                         "samples_per_s": summary.get("samples_per_s"),
+                         "steady_samples_per_s": summary.get("steady_samples_per_s"),
+                         "recording_mb": round(dir_bytes(out / "topics") / 2**20, 2), "load": os.getloadavg()[0]})
+            print(f"{n} prompts: {rows[-1]}", file=sys.stderr)
+    base = rows[0]
+    print(f"{'prompts':>8} {'samples':>8} {'wall s':>8} {'samples/s':>10} {'steady/s':>9} {'x first':>8} {'rec MB':>7}")
+    for r in rows:
+        ratio = (r["samples_per_s"] or 0) / (base["samples_per_s"] or 1)
+        print(f"{r['prompts']:>8} {r['samples'] or 0:>8} {r['cmd_wall_s']:>8} {r['samples_per_s'] or 0:>10.2f} "
+              f"{r['steady_samples_per_s'] or 0:>9.2f} {ratio:>8.2f} {r['recording_mb']:>7}")
+    summary = {"bench": "growth-finite", "sets": sets, "rows": rows, "load": os.getloadavg()}
+    print(json.dumps(summary))
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (ROOT / "bench" / "results" / f"{name}-finite.json").write_text(json.dumps(summary) + "\n")
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
 
 
 def growth_per_100(samples: list[dict], start: int) -> dict[str, float]:
