@@ -51,21 +51,28 @@ def store_size(path: Path) -> tuple[int, int]:
     return versions, size
 
 
-def tree_rss(root: int) -> dict[str, float]:
-    """RSS in MiB of every process under ``root`` (Linux /proc), keyed by a short name from its title."""
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_stats(root: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(RSS MiB, CPU seconds) of every process under ``root`` (Linux /proc), keyed by a short name from
+    its title. CPU is user + system of the process itself (its children are in the tree)."""
     parent: dict[int, int] = {}
+    cpu_of: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as fh:
                     data = fh.read()
-                parent[int(entry)] = int(data[data.rfind(")") + 2:].split()[1])
+                f = data[data.rfind(")") + 2:].split()
+                parent[int(entry)], cpu_of[int(entry)] = int(f[1]), (int(f[11]) + int(f[12])) / TICK
             except (OSError, ValueError, IndexError):
                 continue
     kids: dict[int, list[int]] = {}
     for pid, ppid in parent.items():
         kids.setdefault(ppid, []).append(pid)
-    out: dict[str, float] = {}
+    rss_out: dict[str, float] = {}
+    cpu_out: dict[str, float] = {}
     todo = [root]
     while todo:
         pid = todo.pop()
@@ -75,8 +82,10 @@ def tree_rss(root: int) -> dict[str, float]:
             rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
         except (OSError, StopIteration, ValueError):
             continue
-        out[process_name(pid, root, title)] = round(rss / 1024, 1)
-    return out
+        name = process_name(pid, root, title)
+        rss_out[name] = round(rss / 1024, 1)
+        cpu_out[name] = round(cpu_of.get(pid, 0.0), 2)
+    return rss_out, cpu_out
 
 
 def process_name(pid: int, root: int, title: str) -> str:
@@ -188,10 +197,17 @@ def main() -> int:
                 now = round(time.monotonic() - started, 1)
                 back = [x for x in samples if now - x["t"] >= 10]
                 rate = (done - back[-1]["samples"]) / (now - back[-1]["t"]) if back else None
+                rss, cpu = tree_stats(proc.pid)
+                cpu_ms = None
+                if back and done > back[-1]["samples"] and set(back[-1]["cpu_s"]) <= set(cpu):
+                    # the run's CPU per trained sample over the window (not once processes start to exit)
+                    cpu_ms = 1000 * (sum(cpu.values()) - sum(back[-1]["cpu_s"].values())) / (done - back[-1]["samples"])
                 samples.append({"step": step, "t": now, "samples": done, **red,
                                 "store_versions": versions, "store_mb": round(size / 2**20, 2),
-                                "rss_mb": tree_rss(proc.pid), "recording_mb": round(dir_bytes(out / "topics") / 2**20, 3),
-                                "samples_per_s": None if rate is None else round(rate, 2)})
+                                "rss_mb": rss, "cpu_s": cpu, "recording_mb": round(dir_bytes(out / "topics") / 2**20, 3),
+                                "samples_per_s": None if rate is None else round(rate, 2),
+                                "cpu_ms_per_sample": None if cpu_ms is None else round(cpu_ms, 2),
+                                "loadavg": os.getloadavg()[0]})
                 if step and step % 50 == 0:
                     print(f"step {step}: {samples[-1]}", file=sys.stderr)
         finally:
@@ -271,8 +287,15 @@ def growth_per_100(samples: list[dict], start: int) -> dict[str, float]:
     k = 100 / (b["step"] - a["step"])
     out = {"redis_keys": (b["keys"] - a["keys"]) * k, "redis_used_mb": (b["used_memory"] - a["used_memory"]) / 2**20 * k,
            "store_mb": (b["store_mb"] - a["store_mb"]) * k, "recording_mb": (b["recording_mb"] - a["recording_mb"]) * k}
-    for name in sorted(set(a["rss_mb"]) & set(b["rss_mb"])):
-        out[f"rss_mb {name}"] = (b["rss_mb"][name] - a["rss_mb"][name]) * k
+    for name in sorted(a["rss_mb"]):  # each process to its last sample (stages stop before the run ends)
+        last = [x for x in late if name in x["rss_mb"]][-1]
+        if last["step"] > a["step"]:
+            out[f"rss_mb {name}"] = (last["rss_mb"][name] - a["rss_mb"][name]) * 100 / (last["step"] - a["step"])
+    rates = [x["cpu_ms_per_sample"] for x in late if x.get("cpu_ms_per_sample")]
+    if len(rates) >= 4:  # first and last quarter of the windows: does a sample cost more CPU later?
+        q = len(rates) // 4
+        out["cpu_ms_per_sample first quarter"] = sum(rates[:q]) / q
+        out["cpu_ms_per_sample last quarter"] = sum(rates[-q:]) / q
     return {key: round(v, 3) for key, v in out.items()}
 
 
@@ -304,7 +327,10 @@ def plot(samples: list[dict], path: Path) -> None:
     ax[1][0].legend()
     ax[1][0].set_title("bytes on disk")
     ax[1][1].plot(steps, [x["samples_per_s"] for x in samples])
-    ax[1][1].set_title("trained samples/s (10 s window)")
+    cpu = ax[1][1].twinx()
+    cpu.plot(steps, [x.get("cpu_ms_per_sample") for x in samples], color="tab:red")
+    cpu.plot(steps, [10 * x.get("loadavg", 0) for x in samples], color="tab:gray", linewidth=0.8)
+    ax[1][1].set_title("samples/s (blue); CPU ms/sample (red); 10 x load avg (grey)")
     for a in ax.flat:
         a.set_xlabel("trainer step")
     fig.tight_layout()

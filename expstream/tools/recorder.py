@@ -373,6 +373,9 @@ class Recorder:
         finally:
             writer.close()
             consumer.close(autocommit=False)
+            if writer.trimmed:
+                log.info("recorder: %d oldest records dropped by record.max_bytes=%s / record.max_age_s=%s",
+                         writer.trimmed, self.max_bytes, self.max_age_s)
             log.info("recorder: recorded %s into %s", ", ".join(f"{t}: {n}" for t, n in sorted(
                 self.stats.records.items())) or "nothing", self.root)
 

@@ -202,6 +202,8 @@ class RecordingWriter:
 
     def close(self) -> None:
         self.flush()
+        if self.max_bytes is not None or self.max_age_s is not None:
+            self.enforce_bounds()  # the recording left behind is within the bounds too
         for f in self._files.values():
             f.close()
         self._files.clear()
