@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup setup-vllm test lint demo bench clean
+.PHONY: setup setup-vllm test lint demo bench clean k8s
 
 setup:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ demo:
 
 bench:
 	$(PY) bench/pipeline.py
+
+# The topology-dependent objects of deploy/k8s (docs/deploy.md "Kubernetes"); tests/test_k8s.py checks that
+# the committed ones are what these commands write.
+k8s:
+	$(PY) -m expstream k8s render --topology topology.yaml --set models.device=cuda --run-id dev \
+	  --out deploy/k8s/base/pipeline
+	$(PY) -m expstream k8s render --topology deploy/k8s/overlays/prod/topology.yaml --run-id prod \
+	  --out deploy/k8s/overlays/prod/pipeline
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -137,9 +137,12 @@ def redis_sample(url: str, run_id: str) -> dict:
         prefix = f"expstream:{{{run_id}}}:"
         kinds: Counter[str] = Counter()
         kind_bytes: Counter[str] = Counter()
-        for key in r.scan_iter(match=prefix + "*", count=1000):
-            rest = key.decode()[len(prefix):]
-            kind = rest.split(":", 1)[0]
+        group_prefix = f"expstream:{{{run_id}{{"  # a group's keys: expstream:{<run>{<group>}:group... (issue 24)
+        keys = [*r.scan_iter(match=prefix + "*", count=1000), *r.scan_iter(match=group_prefix + "*", count=1000)]
+        for key in keys:
+            name = key.decode()
+            kind = (name[len(prefix):].split(":", 1)[0] if name.startswith(prefix)
+                    else name.rsplit("}:", 1)[-1])  # a group's: group, group:meta, done
             kinds[kind] += 1
             kind_bytes[kind] += int(r.memory_usage(key, samples=0) or 0)
         return {"keys": int(r.dbsize()), "used_memory": int(r.info("memory")["used_memory"]),

@@ -25,6 +25,7 @@ from expstream.config.redaction import env_redis_url
 from expstream.config.topology import find_topology, load_topology
 from expstream.errors import EXIT_BROKEN_PIPE, EXIT_CONFIG, EXIT_FAILED, ConfigError, ExpstreamError
 from expstream.launch.commands import RUN, STAGE, TRAIN
+from expstream.launch.k8s import K8S
 from expstream.launch.scale import SCALE
 from expstream.models.resolve import MODELS
 from expstream.rewards.server import SERVE_REWARD
@@ -40,7 +41,7 @@ from expstream.tools.tail import TOPICS
 
 #: The subcommands, in the order ``expstream --help`` lists them.
 COMMANDS: tuple[Command, ...] = (RUN, STAGE, TRAIN, TOPICS, MODELS, DLQ, SHOW, DIFF, REPLAY, RECORD, REWIND,
-                                 SERVE_REWARD, SCALE, STATUS, REPORT)
+                                 SERVE_REWARD, SCALE, STATUS, REPORT, K8S)
 
 
 def _setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001

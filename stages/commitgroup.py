@@ -16,6 +16,9 @@ one flush and one commit per group instead of per record):
    does not raise per-record errors). A record with a failed future is sent again the per-record
    way (retries, then the dead-letter fallbacks of stages/deadletters.py) before anything is
    committed. Then each record's statistics go to the run state.
+3b. The run state's writes of the group are acknowledged by a replica (``state.sync_writes``: ``WAIT``,
+   expstream/state/durability.py). When they may be lost (their primary failed over first) or no
+   replica acknowledged them in time, nothing is committed and the records are processed again.
 4. ``offset + 1`` of the group's last record of each partition is committed, only if this consumer
    still owns the partition. Nothing is committed before every output of every record up to it is
    acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
@@ -51,6 +54,7 @@ from kafka.structs import OffsetAndMetadata
 
 from expstream.errors import ExpstreamError, ShutdownRequested
 from expstream.kafka.clients import confirm_all, flush
+from expstream.kafka.letters import H_STAGE, header_value
 from expstream.observe.metrics import StageMetrics
 from expstream.retry import Attempt, Policy, retry
 from schemas import PromptBatch
@@ -130,7 +134,8 @@ class CommitGroup:
     def __init__(self, ctx: StageContext, log: logging.Logger, clients: Clients, dead_letters: DeadLetters, *,
                  metrics: StageMetrics | None, slow: SlowWatch, commit: CommitFn | None = None,
                  committed: Callable[[list, StageContext], None] | None = None,
-                 stopping: Callable[[], bool], fault: Callable[[str], None]) -> None:
+                 stopping: Callable[[], bool], fault: Callable[[str], None],
+                 stage_rows: Callable[[str, dict[str, int]], dict[str, tuple]] | None = None) -> None:
         """
         Args:
             ctx: the stage's context.
@@ -144,17 +149,22 @@ class CommitGroup:
             committed: the stage's hook after a commit (step 5), or None.
             stopping: true once the replica is asked to stop.
             fault: the fault-injection point hook (expstream/faults.py).
+            stage_rows: a chain's statistics per inner stage (stages/chain.py ``Chain.rows``): given a
+                record's batch id and its dead-lettered samples per failing stage, each stage's row;
+                None: the record's row goes under this stage's name.
         """
         self.ctx, self.log, self.stage, self.dead_letters = ctx, log, ctx.stage.name, dead_letters
         self.consumer, self.producer, self.tracker = clients.consumer, clients.producer, clients.tracker
         self.pausing, self.confirmer = clients.pausing, clients.confirmer
         self.metrics, self.slow, self.committed, self.stopping, self.fault = metrics, slow, committed, stopping, fault
         self.commit = commit or self.commit_offset
+        self.stage_rows = stage_rows
         self.records: list[Pending] = []  # the open group: worked on, not yet confirmed
         # batches handled but not known committed yet, per partition (only kept with a hook)
         self.uncommitted: dict[TopicPartition, list[Any]] = {}
         self.handled = 0
         self.commits_skipped = 0
+        self.redo_from: dict[TopicPartition, int] = {}  # partitions sent back by redo: the offset read again
 
     def age_s(self) -> float:
         """How long the open group's first record has waited (0 for an empty group)."""
@@ -181,8 +191,14 @@ class CommitGroup:
             self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage,
                              items[0].where, exc, len(items))
             return
+        except ExpstreamError as exc:  # the durability wait: the group's state writes are not known on a replica
+            self.redo(items, exc)
+            return
         last: dict[TopicPartition, Pending] = {}
+        stale = self.stale_after_redo(items)
         for p in items:  # offsets rise within a partition: the last one of each is the highest
+            if id(p) in stale:
+                continue
             last[p.tp] = p
             if self.committed is not None and p.batch is not None:
                 self.uncommitted.setdefault(p.tp, []).append(p.batch)
@@ -191,6 +207,8 @@ class CommitGroup:
         if self.committed is not None:
             self.after_commit([b for tp in committed for b in self.uncommitted.pop(tp, [])], items[-1].where)
         for p, done in zip(items, dones, strict=True):
+            if id(p) in stale:
+                continue
             self.handled += 1
             if self.metrics is not None:
                 self.observe(done, p.tp)
@@ -198,6 +216,40 @@ class CommitGroup:
                 self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
                               self.stage, p.where, done.batch_id, done.samples, done.outputs, done.letters,
                               done.seconds)
+
+    def redo(self, items: list[Pending], exc: ExpstreamError) -> None:
+        """Step 3b failed: the state writes of ``items`` may be lost (their primary failed over before a
+        replica acknowledged them) or no replica acknowledged them in time. Nothing is committed; each
+        partition is moved back to the group's first record, so the records are processed again (the
+        state updates are idempotent by id, and downstream readers drop the repeated outputs)."""
+        first: dict[TopicPartition, Pending] = {}
+        for p in items:
+            first.setdefault(p.tp, p)
+        if self.metrics is not None:
+            self.metrics.retry("state_writes_lost")
+        for tp, p in first.items():
+            if self.tracker.owns(tp):
+                self.consumer.seek(tp, p.record.offset)
+                self.redo_from[tp] = p.record.offset
+        self.log.error("stage %s %s batch=%s: %s: %s; not committing %d records, processing them again from %s",
+                       self.stage, items[0].where, items[0].batch_id, type(exc).__name__, first_line(exc),
+                       len(items), ", ".join(p.where for p in first.values()))
+
+    def stale_after_redo(self, items: list[Pending]) -> set[int]:
+        """Records worked on before a redo's seek reached them (a successor already in work when the group
+        was sent back): neither committed nor counted, since their partition is read again from the redo
+        offset; a commit past it would cover the records processed again before they are. The record at
+        the redo offset, read again, ends this. Returns the ``id`` of each stale Pending."""
+        stale: set[int] = set()
+        for p in items:
+            start = self.redo_from.get(p.tp)
+            if start is None:
+                continue
+            if p.record.offset == start:
+                del self.redo_from[p.tp]
+            elif p.record.offset > start:
+                stale.add(id(p))
+        return stale
 
     def after_commit(self, batches: list, where: str) -> None:
         """Step 5: the stage's ``committed`` hook on the confirm thread (the main thread keeps polling).
@@ -269,18 +321,38 @@ class CommitGroup:
         if self.metrics is not None:
             self.metrics.send_seconds.observe(time.monotonic() - started)
         self.fault("after_produce")
-        dones, rows = [], []
+        dones, rows = [], {}
         for p in items:
             done, row = self.account(p)
             dones.append(done)
-            if row is not None:
-                rows.append(row)
-        try:  # the group's statistics in one Redis round trip, before the commit
-            self.ctx.state.record_batches(self.stage, rows)
-        except ExpstreamError as exc:  # statistics only
-            self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
-                             self.stage, items[0].where, len(rows), exc)
+            if row is None:
+                continue
+            per_stage = {self.stage: row} if self.stage_rows is None else self.stage_rows(row[0], self.dead_by_stage(p))
+            for stage, r in per_stage.items():
+                rows.setdefault(stage, []).append(r)
+        for stage, stage_rows in rows.items():
+            try:  # the group's statistics in one Redis round trip (per stage of a chain), before the commit
+                self.ctx.state.record_batches(stage, stage_rows)
+            except ExpstreamError as exc:  # statistics only
+                self.log.warning("stage %s %s: stage time and sample accounting of %d records not recorded: %s",
+                                 stage, items[0].where, len(stage_rows), exc)
+        # 3b: a replica has every state write of these records before their offsets are committed (WAIT;
+        # StateWritesLost or StateUnavailableError: they are processed again, see redo)
+        t0 = time.monotonic()
+        self.ctx.state.sync_writes()
+        if self.metrics is not None:
+            self.metrics.state_wait_seconds.observe(time.monotonic() - t0)
         return dones
+
+    def dead_by_stage(self, p: Pending) -> dict[str, int]:
+        """Samples of ``p``'s letters per stage that failed (the letters' ``stage`` header), for a chain."""
+        per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(p.batch, PromptBatch) else 1
+        dead: dict[str, int] = {}
+        for lt in p.letters:
+            stage = header_value(lt.headers, H_STAGE) or self.stage
+            rows = len(lt.batch) if lt.batch is not None else len(p.batch) if p.batch is not None else 0
+            dead[stage] = dead.get(stage, 0) + rows * per
+        return dead
 
     def account(self, p: Pending) -> tuple[Done, tuple | None]:
         """Statistics of one record: the time of every record the stage did its work on, including

@@ -38,7 +38,11 @@ from stages.context import StageContext
 from stages.sending import Out, Sender
 from stages.splitting import first_line, sample_ids
 
-__all__ = ["DeadLetters", "ProcessFailure", "RecordTooLargeError", "TombstoneRecordError", "error_class"]
+__all__ = ["DeadLetters", "ProcessFailure", "RecordTooLargeError", "TombstoneRecordError", "error_class",
+           "failed_stage", "tag_failure"]
+
+#: The attribute a chained stage's failure carries: which stage of the chain raised it (stages/chain.py).
+FAILED_STAGE_ATTR = "expstream_failed_stage"
 
 
 class RecordTooLargeError(PoisonRecordError):
@@ -58,6 +62,24 @@ def error_class(exc: BaseException) -> str:
     if isinstance(exc, ProcessFailure) and exc.__cause__ is not None:
         return type(exc.__cause__).__name__
     return type(exc).__name__
+
+
+def tag_failure(exc: BaseException, stage: str) -> None:
+    """Mark ``exc`` as raised by ``stage`` (the innermost stage that raised it keeps the mark)."""
+    if getattr(exc, FAILED_STAGE_ATTR, None) is None:
+        try:
+            setattr(exc, FAILED_STAGE_ATTR, stage)
+        except AttributeError:  # an exception type without a __dict__: the letter names the chain's first stage
+            pass
+
+
+def failed_stage(exc: BaseException) -> str | None:
+    """The stage :func:`tag_failure` marked ``exc`` (or its cause, for a :class:`ProcessFailure`) with."""
+    for e in (exc, exc.__cause__):
+        stage = getattr(e, FAILED_STAGE_ATTR, None)
+        if stage is not None:
+            return str(stage)
+    return None
 
 
 def _header(out: Out, name: str) -> str:
@@ -99,7 +121,7 @@ class DeadLetters:
         """
         value = record.value if value is ... else value
         headers = letter_headers(
-            record, stage=self.stage, replica=self.ctx.replica_id, error_class=error_class(exc),
+            record, stage=failed_stage(exc) or self.stage, replica=self.ctx.replica_id, error_class=error_class(exc),
             error_message=str(exc), value=value, sample_ids=sample_ids(batch) if batch is not None else None,
             split_from=split_from, errors=errors)
         if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted

@@ -49,7 +49,7 @@ from expstream.kafka.clients import (
     make_consumer,
     make_producer,
 )
-from expstream.kafka.topics import dlq_topic
+from expstream.kafka.topics import dlq_topic, stage_group
 from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
@@ -83,8 +83,12 @@ class StageRunner:
 
     def __init__(self, ctx: StageContext, process: ProcessFn, bootstrap: str,
                  max_records: int | None = None, max_record_bytes: int | None = None,
-                 committed: CommittedFn | None = None) -> None:
+                 committed: CommittedFn | None = None,
+                 stage_rows: Callable[[str, dict[str, int]], dict[str, tuple]] | None = None,
+                 produced_by: str | None = None, label: str | None = None) -> None:
         self.ctx = ctx
+        # a chain (stages/chain.py): its statistics per inner stage, and the last stage names the outputs
+        self.stage_rows, self.produced_by = stage_rows, produced_by
         self.process = process
         self.committed = committed  # the stage's hook after a commit (step 5 of the module docstring)
         self.bootstrap = bootstrap
@@ -92,8 +96,9 @@ class StageRunner:
         self.max_record_bytes = int(max_record_bytes or ctx.topology.kafka.max_request_size)
         self._stop = threading.Event()
         self.stage = ctx.stage
-        self.log = logging.getLogger(f"expstream.stage.{self.stage.name}")
-        self.group_id = f"expstream.{ctx.run_id}.{self.stage.name}"
+        # a chain's log lines come from its unit (``expstream.stage.postprocess+advantage``)
+        self.log = logging.getLogger(f"expstream.stage.{label or self.stage.name}")
+        self.group_id = stage_group(ctx.run_id, self.stage.name)
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
@@ -109,7 +114,7 @@ class StageRunner:
         self.pausing: PausedPolling | None = None
         self.rewinding: ReplicaRewind | None = None  # made once the consumer is subscribed
         # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
-        self.metrics: StageMetrics | None = StageMetrics(self.stage.name, str(ctx.replica_id)) if metrics_on() else None
+        self.metrics: StageMetrics | None = StageMetrics(label or self.stage.name, str(ctx.replica_id)) if metrics_on() else None
         ctx.metrics = self.metrics
         self._join_thread: threading.Thread | None = None
         self._join_error: BaseException | None = None
@@ -237,13 +242,15 @@ class StageRunner:
         self.dead_letters = DeadLetters(self.ctx, self.log, self.sender)
         self.worker = Worker(self.ctx, self.process, self.log, producer=self.producer, sender=self.sender,
                              dead_letters=self.dead_letters, metrics=self.metrics,
-                             max_record_bytes=self.max_record_bytes, fault=self.fault)
+                             max_record_bytes=self.max_record_bytes, fault=self.fault,
+                             produced_by=self.produced_by)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
         self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
         self.group = CommitGroup(self.ctx, self.log, Clients(self.consumer, self.producer, self.tracker, self.pausing,
                                                              self._confirmer), self.dead_letters,
                                  metrics=self.metrics, slow=self._slow, commit=self._commit, committed=self.committed,
-                                 stopping=lambda: self.stop_requested, fault=self.worker.maybe_fault)
+                                 stopping=lambda: self.stop_requested, fault=self.worker.maybe_fault,
+                                 stage_rows=self.stage_rows)
         self.log.info("stage %s replica %s: consuming %s as group %s, producing %s (max_poll_interval_ms=%d, "
                       "max_record_bytes=%d)", self.stage.name, self.ctx.replica_id, self.stage.input,
                       self.group_id, self.stage.output, self.ctx.topology.kafka.max_poll_interval_ms,

@@ -49,7 +49,7 @@ class Worker:
 
     def __init__(self, ctx: StageContext, process: ProcessFn, log: logging.Logger, *, producer: Any,
                  sender: Sender, dead_letters: DeadLetters, metrics: StageMetrics | None,
-                 max_record_bytes: int, fault: tuple[str, int] | None) -> None:
+                 max_record_bytes: int, fault: tuple[str, int] | None, produced_by: str | None = None) -> None:
         """
         Args:
             ctx: the stage's context (handed to ``process``).
@@ -61,11 +61,13 @@ class Worker:
             metrics: the replica's metrics, or None.
             max_record_bytes: records over this are dead-lettered undecoded.
             fault: the replica's fault-injection plan ``(point, k)`` (expstream/faults.py), or None.
+            produced_by: the ``producer`` header of the outputs (a chain's last stage), else the stage's name.
         """
         self.ctx, self.process, self.log, self.stage = ctx, process, log, ctx.stage
         self.producer, self.sender, self.dead_letters, self.metrics = producer, sender, dead_letters, metrics
         self.max_record_bytes = max_record_bytes
         self.fault_plan = fault
+        self.produced_by = produced_by or self.stage.name
         self.worked = 0  # the fault injection's record count: the k-th record this process works on
         self.split_batches = 0
 
@@ -139,7 +141,7 @@ class Worker:
             if isinstance(outs, (SampleBatch, PromptBatch)):
                 outs = [outs]
             return [Out(self.stage.output, encode(o), record_key(o),
-                        headers=provenance_headers(self.stage.name, getattr(o, "policy_version", 0)),
+                        headers=provenance_headers(self.produced_by, getattr(o, "policy_version", 0)),
                         samples=len(o) if isinstance(o, SampleBatch) else 0)
                     for o in outs]
         except (SchemaError, ExpstreamError):

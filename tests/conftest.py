@@ -88,23 +88,42 @@ def redis_state(redis_url: str, run_id: str) -> Iterator[RedisState]:
         state.close()
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A session-wide Redis Cluster on loopback: 3 primaries, one replica each (expstream/launch/localcluster.py)."""
+    from expstream.launch.localcluster import LocalRedisCluster
+
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("rediscluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration),
+                        pytest.param("cluster", marks=pytest.mark.integration)])
 def state_handles(request: pytest.FixtureRequest, run_id: str) -> Iterator[Callable[[], State]]:
     """Handles on ONE run's state, for the contract suite run against both implementations.
 
     ``memory``: every call returns the same MemoryState (what a process shares between threads);
     ``redis``: every call opens a new RedisState client on the session's real redis-server (what
-    replicas in different processes share).
+    replicas in different processes share); ``cluster``: the same on the session's Redis Cluster, each
+    client pointed at another node.
     """
     if request.param == "memory":
         shared = MemoryState(run_id)
         yield lambda: shared
         return
-    url = request.getfixturevalue("redis_url")
+    if request.param == "cluster":
+        ports = request.getfixturevalue("redis_cluster").ports
+        urls = [f"redis://127.0.0.1:{p}/0" for p in ports]
+    else:
+        urls = [request.getfixturevalue("redis_url")]
     opened: list[RedisState] = []
 
     def open_handle() -> State:
-        opened.append(RedisState(url, run_id))
+        opened.append(RedisState(urls[len(opened) % len(urls)], run_id))
         return opened[-1]
 
     try:

@@ -350,8 +350,10 @@ def store_bytes(path: Path) -> int:
 def growth_sample(out: Path, run_id: str) -> dict:
     client, prefix = redis_of(out, run_id)
     try:
-        keys = [k.decode() for k in client.scan_iter(match=prefix + "*", count=1000)]
-        groups = [k for k in keys if k[len(prefix):].startswith("group:")]
+        # a group's keys have their own hash tag {<run>{<group>} (issue 24): expstream:{<run>{<group>}:group...
+        keys = [k.decode() for pattern in (prefix + "*", f"expstream:{{{run_id}{{*") for k in
+                client.scan_iter(match=pattern, count=1000)]
+        groups = [k for k in keys if k.endswith((":group", ":group:meta"))]
         return {"keys": len(keys), "group_keys": len(groups), "used_memory": int(client.info("memory")["used_memory"]),
                 "group_bytes": sum(int(client.memory_usage(k, samples=0) or 0) for k in groups),
                 "versions": sorted(p.name for p in (out / "weights").iterdir() if p.name.startswith("v")),

@@ -67,10 +67,10 @@ GAE_STAGES = ["generate", "shard-preprocess", "actor-logprob", "reference", "cri
 # Log lines (expstream/cli.py format "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s").
 _TS = r"(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ "
 # "stage X <topic>[p]@offset batch=<id>: <n> samples -> <m> records[, <k> dead letters] in <s>s" (after the commit)
-RECORD_RE = re.compile(_TS + r"expstream\.stage\.(?P<stage>[\w-]+)\[(?P<pid>\d+)\]: .*batch=\S+: \d+ samples -> "
+RECORD_RE = re.compile(_TS + r"expstream\.stage\.(?P<stage>[\w+-]+)\[(?P<pid>\d+)\]: .*batch=\S+: \d+ samples -> "
                        r"\d+ records")
-CONSUMING_RE = re.compile(_TS + r"expstream\.stage\.(?P<stage>[\w-]+)\[(?P<pid>\d+)\]: .*consuming ")
-FAULT_RE = re.compile(_TS + r"expstream\.stage\.(?P<stage>[\w-]+)\[(?P<pid>\d+)\]: .*fault injection .*"
+CONSUMING_RE = re.compile(_TS + r"expstream\.stage\.(?P<stage>[\w+-]+)\[(?P<pid>\d+)\]: .*consuming ")
+FAULT_RE = re.compile(_TS + r"expstream\.stage\.(?P<stage>[\w+-]+)\[(?P<pid>\d+)\]: .*fault injection .*"
                       r"SIGKILL at (?P<point>\w+)")
 STARTED_RE = re.compile(_TS + r"expstream\.supervisor\[\d+\]: started (?P<label>\S+) pid (?P<pid>\d+)")
 EXITED_RE = re.compile(_TS + r"expstream\.supervisor\[\d+\]: stage (?P<label>\S+) exited with code "

@@ -290,6 +290,38 @@ def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker
     assert all(got[b] == v for b, v in recorded.items())
 
 
+def test_a_chained_run_is_byte_identical_to_the_unchained_run(recorded, cache, broker, redis_url, tmp_path):
+    """The same configuration and seed with `chains:` (stages/chain.py): the same experiences byte for byte,
+    the chains' inner topics never created nor recorded, every stage inside a chain accounted for on its own."""
+    run, prefix = recorded
+    chained = f"ch{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "chained"
+    proc = _start_run(out, cache, broker, redis_url, chained,
+                      "chains=[[actor-logprob, reference, critic], [postprocess, advantage]]")
+    stdout, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-4000:]}"
+    for topic in ("rewarded", "experiences"):  # chain boundaries: recorded, the same bytes per batch
+        want = _values_by_batch(run, f"{prefix}-{topic}")
+        got = _values_by_batch(out, f"{chained}-{topic}")
+        assert want and sorted(got) == sorted(want), topic
+        assert [b for b in want if got[b] != want[b]] == [], f"{topic}: chained batches differ from the unchained run"
+    assert (out / "experiences.msgpack").read_bytes() and len((out / "experiences.msgpack").read_bytes()) == \
+        len((run / "experiences.msgpack").read_bytes())
+    inner = {f"{chained}-actor", f"{chained}-scored"}
+    assert inner.isdisjoint(recorded_topics(out)) and f"{chained}-reference" in recorded_topics(out)
+    summary = json.loads((out / "summary.json").read_text())
+    acc = summary["accounting"]
+    assert all(acc[s]["balanced"] and acc[s]["samples_in"] == 6 * N for s in ("actor-logprob", "reference",
+                                                                               "postprocess", "advantage")), acc
+    assert summary["stages"]["postprocess"]["batches"] == summary["stages"]["reward"]["batches"]
+    last = json.loads((out / "status.jsonl").read_text().splitlines()[-1])["stages"]  # status: a row per stage
+    assert (last["reference"]["chain"], last["reference"]["input_topic"]) == ("actor-logprob+reference", None)
+    assert last["actor-logprob"]["input_topic"] == f"{chained}-batches" and "chain" not in last["reward"]
+    logs = {p.name for p in (out / "run" / "logs").glob("*.log")}
+    assert {"actor-logprob+reference-0.log", "postprocess+advantage-0.log"} <= logs
+    assert not {"reference-0.log", "advantage-0.log"} & logs
+
+
 # ------------------------------------------------------------------------------------------------
 # through a broker (expstream/tools/replaybroker.py): the span as stage processes on fresh topics
 # ------------------------------------------------------------------------------------------------
@@ -367,9 +399,10 @@ def test_broker_topology_renames_the_span_and_disables_the_rest():
     from expstream.tools.replaybroker import broker_overrides, input_sample_ids, unreachable_samples
     from schemas import PromptBatch
 
-    topo = load_topology(None)
+    topo = load_topology(None, ["chains=[[postprocess, advantage]]"])  # a chained run: replayed unchained
     sets = broker_overrides(topo, ["postprocess", "advantage"], "rewarded", "t1")
-    btopo = load_topology(None, sets)
+    btopo = load_topology(None, ["chains=[[postprocess, advantage]]", *sets])
+    assert all(not u.chained for u in btopo.units())
     assert [(s.name, s.input, s.output) for s in btopo.enabled_stages()] == [
         ("postprocess", "replay-t1.rewarded", "replay-t1.scored"),
         ("advantage", "replay-t1.scored", "replay-t1.experiences")]

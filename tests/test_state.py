@@ -116,7 +116,7 @@ def test_park_group_completes_exactly_once(state):
 @pytest.mark.integration
 def test_redis_group_buffers_expire_after_the_ttl(redis_state):
     redis_state.park_group("g", 2, "m0", {0: b"s0"})
-    ttl = redis_state.client.ttl(redis_state.key("group", "g"))
+    ttl = redis_state.client.ttl(redis_state.group_key("g", "group"))
     assert 0 < ttl <= redis_state.group_ttl_s
 
 
@@ -163,14 +163,15 @@ def test_a_partly_parked_group_is_not_freed_by_its_committed_members(state):
 
 
 @pytest.mark.integration
-def test_redis_settle_deletes_the_group_keys_and_keeps_one_done_set(redis_state):
+def test_redis_settle_deletes_the_group_keys_and_keeps_one_done_marker(redis_state):
+    """Issue 24: a group's "done" marker is a key of the group's own hash tag (not one run-wide sorted set:
+    a script on a cluster touches one shard), expiring after dedupe_window_s."""
     for i in range(20):
         redis_state.park_group(f"g{i}", 2, f"r{i}", {0: b"x" * 1000, 1: b"y" * 1000})
         redis_state.settle_groups(f"r{i}", {f"g{i}": [0, 1]})
-    keys = sorted(k.decode() for k in redis_state.client.scan_iter(match=redis_state.key("*")))
-    assert keys == [redis_state.key("groups", "done")]
-    assert redis_state.client.zcard(redis_state.key("groups", "done")) == 20
-    assert 0 < redis_state.client.ttl(redis_state.key("groups", "done")) <= redis_state.group_ttl_s
+    assert redis_state.run_keys() == sorted(redis_state.group_key(f"g{i}", "done") for i in range(20))
+    assert all(0 < redis_state.client.pttl(redis_state.group_key(f"g{i}", "done")) <= redis_state.dedupe_window_s * 1000
+               for i in range(20))
 
 
 def test_done_markers_are_dropped_after_dedupe_window_s(state_handles):
@@ -512,8 +513,9 @@ def test_keys_are_scoped_by_run(redis_url, redis_state):
 #: text is a change of behaviour that needs its own review.
 LUA_SHA1 = {
     "merge": "22a7142e509a5fd5c45a5b97049dcc47c18ec017",
-    "park": "50ab2ee676d4733d803a2f7acdadffac065e9611",
-    "settle": "6af3e444740aaf5ba2097141fb3458b3aa226ef6",
+    # issue 24: a group's done marker is its own key (one hash tag per script), settle is one call per group
+    "park": "e67891fa2b5dea7665f43a0714c87b740c3d5075",
+    "settle": "2358bf2eae47569db551f32fab8b3e5e41ced8a3",
     "kl_init": "5ef897e3e687c3a521531cc3a4ba2b2cbae500e0",
     "kl_adaptive": "c84636b7e19409a22a2f7a54ed7dfd17e18fe946",
     "stage_time": "4e73d8ff5a36a34ae17d9d6215317640e0c3f4e7",

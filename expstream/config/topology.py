@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from expstream.config.chains import Unit, check_chains, parse_chains, units
 from expstream.config.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from expstream.config.fieldtypes import check_block, check_fields
 from expstream.config.kafka import KafkaConfig
@@ -102,9 +103,16 @@ class RedisConfig:
     group_ttl_s: int = 86400  # an unsettled group buffer (an abandoned run's) expires this long after its last write
     # ids of applied statistics and "done" markers of freed groups are kept this long (docs/async.md "What a long run keeps")
     dedupe_window_s: int = 600
+    # before a stage commits its offsets, this many replicas acknowledge its state writes (WAIT); null: 1
+    # where the primary has a replica, none where it has none (docs/redis.md "Durability")
+    wait_replicas: int | None = None
+    wait_timeout_ms: int = 1000  # one WAIT's timeout; asked again until the state's retry deadline
 
     def __post_init__(self) -> None:
         _check(self.group_ttl_s >= 0, "redis.group_ttl_s", "must be >= 0 seconds (0: buffers never expire)")
+        _check(self.wait_replicas is None or self.wait_replicas >= 0, "redis.wait_replicas",
+               "must be >= 0 replicas, or null (1 where the primary has a replica)")
+        _check(self.wait_timeout_ms >= 1, "redis.wait_timeout_ms", "must be >= 1 ms")
         _check(self.dedupe_window_s >= 1, "redis.dedupe_window_s",
                "must be >= 1 second (how long a record read again is still known as applied)")
 
@@ -375,6 +383,7 @@ class Topology:
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # the `async:` block
     record: RecordConfig = field(default_factory=RecordConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    chains: list[list[str]] = field(default_factory=list)  # stages run in one process (expstream/config/chains.py)
     # loader: stage -> the algo.* key that switched it off though configured on (to_raw writes it on)
     switched_off: dict[str, str] = field(default_factory=dict, repr=False)
     # Which file this was read from (a path, or PACKAGED_SOURCE); logged and kept in summary.json.
@@ -398,11 +407,16 @@ class Topology:
         cannot at all; on Kafka it would move keys between partitions mid-run), so the headroom is
         created up front."""
         topics = {self.topics.input: self.topics.partitions}
-        for st in self.enabled_stages():
-            topics[st.output] = self.topics.partitions
-        for st in self.enabled_stages():
+        heads = [self.stages[u.head] for u in self.units()]  # a chain's inner topics are not created
+        for u in self.units():
+            topics[self.stages[u.last].output] = self.topics.partitions
+        for st in heads:
             topics[st.input] = max(topics[st.input], st.max_replicas)
         return topics
+
+    def units(self) -> list[Unit]:
+        """What runs as one process: each chain, every other stage alone (expstream/config/chains.py)."""
+        return units(self)
 
     @property
     def output_topic(self) -> str:
@@ -472,7 +486,7 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
     raw = yaml.safe_load(text) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'topology.yaml'}: the top level must be a mapping of blocks")
-    valid = valid_tree()
+    valid = {**valid_tree(), "chains": None}  # the blocks, and the one top-level list (expstream/config/chains.py)
     for key in raw:
         if key not in valid:
             raise unknown_key_error("", key, valid, what="block")
@@ -505,6 +519,7 @@ def build_topology(raw: dict[str, Any]) -> Topology:
         async_=_from_dict(AsyncConfig, raw.get("async"), "async"),
         record=_from_dict(RecordConfig, raw.get("record"), "record"),
         rewards=_from_dict(RewardsConfig, raw.get("rewards"), "rewards"),
+        chains=parse_chains(raw.get("chains"), STAGE_ORDER),
     )
     for name in STAGE_ORDER:
         st = check_block(stages_raw.get(name), f"stages.{name}")
@@ -521,6 +536,7 @@ def build_topology(raw: dict[str, Any]) -> Topology:
         topo.stages[name] = _from_dict(StageConfig, {**st, "name": name}, f"stages.{name}")
     resolve_kl_placement(topo)
     _switch_stages(topo)
+    check_chains(topo)
     _check_cross_fields(topo)
     return topo
 

@@ -18,7 +18,7 @@ from typing import Any
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_OK, ConfigError, InfraError
 
-__all__ = ["DLQ_SUFFIX", "dlq_topic", "DEFAULT_TOPIC_CONFIG", "POLICY_TOPIC", "loop_topics", "create_topics",
+__all__ = ["DLQ_SUFFIX", "dlq_topic", "stage_group", "DEFAULT_TOPIC_CONFIG", "POLICY_TOPIC", "loop_topics", "create_topics",
            "topics_command"]
 
 log = logging.getLogger("expstream.topics")
@@ -41,6 +41,12 @@ METADATA_POLL_INTERVAL_S = 0.05
 def dlq_topic(topic: str) -> str:
     """The dead-letter twin of ``topic``."""
     return topic + DLQ_SUFFIX
+
+
+def stage_group(run_id: str, stage: str) -> str:
+    """The consumer group every replica of ``stage`` joins in run ``run_id`` (stages/runner.py); what
+    ``expstream status``, ``scale``, ``rewind`` and a KEDA ScaledObject (``expstream k8s render``) read."""
+    return f"expstream.{run_id}.{stage}"
 
 
 def loop_topics(topo: Topology) -> dict[str, int]:

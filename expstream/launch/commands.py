@@ -53,7 +53,8 @@ def run_command(topo: Topology, args: argparse.Namespace) -> int:
 
 def add_stage_arguments(stage: argparse.ArgumentParser) -> None:
     add_topology_args(stage)
-    stage.add_argument("name", help="stage name, e.g. generate")
+    stage.add_argument("name", help="stage name, e.g. generate, or a chain of the topology's chains: (its stages "
+                       "joined by +, e.g. postprocess+advantage)")
     stage.add_argument("--run-id", default="prod")
     stage.add_argument("--replica-id", default=os.environ.get("EXPSTREAM_REPLICA_ID") or socket.gethostname(),
                        help="names this replica in heartbeats (default: $EXPSTREAM_REPLICA_ID or the host name)")

@@ -132,11 +132,13 @@ def check_kafka(bootstrap: str, cfg: KafkaConfig, timeout_s: float = PREFLIGHT_T
 
 
 def check_redis(url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
-    """Step 3: Redis answers PING; a refused password is an AuthError at once."""
+    """Step 3: Redis answers PING; a refused password is an AuthError at once. A cluster node: every hash
+    slot served and every primary answering (expstream/state/cluster.py), else one line naming the node."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    from expstream.state.cluster import check_cluster, cluster_enabled
     from expstream.state.connection import is_auth_error
 
     shown = redact_url(url)
@@ -150,7 +152,12 @@ def check_redis(url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
         if "host" in kw and (reason := _tcp_reason(kw["host"], int(kw.get("port", 6379)), timeout_s)) is not None:
             raise ConfigError(f"cannot reach Redis at {shown} ({reason}) within {timeout_s:g}s", field="--redis-url",
                               fix=_REDIS_FIX)
-        client.ping()
+        # INFO first: a cluster node refuses the connection's SELECT of a database other than 0 (named as such)
+        if cluster_enabled(client, url):  # a cluster node: every slot served, every primary answering
+            log.info("preflight: Redis at %s is a cluster node; primaries %s", shown,
+                     ", ".join(check_cluster(client, url, timeout_s)))
+        else:
+            client.ping()
     except redis.RedisError as exc:
         if is_auth_error(exc):
             what = "refused the password" if kw.get("password") else "requires a password and the URL has none"

@@ -15,14 +15,17 @@ belt and braces behind ``PDEATHSIG`` (expstream/procs.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import threading
 import time
 
+from expstream.config.chains import CHAIN_SEP, Unit, unit_of
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
+from expstream.faults import RUNNER_POINTS, fault_plan
 from expstream.launch.supervisor import STOP_GRACE_S
 from expstream.procs import EXIT_WITH_PARENT_ENV, set_stage_title, watch_parent
 
@@ -44,21 +47,37 @@ def _stop_when_orphaned(label: str) -> None:
     watch_parent(on_orphan)
 
 
+def stage_unit(topo: Topology, name: str) -> Unit:
+    """The unit ``expstream stage NAME`` runs: a stage alone, or a chain named ``a+b`` (expstream/config/chains.py)."""
+    from stages import STAGES
+
+    unit = unit_of(topo, name)
+    if unit is not None and (name == unit.name or not unit.chained):
+        return unit
+    if unit is not None:
+        raise ConfigError(f"stage {name}: runs in the chain {unit.name} of this topology; start the chain",
+                          field="NAME", fix=f"expstream stage {unit.name}")
+    if all(n in STAGES for n in name.split(CHAIN_SEP)) and all(n in topo.stages for n in name.split(CHAIN_SEP)):
+        if any(not topo.stages[n].enabled for n in name.split(CHAIN_SEP)):
+            raise ConfigError(f"stage {name}: switched off by this topology (e.g. critic is used by gae only)")
+        raise ConfigError(f"stage {name}: no such chain in this topology's chains: {topo.chains}", field="NAME",
+                          fix="name a stage, or a chain as its enabled stages joined by '+'")
+    raise ConfigError(f"stage {name!r}: unknown; stages are {', '.join(STAGES)}")
+
+
 def run_stage(topo: Topology, args: argparse.Namespace) -> int:
-    """One stage replica: set up models, then the shared runner until SIGTERM."""
+    """One replica of a stage (or of a chain of stages): set up models, then the shared runner until SIGTERM."""
     set_stage_title(args.name, args.replica_id, args.run_id)  # before the seconds of imports below
     if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
         _stop_when_orphaned(f"{args.name}[{args.replica_id}]")
     import torch
 
     from stages import STAGES, teardown
+    from stages.chain import Chain
     from stages.context import StageContext
     from stages.runner import StageRunner
 
-    if args.name not in STAGES:
-        raise ConfigError(f"stage {args.name!r}: unknown; stages are {', '.join(STAGES)}")
-    if not topo.stages[args.name].enabled:
-        raise ConfigError(f"stage {args.name}: switched off by this topology (e.g. critic is used by gae only)")
+    unit = stage_unit(topo, args.name)
     if not args.bootstrap_servers:
         raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
     torch.set_num_threads(topo.run.torch_threads)
@@ -67,17 +86,27 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     state: State
     if args.redis_url:
         state = RedisState(args.redis_url, args.run_id, group_ttl_s=topo.redis.group_ttl_s,
-                           dedupe_window_s=topo.redis.dedupe_window_s)
+                           dedupe_window_s=topo.redis.dedupe_window_s, wait_replicas=topo.redis.wait_replicas,
+                           wait_timeout_ms=topo.redis.wait_timeout_ms)
     else:
         state = MemoryState(args.run_id, group_ttl_s=topo.redis.group_ttl_s,
                             dedupe_window_s=topo.redis.dedupe_window_s)
         log.warning("stage %s replica %s: no --redis-url, so its state (groups, moments, KL) is private to "
                     "this process: run one replica per stage or pass --redis-url", args.name, args.replica_id)
-    module = STAGES[args.name]
-    ctx = StageContext(topology=topo, stage=topo.stages[args.name], state=state,
-                       log=logging.getLogger(f"expstream.stage.{args.name}"), run_id=args.run_id,
-                       replica_id=args.replica_id)
-    runner = StageRunner(ctx, module.process, args.bootstrap_servers, committed=getattr(module, "committed", None))
+    stage = Chain.runner_stage(unit, topo) if unit.chained else topo.stages[unit.head]
+    ctx = StageContext(topology=topo, stage=stage, state=state, log=logging.getLogger(f"expstream.stage.{unit.name}"),
+                       run_id=args.run_id, replica_id=args.replica_id)
+    if unit.chained:
+        chain = Chain(unit, ctx)
+        runner = StageRunner(ctx, chain.process, args.bootstrap_servers, committed=chain.committed,
+                             stage_rows=chain.rows, produced_by=unit.last, label=unit.name)
+        runner.fault = fault_plan(unit.name, RUNNER_POINTS)  # EXPSTREAM_FAULT names the chain, as the supervisor
+        chain.bind(ctx)
+        setup, close = chain.setup, chain.teardown
+    else:
+        module = STAGES[unit.head]
+        runner = StageRunner(ctx, module.process, args.bootstrap_servers, committed=getattr(module, "committed", None))
+        setup, close = functools.partial(module.setup, ctx), functools.partial(teardown, ctx)
     ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
     runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
     started = time.monotonic()
@@ -85,7 +114,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     # error, such as a vLLM engine, is torn down too; every stage's teardown copes with a partial setup
     runner.start_joining()  # the group join (seconds on a new group) overlaps the model load
     try:
-        module.setup(ctx)
+        setup()
         log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
         if runner.stop_requested:
             runner.stop_before_run()
@@ -96,4 +125,4 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
             log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
             return EXIT_FAILED
     finally:
-        teardown(ctx)  # the stage's own resources (HTTP sessions, thread pools, an engine), after the last commit
+        close()  # the stage's own resources (HTTP sessions, thread pools, an engine), after the last commit

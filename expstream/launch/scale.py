@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from expstream.config.chains import unit_of
 from expstream.config.cli_args import Command
 from expstream.config.topology import AutoscaleConfig, Topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError
@@ -123,12 +124,15 @@ def parse_counts(items: list[str]) -> dict[str, int]:
 
 def check_counts(topo: Topology, counts: dict[str, int]) -> None:
     """ConfigError naming the ``STAGE=N`` item that cannot be run (step 1 of the module docstring)."""
-    stages = {st.name: st for st in topo.enabled_stages()}
+    stages = {u.name: topo.stages[u.head] for u in topo.units()}  # a chain scales as one unit
     partitions = topo.all_topics()
     for name, n in counts.items():
         if name not in stages:
-            raise ConfigError(f"{name}={n}: no enabled stage {name!r} in this run", field=f"{name}={n}",
-                              fix=f"name one of {', '.join(stages)}")
+            unit = unit_of(topo, name)
+            fix = f"scale its chain: {unit.name}={n}" if unit is not None else f"name one of {', '.join(stages)}"
+            raise ConfigError(f"{name}={n}: no enabled stage {name!r} in this run" if unit is None else
+                              f"{name}={n}: {name} runs in the chain {unit.name}, which scales as one unit",
+                              field=f"{name}={n}", fix=fix)
         limit = partitions[stages[name].input]
         if not 1 <= n <= limit:
             raise ConfigError(f"{name}={n}: a count from 1 to {limit} (the partitions of {stages[name].input!r}; "
@@ -163,12 +167,13 @@ class Scaler:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic() if started is None else started
         self.events: list[dict[str, Any]] = []
-        self.auto = {st.name: st.autoscale for st in topo.enabled_stages() if st.autoscale is not None}
+        self.auto = {u.name: topo.stages[u.head].autoscale for u in topo.units()
+                     if topo.stages[u.head].autoscale is not None}
         self.memory = {name: AutoscaleMemory() for name in self.auto}
         self.next_auto_at = time.monotonic() + AUTOSCALE_INTERVAL_S
 
     def counts(self) -> dict[str, int]:
-        return {st.name: self.sup.replicas(st.name) for st in self.topo.enabled_stages()}
+        return {u.name: self.sup.replicas(u.name) for u in self.topo.units()}
 
     def tick(self) -> None:
         """Answer pending requests; every AUTOSCALE_INTERVAL_S, the autoscalers (never raises for a lag read)."""
@@ -237,11 +242,13 @@ class Scaler:
 def lag_reader(topo: Topology, bootstrap: str, run_id: str) -> Callable[[str], int]:
     """``lag_of(stage)``: uncommitted records of the stage's input for its group (expstream.kafka.clients.topic_lag)."""
     from expstream.kafka.clients import topic_lag
+    from expstream.kafka.topics import stage_group
 
-    stages = {st.name: st for st in topo.enabled_stages()}
+    heads = {u.name: topo.stages[u.head] for u in topo.units()}  # a chain reads as its first stage
 
     def lag_of(name: str) -> int:
-        lag = topic_lag(bootstrap, topo.kafka, f"expstream.{run_id}.{name}", stages[name].input, timeout_s=10.0)
+        st = heads[name]
+        lag = topic_lag(bootstrap, topo.kafka, stage_group(run_id, st.name), st.input, timeout_s=10.0)
         return int(sum(lag.values()))
 
     return lag_of

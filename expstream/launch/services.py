@@ -177,9 +177,9 @@ class RunServices:
             # a replica gone for good leaves no metrics file behind (expstream/observe/metrics.py)
             on_gone=functools.partial(forget_replica, run_dir / "metrics"))
         serve_supervisor(sup, run_dir / "metrics")  # expstream_restarts_total (docs/observability.md)
-        for st in topo.enabled_stages():
-            for replica in range(st.replicas):
-                sup.add(st.name, replica, self.stage_argv(st.name, replica))
+        for unit in topo.units():  # a chain is one process per replica (expstream/config/chains.py)
+            for replica in range(topo.stages[unit.head].replicas):
+                sup.add(unit.name, replica, self.stage_argv(unit.name, replica))
         if topo.train.enabled:
             sup.add(TRAINER, 0, trainer_argv(self.topo_path, self.bootstrap, self.run_id, out_dir), one_shot=True)
         if self.recording:  # stopped after the stages, so it drains what they wrote last (expstream/tools/recorder.py)

@@ -269,6 +269,72 @@ class _BehaviourLogProbs:
         return torch.stack(steps, dim=1).float()
 
 
+class _AbandonOnStop:
+    """A stopping criterion that raises ShutdownRequested once ``should_stop()`` says so (else: not done)."""
+
+    def __init__(self, should_stop: Callable[[], bool], width: int, max_new_tokens: int) -> None:
+        self.should_stop, self.width, self.max_new_tokens = should_stop, width, max_new_tokens
+        self.not_done: dict[tuple, Tensor] = {}  # one all-False answer per (rows, device), reused every step
+
+    def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+        if self.should_stop():
+            raise ShutdownRequested(f"stop requested after {input_ids.shape[1] - self.width} of "
+                                    f"max_new_tokens={self.max_new_tokens} tokens; generation abandoned")
+        key = (input_ids.shape[0], input_ids.device)
+        if key not in self.not_done:
+            self.not_done[key] = torch.zeros(key[0], dtype=torch.bool, device=key[1])
+        return self.not_done[key]
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Inside: torch's RNG seeded with ``seed`` and restored afterwards (no-op when seed is None)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def left_padded(rows: list[list[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """(input_ids, attention_mask), both (len(rows), longest row) long, each row left-padded with the pad id."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, width - len(r) :] = 1
+    return input_ids, attention_mask
+
+
+def cut_at_stop(generated: list[list[int]], stops: set[int], max_new_tokens: int) -> list[list[int]]:
+    """Each row up to and including its first stop token, else its first ``max_new_tokens`` tokens.
+
+    A row without a stop token ran to max_new_tokens (generation only ends early once every row
+    has stopped), so it is never padded.
+    """
+    result: list[list[int]] = []
+    for row in generated:
+        cut = next((j + 1 for j, tok in enumerate(row) if tok in stops), None)
+        result.append(row[:cut] if cut is not None else row[:max_new_tokens])
+    return result
+
+
+def checked_log_probs(result: list[list[int]], logp: list[list[float]]) -> list[list[float]]:
+    """Row i of ``logp`` cut to the length of ``result[i]``; every value must be finite.
+
+    Raises:
+        RuntimeError: a row has fewer log-probs than tokens, or a non-finite one (a bug, not bad input).
+    """
+    logprobs = [logp[i][: len(r)] for i, r in enumerate(result)]
+    for i, (r, lp) in enumerate(zip(result, logprobs, strict=True)):
+        if len(lp) != len(r) or not all(math.isfinite(x) for x in lp):
+            raise RuntimeError(f"generate: row {i} has {len(r)} tokens but behaviour log-probs {lp[:8]}...; "
+                               "a sampled token must have a finite log-prob (report this as a bug)")
+    return logprobs
+
+
 def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
     """The tokens generation stops at: the tokenizer's EOS and any EOS id of the model's ``generation_config``."""
     eos = tokenizer.eos_token_id
@@ -379,19 +445,15 @@ class TransformersGenerator:
         stage never emits a cut-short response). A stop therefore waits for at most one forward
         pass (the prompt's prefill, or one token), not for ``max_new_tokens`` of them.
         """
-        from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+        from transformers import StoppingCriteriaList
 
         check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
         if not prompts:
             return ([], []) if return_log_probs else []
 
-        rows = [list(map(int, p)) for p in prompts for _ in range(n)]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, width - len(r) :] = 1
+        input_ids, attention_mask = left_padded([list(map(int, p)) for p in prompts for _ in range(n)],
+                                                self.pad_token_id)
+        width = input_ids.shape[1]
 
         greedy = temperature == 0
         # The whole logits chain is ours (HF adds none: no suppress_tokens / min_new_tokens /
@@ -403,7 +465,35 @@ class TransformersGenerator:
             width, greedy, temperature, top_k, top_p,
             max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder,
         )  # fmt: skip
-        cfg = GenerationConfig(
+
+        criteria = None
+        if should_stop is not None:
+            if should_stop():
+                raise ShutdownRequested("stop requested before the generation started")
+            criteria = StoppingCriteriaList([_AbandonOnStop(should_stop, width, max_new_tokens)])
+
+        with seeded(seed, self.device), torch.inference_mode():
+            extra = {k: (v.to(self.device) if isinstance(v, Tensor) else v)
+                     for k, v in (model_inputs(input_ids) if model_inputs is not None else {}).items()}
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=self._generation_config(greedy, max_new_tokens),
+                logits_processor=chain,
+                stopping_criteria=criteria,
+                **extra,
+            )
+        generated_t = out[:, width:]
+        result = cut_at_stop(generated_t.tolist(), set(self.stop_token_ids), max_new_tokens)
+        if recorder is None:
+            return result
+        return result, checked_log_probs(result, recorder.finish(generated_t).cpu().tolist())
+
+    def _generation_config(self, greedy: bool, max_new_tokens: int) -> Any:
+        """HF's GenerationConfig with every processor of its own off (the chain is ours, see generate)."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else 1.0,
             top_p=None if greedy else 1.0,
@@ -420,61 +510,6 @@ class TransformersGenerator:
             num_return_sequences=1,
             use_cache=True,
         )
-
-        criteria = None
-        if should_stop is not None:
-            not_done: dict[tuple, Tensor] = {}  # one all-False answer per (rows, device), reused every step
-
-            class _AbandonOnStop(StoppingCriteria):
-                def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
-                    if should_stop():
-                        raise ShutdownRequested(f"stop requested after {input_ids.shape[1] - width} of "
-                                                f"max_new_tokens={max_new_tokens} tokens; generation abandoned")
-                    key = (input_ids.shape[0], input_ids.device)
-                    if key not in not_done:
-                        not_done[key] = torch.zeros(key[0], dtype=torch.bool, device=key[1])
-                    return not_done[key]
-
-            criteria = StoppingCriteriaList([_AbandonOnStop()])
-            if should_stop():
-                raise ShutdownRequested("stop requested before the generation started")
-
-        rng: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if seed is not None:
-            devices = [self.device] if self.device.type == "cuda" else []
-            rng = torch.random.fork_rng(devices=devices)
-        with rng, torch.inference_mode():
-            if seed is not None:
-                torch.manual_seed(seed)
-            extra = {k: (v.to(self.device) if isinstance(v, Tensor) else v)
-                     for k, v in (model_inputs(input_ids) if model_inputs is not None else {}).items()}
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                generation_config=cfg,
-                logits_processor=chain,
-                stopping_criteria=criteria,
-                **extra,
-            )
-        generated_t = out[:, width:]
-        generated = generated_t.tolist()
-
-        stops = set(self.stop_token_ids)
-        result: list[list[int]] = []
-        for row in generated:
-            cut = next((j + 1 for j, tok in enumerate(row) if tok in stops), None)
-            # A row without a stop token ran to max_new_tokens (generation only ends early once
-            # every row has stopped), so it is never padded.
-            result.append(row[:cut] if cut is not None else row[:max_new_tokens])
-        if recorder is None:
-            return result
-        logp = recorder.finish(generated_t).cpu().tolist()  # (rows, steps) float32
-        logprobs = [logp[i][: len(r)] for i, r in enumerate(result)]
-        for i, (r, lp) in enumerate(zip(result, logprobs, strict=True)):
-            if len(lp) != len(r) or not all(math.isfinite(x) for x in lp):
-                raise RuntimeError(f"generate: row {i} has {len(r)} tokens but behaviour log-probs {lp[:8]}...; "
-                                   "a sampled token must have a finite log-prob (report this as a bug)")
-        return result, logprobs
 
     def _logits_chain(
         self, width: int, greedy: bool, temperature: float, top_k: int, top_p: float, min_new_tokens: int,

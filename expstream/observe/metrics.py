@@ -38,6 +38,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "expstream_batch_seconds": ("histogram", "time per micro-batch: decode, process, send, confirm", ()),
     "expstream_send_seconds": ("histogram", "produce + flush + confirm of a micro-batch's outputs", ()),
     "expstream_commit_seconds": ("histogram", "synchronous offset commit", ()),
+    "expstream_state_wait_seconds": ("histogram", "the durability wait before a commit: replicas acknowledge the "
+                                     "state writes (0 without replicas; docs/redis.md)", ()),
     "expstream_consumer_lag_records": ("gauge", "records behind the partitions' high watermark", ("topic",)),
     "expstream_dead_letters_total": ("counter", "dead letters (records) sent to the input's dead-letter topic", ()),
     "expstream_retries_total": ("counter", "retries after retriable errors", ("step",)),
@@ -84,6 +86,7 @@ class StageMetrics:
         self.batch_seconds = made["expstream_batch_seconds"].labels(**own)
         self.send_seconds = made["expstream_send_seconds"].labels(**own)
         self.commit_seconds = made["expstream_commit_seconds"].labels(**own)
+        self.state_wait_seconds = made["expstream_state_wait_seconds"].labels(**own)
         self.dead_letters = made["expstream_dead_letters_total"].labels(**own)
         self.policy_version = made["expstream_policy_version"].labels(**own)
         self.policy_version.set(float("nan"))  # no version yet (0 would read as "on version 0")
@@ -92,6 +95,11 @@ class StageMetrics:
         self.record_age = made["expstream_record_age_seconds"].labels(**own)
         self._announced = (0, -1e9)  # (version, monotonic time read)
         self.port: int | None = None
+
+    def for_stage(self, stage: str) -> StageView:
+        """The series of a stage run inside this process's chain (stages/chain.py): ``stage=<its name>``,
+        beside the chain's own (records, sends, commits, lag, letters) under ``stage=<the chain's name>``."""
+        return StageView(self, stage)
 
     def lag(self, topic: str, records: int) -> None:
         self._m["expstream_consumer_lag_records"].labels(stage=self.stage, topic=topic).set(records)
@@ -119,6 +127,35 @@ class StageMetrics:
         discovery file into ``out_dir`` (else EXPSTREAM_METRICS_DIR) when given; returns the port."""
         return _serve(self.registry, discovery_name(self.stage, self.replica),
                       {"stage": self.stage, "replica": self.replica}, out_dir, port)
+
+
+class StageView:
+    """One inner stage's series in a chain process's registry (what a stage's ``ctx.metrics`` offers)."""
+
+    def __init__(self, metrics: StageMetrics, stage: str) -> None:
+        m, own = metrics._m, {"stage": stage}
+        self.stage, self._parent = stage, metrics
+        self.records = m["expstream_records_processed_total"].labels(**own)
+        self.samples = m["expstream_samples_processed_total"].labels(**own)
+        self.batch_seconds = m["expstream_batch_seconds"].labels(**own)
+        self.policy_version = m["expstream_policy_version"].labels(**own)
+        self.policy_version.set(float("nan"))
+        self.reward_mean = m["expstream_reward_mean"].labels(**own)
+
+    def observe_batches(self, batches: int, samples: int, seconds: float) -> None:
+        """One input record's work in this stage: ``batches`` micro-batches of ``samples`` in ``seconds``."""
+        self.records.inc(batches)
+        self.samples.inc(samples)
+        self.batch_seconds.observe(seconds)
+
+    def reload(self, role: str, seconds: float) -> None:
+        self._m_reload().labels(stage=self.stage, role=role).observe(seconds)
+
+    def _m_reload(self) -> Any:
+        return self._parent._m["expstream_model_reload_seconds"]
+
+    def announced(self, state: Any) -> int:
+        return self._parent.announced(state)
 
 
 def discovery_name(stage: str, replica: str | int) -> str:

@@ -5,6 +5,10 @@ command goes through :meth:`RedisConnection._call`, which retries connection err
 bounded exponential backoff (a Redis restart or failover) and turns a refused password into an
 :class:`~expstream.errors.AuthError` at once. Kept apart from the state's keys and scripts so that the
 outage behaviour (docs/deploy.md, ``tests/test_outages.py``) is read in one place.
+
+A URL that points at any node of a Redis Cluster works as it is: :meth:`RedisConnection.connect` asks
+the node (``INFO cluster``) and, on ``cluster_enabled:1``, swaps the plain client for redis-py's
+``RedisCluster`` (same timeouts, no retries of its own either). docs/redis.md has the key layout.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from redis.retry import Retry
 from expstream.config.redaction import redact_url
 from expstream.errors import AuthError, StateUnavailableError
 from expstream.retry import Attempt, Policy, retry
+from expstream.state.cluster import TRANSIENT, cluster_enabled, open_cluster
 
 __all__ = [
     "RedisConnection",
@@ -75,7 +80,19 @@ class RedisConnection:
             decode_responses=False,
             health_check_interval=0,
         )
-        self._scripts = {name: self._r.register_script(src) for name, src in (scripts or {}).items()}
+        self._sources = dict(scripts or {})
+        self._scripts = {name: self._r.register_script(src) for name, src in self._sources.items()}
+        #: True once :meth:`connect` found a Redis Cluster behind the URL (``client`` is then a RedisCluster)
+        self.cluster = False
+        self._timeouts = (connect_timeout_s, socket_timeout_s)
+
+    def connect(self) -> None:
+        """Ping the server (with :meth:`_call`'s retries); on a cluster node, switch to the cluster client."""
+        if self._call("connect", lambda: cluster_enabled(self._r, self.url)):
+            self._r.close()
+            self._r = open_cluster(self.url, *self._timeouts)
+            self.cluster = True
+            self._scripts = {name: self._r.register_script(src) for name, src in self._sources.items()}
 
     # --- plumbing ------------------------------------------------------------------------------
     @property
@@ -99,7 +116,7 @@ class RedisConnection:
             raise StateUnavailableError(f"Redis at {redact_url(self.url)} unavailable for {what} after {a.number} attempts "
                                         f"({self.retry_deadline_s:.1f}s): {a.exc!r}") from a.exc
 
-        transient = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+        transient = TRANSIENT
         try:
             return retry(lambda: fn(*args, **kwargs),
                          # redis-py's AuthenticationError is a ConnectionError: a wrong password is not an outage
@@ -111,7 +128,7 @@ class RedisConnection:
                          on_give_up=give_up)
         except redis.RedisError as exc:
             if is_auth_error(exc):
-                kw = self._r.connection_pool.connection_kwargs
+                kw = redis.connection.parse_url(self.url)
                 where = f"{kw.get('host', '?')}:{kw.get('port', '?')}" if "host" in kw else kw.get("path", "?")
                 what = "refused the password" if kw.get("password") else "requires a password and the URL has none"
                 raise AuthError(f"Redis at {where} {what} ({exc})", field="--redis-url",

@@ -6,6 +6,10 @@ calls them because they are the state's real contract: the key layout they touch
 ``redis_state.py``'s docstring, the formulas they mirror are in :mod:`expstream.rl.moments`, and
 their text is pinned (``tests/test_state.py``; a server caches a script by its SHA1). Why the state
 is shared and how admission uses it: ``../shared/DESIGN.md``, ``docs/async.md``.
+
+Every script touches keys of ONE hash tag only (a Redis Cluster runs a script on one shard): a group's
+keys share the group's tag, everything else the run's (docs/redis.md). PARK_WINDOW and FLUSH_WINDOW
+build the window's member and meta key names from ``KEYS[2]``: they share its tag, so its slot.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 __all__ = [
     "MERGE_MOMENTS",
     "PARK_GROUP",
-    "SETTLE_GROUPS",
+    "SETTLE_GROUP",
     "KL_INIT",
     "KL_ADAPTIVE",
     "STAGE_TIME",
@@ -61,10 +65,9 @@ return {1, snap}
 """
 
 PARK_GROUP = """
--- KEYS[1] members hash, KEYS[2] meta hash, KEYS[3] done zset
--- ARGV n, batch_id, ttl, group_id, now_ms, done_ttl_ms, idx1, payload1, idx2, ...
-local freed = redis.call('ZSCORE', KEYS[3], ARGV[4])
-if freed and tonumber(freed) >= tonumber(ARGV[5]) - tonumber(ARGV[6]) then return {2} end
+-- KEYS[1] members hash, KEYS[2] meta hash, KEYS[3] done marker (one hash tag: the group's)
+-- ARGV n, batch_id, ttl, idx1, payload1, idx2, ...
+if redis.call('EXISTS', KEYS[3]) == 1 then return {2} end
 local n = tonumber(ARGV[1])
 local stored_n = redis.call('HGET', KEYS[2], 'n')
 if stored_n then
@@ -74,7 +77,7 @@ if stored_n then
 else
   redis.call('HSET', KEYS[2], 'n', ARGV[1])
 end
-for i = 7, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 local ttl = tonumber(ARGV[3])
@@ -96,49 +99,31 @@ end
 return out
 """
 
-SETTLE_GROUPS = """
--- A record of the advantage stage is committed: mark its members committed; free every group whose
--- completing record and every member's record are committed, leaving a "done" marker.
--- KEYS[1] done zset, then per group its members hash and meta hash
--- ARGV batch_id (the record's, no '~' suffix), now_ms, done_ttl_ms, group_ttl_s,
---      then per group: group_id, m, m sample indices
-local now = tonumber(ARGV[2])
-local freed = {}
-local a, k = 5, 2
-while a <= #ARGV do
-  local gid, m = ARGV[a], tonumber(ARGV[a + 1])
-  local members, meta = KEYS[k], KEYS[k + 1]
-  local n = tonumber(redis.call('HGET', meta, 'n') or '0')
-  if n > 0 then
-    for i = 1, m do
-      local idx = tonumber(ARGV[a + 1 + i])
-      if idx < n then redis.call('HSET', meta, 'c' .. idx, '1') end
-    end
-    local completer = redis.call('HGET', meta, 'completer')
-    if completer then
-      local cut = string.find(completer, '~', 1, true)
-      if cut then completer = string.sub(completer, 1, cut - 1) end
-      if completer == ARGV[1] then redis.call('HSET', meta, 'settled', '1') end
-      if redis.call('HEXISTS', meta, 'settled') == 1 then
-        local marked = 0
-        for idx = 0, n - 1 do marked = marked + redis.call('HEXISTS', meta, 'c' .. idx) end
-        if marked == n then
-          redis.call('DEL', members, meta)
-          redis.call('ZADD', KEYS[1], now, gid)
-          freed[#freed + 1] = gid
-        end
-      end
-    end
-  end
-  a = a + 2 + m
-  k = k + 2
+SETTLE_GROUP = """
+-- A record of the advantage stage is committed: mark its members of ONE group committed; free the
+-- group when its completing record and every member's record are committed, leaving a "done" marker
+-- that expires after the dedupe window. One call per group: a group's keys share one hash tag, and two
+-- groups may live on different shards of a cluster (settle_groups pipelines the calls).
+-- KEYS[1] members hash, KEYS[2] meta hash, KEYS[3] done marker
+-- ARGV batch_id (the record's, no '~' suffix), now_ms, done_ttl_ms, then the member sample indices
+local n = tonumber(redis.call('HGET', KEYS[2], 'n') or '0')
+if n == 0 then return 0 end
+for i = 4, #ARGV do
+  local idx = tonumber(ARGV[i])
+  if idx < n then redis.call('HSET', KEYS[2], 'c' .. idx, '1') end
 end
-if #freed > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. tostring(now - tonumber(ARGV[3])))
-  local ttl = tonumber(ARGV[4])
-  if ttl > 0 then redis.call('EXPIRE', KEYS[1], math.max(ttl, math.ceil(tonumber(ARGV[3]) / 1000))) end
+local completer = redis.call('HGET', KEYS[2], 'completer')
+if not completer then return 0 end
+local cut = string.find(completer, '~', 1, true)
+if cut then completer = string.sub(completer, 1, cut - 1) end
+if completer == ARGV[1] then redis.call('HSET', KEYS[2], 'settled', '1') end
+if redis.call('HEXISTS', KEYS[2], 'settled') == 0 then return 0 end
+for idx = 0, n - 1 do
+  if redis.call('HEXISTS', KEYS[2], 'c' .. idx) == 0 then return 0 end
 end
-return freed
+redis.call('DEL', KEYS[1], KEYS[2])
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3]) end
+return 1
 """
 
 KL_INIT = """
@@ -350,6 +335,6 @@ SCRIPTS: dict[str, str] = {
     "flush_window": FLUSH_WINDOW,
     "admit": ADMIT,
     "mark_delivered": MARK_DELIVERED,
-    "settle": SETTLE_GROUPS,
+    "settle": SETTLE_GROUP,
     "record_lost": RECORD_LOST,
 }

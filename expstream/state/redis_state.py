@@ -1,8 +1,12 @@
 """RedisState: the :class:`~expstream.state.base.State` contract on Redis, shared by every replica.
 
-Every key of a run lives under ``expstream:{<run_id>}:``. The braces are a Redis Cluster hash tag:
-all keys of a run hash to one slot, so the multi-key Lua scripts (:mod:`expstream.state.lua`) also
-run on a cluster.
+The run-wide keys of a run live under ``expstream:{<run_id>}:``, the keys of one prompt group under
+``expstream:{<run_id>{<group_id>}:``. The braces are a Redis Cluster hash tag: every key a script
+touches shares one tag, so every script runs on one shard of a cluster, and a run's group buffers (its
+bulk: every sample's payload) spread over the shards while the run-wide keys stay together. A ``{``
+cannot be part of a run id, so a group's tag is never another run's. The same names on a lone server;
+on a cluster (found by :meth:`RedisConnection.connect`) redis-py's cluster client routes each key.
+Which keys live together and why: docs/redis.md.
 
 Rules that make Kafka's at-least-once delivery exactly-once in effect:
 
@@ -17,14 +21,15 @@ failover; :mod:`expstream.state.connection`); after :data:`RETRY_DEADLINE_S` a r
 by id; plain setters (``set_kl_coef``, ``heartbeat``) are idempotent by nature; ``incr_counter``
 without ``once_id`` may count twice when a reply is lost.
 
-Keys (``P`` = prefix):
+Keys (``P`` = ``expstream:{<run_id>}:``, ``G`` = ``expstream:{<run_id>{<group_id>}:``):
 
 ==============================  ======  =================================================
 ``P moments:<name>``            hash    count, mean, m2 (``%.17g`` strings: exact doubles)
 ``P moments:<name>:applied``    hash    batch_id -> post-merge snapshot "count mean m2"
-``P group:<group_id>``          hash    sample_index -> payload bytes (TTL ``group_ttl_s``; freed when settled)
-``P group:<group_id>:meta``     hash    n, completer, c<i> per committed member, settled (TTL, freed alike)
-``P groups:done``               zset    settled (freed) group id -> unix ms freed; kept ``dedupe_window_s``
+``G group``                     hash    sample_index -> payload bytes (TTL ``group_ttl_s``; freed when settled)
+``G group:meta``                hash    n, completer, c<i> per committed member, settled (TTL, freed alike)
+``G done``                      string  unix ms the settled group was freed; expires after ``dedupe_window_s``
+``P sync``, ``G sync``          string  the durability wait's sentinel write (expstream/state/durability.py; 60 s)
 ``P kl_coef``                   string  current KL coefficient
 ``P kl_coef:applied``           hash    step_id -> coefficient after that step
 ``P stage:<stage>``             hash    batches, samples, seconds
@@ -73,7 +78,9 @@ from expstream.state.base import (
     kl_not_initialised,
     parse_recent,
 )
+from expstream.state.cluster import scan_keys
 from expstream.state.connection import RETRY_DEADLINE_S, SOCKET_TIMEOUT_S, RedisConnection
+from expstream.state.durability import DEFAULT_WAIT_TIMEOUT_MS, ReplicaWait
 from expstream.state.lua import SCRIPTS
 
 __all__ = ["RedisState"]
@@ -98,6 +105,8 @@ class RedisState(RedisConnection):
         retry_deadline_s: float = RETRY_DEADLINE_S,
         group_ttl_s: int = DEFAULT_GROUP_TTL_S,
         dedupe_window_s: int = DEFAULT_DEDUPE_WINDOW_S,
+        wait_replicas: int | None = None,
+        wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
     ) -> None:
         if not run_id or any(c in run_id for c in "{}") or any(c.isspace() for c in run_id):
             raise ConfigError(
@@ -112,12 +121,41 @@ class RedisState(RedisConnection):
         self.dedupe_window_s = int(dedupe_window_s)
         super().__init__(url, connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
                          retry_deadline_s=retry_deadline_s, scripts=SCRIPTS)
-        self._call("ping", self._r.ping)
+        self.connect()
+        #: the wait for replicas before a stage's offset commit (:meth:`sync_writes`)
+        self.durability = ReplicaWait(lambda: self._r, lambda: self.cluster, "expstream:", wait_replicas,
+                                      wait_timeout_ms, retry_deadline_s)
 
     # --- keys ----------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
         """The full Redis key for ``parts`` joined by ':' under this run's prefix."""
         return self.prefix + ":".join(parts)
+
+    def group_key(self, group_id: str, *parts: str) -> str:
+        """The full Redis key for ``parts`` of group ``group_id`` (its own hash tag: ``{<run_id>{<group_id>}``)."""
+        return f"expstream:{{{self.run_id}{{{group_id}}}:" + ":".join(parts)
+
+    def _group_keys(self, group_id: str) -> list[str]:
+        return [self.group_key(group_id, "group"), self.group_key(group_id, "group", "meta"),
+                self.group_key(group_id, "done")]
+
+    def run_keys(self) -> list[str]:
+        """Every key of this run (SCAN; on a cluster over every primary): the tests' and tools' view."""
+        patterns = [self.prefix + "*", f"expstream:{{{self.run_id}{{*"]
+        return sorted({k.decode() for k in self._call("run_keys", lambda: list(scan_keys(self._r, patterns)))})
+
+    # --- durability ----------------------------------------------------------------------------
+    def _script(self, name: str, keys: list[str], args: list) -> object:
+        res = super()._script(name, keys, args)
+        self.durability.wrote(keys[0])
+        return res
+
+    def sync_writes(self) -> None:
+        """Before a stage commits its Kafka offsets: wait until a replica of every primary this client
+        wrote to since the last call acknowledged the writes (``redis.wait_replicas``). Raises
+        :class:`~expstream.state.durability.StateWritesLost` when they may be gone (a failover before
+        the acknowledgement): the records behind them are to be processed again, not committed."""
+        self.durability.sync()
 
     # --- reward moments ------------------------------------------------------------------------
     def merge_reward_moments(self, batch_id: str, values: np.ndarray, name: str = "reward") -> Moments:
@@ -157,14 +195,11 @@ class RedisState(RedisConnection):
         that redeliveries stay answerable; a call for a group settled within ``dedupe_window_s`` parks
         nothing and gets None (a record read again after every record of the group was committed).
         """
-        args: list = [str(n), batch_id, str(self.group_ttl_s), group_id, str(int(time.time() * 1000)),
-                      str(self.dedupe_window_s * 1000)]
+        args: list = [str(n), batch_id, str(self.group_ttl_s)]
         for i, payload in check_group_members(group_id, n, members).items():
             args += [str(i), payload]
         try:
-            res = self._script(
-                "park", [self.key("group", group_id), self.key("group", group_id, "meta"), self.key("groups", "done")],
-                args)
+            res = self._script("park", self._group_keys(group_id), args)
         except redis.ResponseError as exc:
             if "GROUPSIZE" in str(exc):
                 raise PoisonRecordError(f"group {group_id!r}: {exc}") from exc
@@ -180,31 +215,28 @@ class RedisState(RedisConnection):
         here, e.g. settled already, are skipped); the group's completing record is marked committed
         when ``batch_id`` is the completer (or the record its split sub-batch came from). A complete
         group whose completing record and n members' records are all committed can never be
-        redelivered (only read again by a rewind): its two keys are deleted and its id goes into the
-        ``groups:done`` sorted set, where :meth:`park_group` finds it for ``dedupe_window_s``.
+        redelivered (only read again by a rewind): its two keys are deleted and its "done" marker is
+        set, where :meth:`park_group` finds it for ``dedupe_window_s``. One script call per group (a
+        group's keys share its own hash tag; groups may live on different shards), all in one pipeline.
         Returns the group ids freed by this call. Idempotent: a repeated call frees nothing more.
         """
         checked = check_settle(batch_id, members)
         if not checked:
             return []
-        keys = [self.key("groups", "done")]
-        args: list[str] = [batch_id, str(int(time.time() * 1000)), str(self.dedupe_window_s * 1000),
-                           str(self.group_ttl_s)]
-        for group_id, indices in checked.items():
-            keys += [self.key("group", group_id), self.key("group", group_id, "meta")]
-            args += [group_id, str(len(indices)), *map(str, indices)]
-        return [g.decode() for g in self._script("settle", keys, args)]
+        head = [batch_id, str(int(time.time() * 1000)), str(self.dedupe_window_s * 1000)]
+        calls = [(self._group_keys(g), [*head, *map(str, indices)]) for g, indices in checked.items()]
+        freed = self._evalsha_many("settle", calls)
+        return [g for g, res in zip(checked, freed, strict=True) if int(res) == 1]
 
     def group_done(self, group_id: str) -> bool:
         """True while the "done" marker of a settled group is kept (``dedupe_window_s``)."""
-        freed = self._call("group_done", self._r.zscore, self.key("groups", "done"), group_id)
-        return freed is not None and freed >= time.time() * 1000 - self.dedupe_window_s * 1000
+        return bool(self._call("group_done", self._r.exists, self.group_key(group_id, "done")))
 
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         """(members parked, group size n or None if unknown, completer batch_id or None)."""
         def read(pipe: redis.client.Pipeline) -> None:
-            pipe.hlen(self.key("group", group_id))
-            pipe.hmget(self.key("group", group_id, "meta"), "n", "completer")
+            pipe.hlen(self.group_key(group_id, "group"))
+            pipe.hmget(self.group_key(group_id, "group", "meta"), "n", "completer")
 
         have, (n, completer) = self._pipeline("group_status", read, transaction=True)
         return (
@@ -249,6 +281,7 @@ class RedisState(RedisConnection):
 
     def set_kl_coef(self, value: float) -> None:
         self._call("set_kl_coef", self._r.set, self.key("kl_coef"), repr(float(value)))
+        self.durability.wrote(self.key("kl_coef"))
 
     def update_kl_adaptive(
         self,
@@ -345,14 +378,19 @@ class RedisState(RedisConnection):
         forgot it (NOSCRIPT: a restart, SCRIPT FLUSH); every call is idempotent per batch id."""
         if not rows:
             return
-        script = self._scripts["record_batch"]
-        calls = [self._record_batch_call(stage, *row) for row in rows]
+        self._evalsha_many("record_batch", [self._record_batch_call(stage, *row) for row in rows])
+
+    def _evalsha_many(self, name: str, calls: list[tuple[list[str], list]]) -> list:
+        """Script ``name`` once per ``(keys, args)`` in one pipeline (non-transactional: on a cluster the
+        calls go to their shards). The script is loaded again if the server forgot it (NOSCRIPT: a
+        restart, SCRIPT FLUSH, a replica promoted); every script is idempotent per id, so a retry is safe."""
+        script = self._scripts[name]
 
         def attempt() -> list:
             for tries in (1, 2):
                 pipe = self._r.pipeline(transaction=False)
                 for keys, args in calls:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # a cluster pipeline blocks .evalsha
                 try:
                     return pipe.execute()
                 except redis.exceptions.NoScriptError:
@@ -361,7 +399,10 @@ class RedisState(RedisConnection):
                     self._r.script_load(script.script)
             return []
 
-        self._call("record_batches", attempt)
+        res = self._call(name, attempt)
+        for keys, _ in calls:
+            self.durability.wrote(keys[0])
+        return res
 
     def flows(self) -> dict[str, dict[str, int]]:
         """``{stage: {"in", "out", "dead", "dropped"}}`` for every stage that recorded any (timed or not)."""

@@ -79,7 +79,9 @@ def replay_topic(tag: str, topic: str) -> str:
 
 def broker_overrides(topo: Topology, span: list[str], from_topic: str, tag: str) -> list[str]:
     """Step 2: the --set entries that rename the span's topics and disable every other stage."""
-    sets = [f"topics.input={replay_topic(tag, from_topic)}"]
+    # unchained: every stage of the span its own process, so every hop of it is on a topic and recorded,
+    # those a chain of the recorded run handed over in memory included (docs/replay.md "Chained stages")
+    sets = [f"topics.input={replay_topic(tag, from_topic)}", "chains=[]"]
     for st in topo.enabled_stages():
         if st.name in span:
             sets.append(f"stages.{st.name}.output={replay_topic(tag, st.output)}")

@@ -27,11 +27,13 @@ from kafka import errors as kafka_errors
 from kafka.admin import OffsetSpec
 from kafka.structs import OffsetAndMetadata
 
+from expstream.config.chains import unit_of
 from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.kafka import KafkaConfig
 from expstream.config.topology import Topology, load_topology
 from expstream.errors import EXIT_FAILED, EXIT_OK, ConfigError, ExpstreamError
 from expstream.kafka.clients import end_offsets, make_admin, make_consumer
+from expstream.kafka.topics import stage_group
 from expstream.tools.recorder import Position, parse_position
 from expstream.tools.recording import PartitionReader, partition_path, recorded_partitions, recorded_topics
 from schemas.codec import peek_header
@@ -217,8 +219,8 @@ def view_topic(bootstrap: str, cfg: KafkaConfig, topic: str, run_dir: str | Path
 
 # --- the group ---------------------------------------------------------------------------------
 def group_id_of(run_id: str, stage: str) -> str:
-    """The consumer group of a stage (stages/runner.py StageRunner.group_id)."""
-    return f"expstream.{run_id}.{stage}"
+    """The consumer group of a stage (expstream/kafka/topics.py stage_group)."""
+    return stage_group(run_id, stage)
 
 
 def committed_offsets(admin: Any, group: str, topic: str, partitions: list[int]) -> dict[int, int | None]:
@@ -318,6 +320,13 @@ def rewind_command(topo: Topology, args: argparse.Namespace) -> int:
         raise ConfigError("no Redis URL for the run state", field="--redis-url",
                           fix="give --redis-url or set $EXPSTREAM_REDIS_URL")
     stage = topo.stages.get(args.stage)
+    unit = unit_of(topo, args.stage)
+    if unit is not None and unit.chained and args.stage != unit.head:  # docs/replay.md "Chained stages"
+        if args.stage != unit.name:
+            raise ConfigError(f"stage {args.stage} runs inside the chain {unit.name}: it reads no topic, and the "
+                              "chain moves as one unit", field="--stage",
+                              fix=f"rewind the chain's input: --stage {unit.head} (or --stage {unit.name})")
+        stage = topo.stages[unit.head]
     if stage is None or not stage.enabled:
         raise ConfigError(f"unknown or disabled stage {args.stage!r}", field="--stage",
                           fix=f"one of {', '.join(n for n, s in topo.stages.items() if s.enabled)}")

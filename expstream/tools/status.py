@@ -194,23 +194,29 @@ def collect_status(topo: Any, *, bootstrap: str, redis_url: str, run_id: str, ru
         topics: dict[str, Any] = {}
         n = topo.generate.n_samples_per_prompt
         lags, deads = _broker_view(topo, bootstrap, run_id, admin)
+        unit_of = {name: u for u in topo.units() for name in u.stages}  # a chain: one process, its first stage's group
         for st in topo.enabled_stages():
+            unit = unit_of[st.name]
             lag, dead = lags.get(st.name), deads.get(st.name)
-            alive = sum(1 for (stage, _r), t in beats.items() if stage == st.name and now - t <= ALIVE_WITHIN_S)
+            alive = sum(1 for (stage, _r), t in beats.items() if stage == unit.head and now - t <= ALIVE_WITHIN_S)
             dropped = int(counters.get("dynamic_sampling_dropped_groups", 0)) * n if st.name == "advantage" else 0
-            extra = scraped["stages"].get(st.name, {})
+            extra = scraped["stages"].get(unit.name, {})  # a chain's endpoint is its process's
             stages[st.name] = {
-                "replicas_alive": alive, "replicas_wanted": wanted.get(st.name, st.replicas),
-                "restarts": int(scraped["restarts"].get(st.name, 0)),
+                "replicas_alive": alive, "replicas_wanted": wanted.get(unit.name, st.replicas),
+                "restarts": int(scraped["restarts"].get(unit.name, 0)),
+                **({"chain": unit.name} if unit.chained else {}),
                 **window_stats(recents[st.name], now),
-                "input_topic": st.input, "input_lag_records": lag, "input_lag_s": extra.get("age"),
+                # a stage inside a chain reads no topic: its input is handed over in memory
+                "input_topic": st.input if unit.head == st.name else None,
+                "input_lag_records": lag, "input_lag_s": extra.get("age"),
                 "dead_letters": dead, **accounting(flows.get(st.name, {}), dropped),
                 # the oldest policy version the stage's replicas handled last (their gauges); without
                 # the metrics endpoints (no --run-dir) only the announced version is known
                 "policy_version_seen": extra.get("version") if run_dir is not None else None,
                 "staleness_versions": extra.get("stale"),
             }
-            topics.setdefault(st.input, {"lag": {}})["lag"][st.name] = lag
+            if unit.head == st.name:
+                topics.setdefault(st.input, {"lag": {}})["lag"][st.name] = lag
         return {"t": round(now, 3), "run_id": run_id, "policy_version": announced, "stages": stages,
                 "topics": topics, "bottleneck": bottleneck(stages), "scrape": {"raw": scraped.get("raw", {})}}
     finally:
@@ -225,9 +231,9 @@ def _broker_view(topo: Any, bootstrap: str, run_id: str, admin: Any) -> tuple[di
     twin. One metadata request, one end-offset probe for every partition, one committed-offset request
     per group: a snapshot costs a handful of round trips, not one probe per topic."""
     from expstream.kafka.clients import end_offsets, partitions_of
-    from expstream.kafka.topics import dlq_topic
+    from expstream.kafka.topics import dlq_topic, stage_group
 
-    stages = list(topo.enabled_stages())
+    stages = [topo.stages[u.head] for u in topo.units()]  # a chain reads only its first stage's input
     tps: dict[str, list] = {}
     for name in {st.input for st in stages} | {dlq_topic(st.input) for st in stages}:
         try:
@@ -252,7 +258,7 @@ def _broker_view(topo: Any, bootstrap: str, run_id: str, admin: Any) -> tuple[di
         if parts is None:
             lags[st.name] = None
             continue
-        group = f"expstream.{run_id}.{st.name}"
+        group = stage_group(run_id, st.name)
         try:
             committed = admin.list_group_offsets({group: parts}).get(group, {})
         except Exception:  # noqa: BLE001 - a group that never committed (or a broker without it)
@@ -353,7 +359,8 @@ def render_status(snap: dict[str, Any]) -> Any:
     flow_rows, acct_rows = [], []
     for name, s in snap["stages"].items():
         style = "bold red" if name == b else ""
-        flow_rows.append([Text(name, style=style), f"{s['replicas_alive']}/{s['replicas_wanted']}",
+        shown = f"{name} ({s['chain']})" if s.get("chain") else name  # a stage inside a chain's process
+        flow_rows.append([Text(shown, style=style), f"{s['replicas_alive']}/{s['replicas_wanted']}",
                           f(s["input_lag_records"]), f(s["input_lag_s"]), f(s["records_per_s"]), f(s["samples_per_s"]),
                           ms(s["batch_p50_s"]), ms(s["batch_p95_s"]), f"{s['busy_share']:.0%}", f(s["last_progress_s"])])
         acct_rows.append([Text(name, style=style), f(s["samples_in"]), f(s["samples_out"]), f(s["samples_dead"]),
