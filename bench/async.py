@@ -20,7 +20,15 @@ Nothing is asserted: the script reports; it exits non-zero only when a run fails
 The task is the example task of docs/async.md (``examples/prompts.jsonl``, the rule reward
 ``expstream.rewards:target_char_rate`` instead of the reward model) unless ``--reward-model``.
 
-Usage: ``.venv/bin/python bench/async.py [--steps 30] [--ks 0,1,2,4] [--reward-model] [--set key=value]``.
+``--long-tail`` (issue 26) measures in-flight weight updates instead: a long-tailed workload (responses up to
+``--max-new-tokens`` = 256 tokens, whose lengths on the tiny model spread from a few dozen to the limit),
+``generate.in_flight_updates`` off vs on at each k of ``--ks`` (default 1,2), and reports samples/s over the
+training span, reward per step, generate's idle seconds (blocked by backpressure) and the share of trained
+samples whose tokens span several versions (``mixed_version_samples``); ratios are on vs off at the same k.
+Writes ``bench/results/async-inflight.json`` and ``async-inflight-rewards.png``.
+
+Usage: ``.venv/bin/python bench/async.py [--steps 30] [--ks 0,1,2,4] [--reward-model] [--set key=value]``;
+``.venv/bin/python bench/async.py --long-tail [--steps 8] [--ks 1,2] [--in-flight-mode keep]``.
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
                    help="topology override passed to every run; repeatable")
     p.add_argument("--keep-runs", action="store_true", help="keep the runs' output directories")
+    p.add_argument("--long-tail", action="store_true", help="in-flight updates off vs on on a long-tailed workload")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="--long-tail: generate.max_new_tokens")
+    p.add_argument("--in-flight-mode", default="keep", help="--long-tail: generate.in_flight_mode (keep | recompute)")
     return p.parse_args()
 
 
@@ -95,6 +106,8 @@ def continuous_run(prompts: Path, k: int, steps: int, sets: list[str], out: Path
         "dropped_stale": summary["dropped_stale"],
         "blocked_s": {name.split(":", 1)[1]: round(v, 3) for name, v in counters.items() if name.startswith("blocked_s:")},
         "reloads_actor": int(reloads),
+        "samples_per_s": round(summary["samples_trained"] / (times[-1] - times[0]), 3) if len(times) > 1 else None,
+        "mixed_version_samples": sum(int(line.get("mixed_version_samples") or 0) for line in lines),
         "reload_s_mean": round(counters.get("reload_s:actor", 0.0) / reloads, 4) if reloads else None,
     }
 
@@ -104,7 +117,8 @@ def _mean(xs: list[Any]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> str:
+def plot(results: list[dict[str, Any]], path: Path,
+         title: str = "reward per step, synchronous (k=0) vs asynchronous") -> str:
     try:
         import matplotlib
 
@@ -114,10 +128,11 @@ def plot(results: list[dict[str, Any]], path: Path) -> str:
         return "matplotlib is not installed in this environment: no PNG written (pip install matplotlib)"
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
-        ax.plot(range(len(r["reward"])), r["reward"], marker=".", label=f"max_staleness={r['k']}")
+        label = r["k"] if isinstance(r["k"], str) else f"max_staleness={r['k']}"
+        ax.plot(range(len(r["reward"])), r["reward"], marker=".", label=label)
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward (mean over the step's samples)")
-    ax.set_title("reward per step, synchronous (k=0) vs asynchronous")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,8 +141,56 @@ def plot(results: list[dict[str, Any]], path: Path) -> str:
     return f"wrote {path}"
 
 
+def long_tail(args: argparse.Namespace, ks: list[int], sets: list[str], work: Path) -> int:
+    """In-flight updates off vs on at each k, on responses of widely spread lengths (module docstring)."""
+    workload = [f"generate.max_new_tokens={args.max_new_tokens}", "generate.min_new_tokens=1",
+                f"generate.in_flight_mode={args.in_flight_mode}"]
+    results = []
+    for k in ks:
+        for on in (False, True):
+            name = f"k={k} in-flight {'on' if on else 'off'}"
+            progress(f"{name}: expstream run --continuous, {args.steps} steps")
+            r = continuous_run(args.prompts, k, args.steps, sets + workload + [f"generate.in_flight_updates={str(on).lower()}"],
+                               work / f"k{k}-{int(on)}")
+            r["name"], r["in_flight"] = name, on
+            progress(f"{name}: {fmt(r['samples_per_s'], '.2f')} samples/s, reward last {fmt(r['reward_last'], '.4f')}")
+            results.append(r)
+    rows = []
+    for r in results:
+        off = next(x for x in results if x["k"] == r["k"] and not x["in_flight"])
+        rows.append([r["name"], r["steps"], fmt(r["samples_per_s"], ".3f"),
+                     ratio(r["samples_per_s"] or float("nan"), off["samples_per_s"] or float("nan")),
+                     fmt(r["reward_last"], ".4f"), fmt(_mean(r["reward"]), ".4f"), r["blocked_s"].get("generate", 0.0),
+                     f"{r['mixed_version_samples']}/{r['samples_trained']}",
+                     " ".join(f"{s}:{n}" for s, n in r["staleness_hist"].items())])
+    print(table(["setting", "steps", "samples/s", "x vs off", f"reward last {LAST_STEPS}", "reward mean",
+                 "generate idle s", "mixed-version", "staleness hist"], rows,
+                title=f"in-flight weight updates, long tail (max_new_tokens={args.max_new_tokens}, "
+                      f"{args.in_flight_mode}): {args.steps} trainer steps per setting"))
+    steps = max(len(r["reward"]) for r in results)
+    print(table(["step"] + [r["name"] for r in results],
+                [[str(i)] + [fmt(r["reward"][i], ".4f") if i < len(r["reward"]) else "" for r in results]
+                 for i in range(steps)], title="reward per step"))
+    for r in results:
+        r["k"] = r["name"]  # the plot's legend
+    note = plot(results, RESULTS_DIR / "async-inflight-rewards.png",
+                title=f"reward per step, in-flight updates off vs on (max_new_tokens={args.max_new_tokens})")
+    print(note)
+    save("async-inflight", {"bench": "async-inflight", "steps": args.steps, "overrides": sets + workload,
+                            "machine": machine(), "results": results, "png": note})
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.long_tail:
+        work = Path(tempfile.mkdtemp(prefix="bench-async-inflight-"))
+        try:
+            return long_tail(args, [int(x) for x in args.ks.split(",") if x.strip()] if args.ks != "0,1,2,4" else [1, 2],
+                             ([] if args.reward_model else EXAMPLE_TASK) + args.overrides, work)
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(work, ignore_errors=True)
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     work = Path(tempfile.mkdtemp(prefix="bench-async-"))
     sets = ([] if args.reward_model else EXAMPLE_TASK) + args.overrides

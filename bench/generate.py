@@ -31,7 +31,11 @@ Time to first sample:
   examples/prompts.jsonl --set generate.backend=B --set run.prompt_batch_size=8`` for both backends, one
   run each: summary.json's ``first_experience_after_s`` and the command's wall.
 
-Usage: ``.venv/bin/python bench/generate.py [--model-size tiny|small] [--prompts 64] [--repeats 3] [--no-e2e]``.
+SGLang rows (bench/generate_sglang.py; with ``make setup-sglang`` done, or ``--sglang``): the stage with
+backend=sglang vs. bare ``/generate`` on its server, beside the rows above. ``--no-vllm`` skips vLLM.
+
+Usage: ``.venv/bin/python bench/generate.py [--model-size tiny|small] [--prompts 64] [--repeats 3] [--no-e2e]
+[--no-sglang] [--no-vllm]``.
 Nothing is asserted: the script reports.
 """
 
@@ -221,6 +225,9 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=None,
                     help="time expstream run end to end with both backends (default: with --model-size tiny)")
+    ap.add_argument("--sglang", action=argparse.BooleanOptionalAction, default=None,
+                    help="the SGLang rows (default: when the SGLang venv exists, make setup-sglang)")
+    ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True, help="the vLLM rows")
     ap.add_argument("--first-sample-child", choices=["vllm", "transformers"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -241,6 +248,26 @@ def main() -> int:
         torch.set_num_threads(threads)
         progress(f"transformers stage, {threads} thread(s)")
         rate[f"transformers_{threads}t"], _ = best_rate(lambda: run_stage(ctx_tf, batches), args.repeats)
+
+    from expstream.models.sglang_server import sglang_installed
+
+    sglang_rows: list[list[str]] = []
+    if args.sglang if args.sglang is not None else sglang_installed():
+        from generate_sglang import sglang_section
+
+        sglang_rows, results["sglang"] = sglang_section(args, topology, stage_context, run_stage, rows, batches,
+                                                        max(rate["transformers_1t"], rate["transformers_2t"]),
+                                                        stage_overhead_ms)
+    if not args.vllm:
+        print(table(["measure", "tokens/s or figure", "ratio", "goal"],
+                    [["transformers stage, 1 thread", fmt(rate["transformers_1t"], ".0f"), "", ""],
+                     ["transformers stage, 2 threads", fmt(rate["transformers_2t"], ".0f"), "", ""], *sglang_rows],
+                    title=f"generate, {args.model_size} model, {len(rows)} prompts x {args.n} samples x "
+                          f"<= {args.max_new_tokens} tokens (best of {args.repeats})"))
+        results.update(rates=rate)
+        print("load average at end:", Path("/proc/loadavg").read_text().strip())
+        print("saved", save(f"generate-{args.model_size}-no-vllm", results))
+        return 0
 
     from stages.generate import batch_seed, tokenize_prompts
 
@@ -337,6 +364,7 @@ def main() -> int:
          f"{fmt(overhead['one_record'])} ms", "outside the engine call", ""],
         ["weight reload in the stage (median of 5)", fmt(sorted(reloads)[2] * 1000, ".1f") + " ms", "", ""],
         ["vLLM engine start (stage setup)", fmt(results["engine_start_s"]) + " s", "", ""],
+        *sglang_rows,
     ]
     for backend in ("vllm", "transformers"):
         t = ttfs[backend]

@@ -16,18 +16,28 @@ from typing import Any
 import msgpack
 
 from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
-from schemas.messages import PROMPT_V2_FIELDS, V2_FIELDS, V3_FIELDS, PromptBatch, SampleBatch
+from schemas.messages import (
+    PROMPT_V2_FIELDS,
+    V2_FIELDS,
+    V3_FIELDS,
+    V4_FIELDS,
+    V5_FIELDS,
+    PromptBatch,
+    SampleBatch,
+)
 from schemas.tensors import Ragged, decode_tensor, encode_tensor
 
 __all__ = ["MESSAGE_TYPES", "READ_VERSIONS", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header", "write_version"]
 
 Message = PromptBatch | SampleBatch
 #: Schema name -> the version this writer writes (and the newest this reader reads).
-SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 2, "expstream.SampleBatch": 3}
+SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 2, "expstream.SampleBatch": 5}
 #: Schema name -> every version this reader reads. SampleBatch version 1 has no V2_FIELDS; a
 #: version-1 record decodes with them absent (None / []).
-#: Version 3 of SampleBatch and 2 of PromptBatch add the visual fields (V3_FIELDS, PROMPT_V2_FIELDS).
-READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1, 2), "expstream.SampleBatch": (1, 2, 3)}
+#: Version 3 of SampleBatch and 2 of PromptBatch add the visual fields (V3_FIELDS, PROMPT_V2_FIELDS);
+#: version 4 of SampleBatch adds the multi-turn fields (V4_FIELDS), version 5 the per-token policy
+#: versions (V5_FIELDS). A record is written at the lowest version that holds its fields.
+READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1, 2), "expstream.SampleBatch": (1, 2, 3, 4, 5)}
 #: Schema name -> message class.
 MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
     PromptBatch.SCHEMA: PromptBatch,
@@ -46,6 +56,10 @@ def write_version(msg: Message) -> int:
     """
     if isinstance(msg, PromptBatch):
         return 2 if any(getattr(msg, f) for f in PROMPT_V2_FIELDS) else 1
+    if msg.token_versions is not None:  # only a record of in-flight weight updates carries them
+        return 5
+    if any(getattr(msg, f) is not None for f in V4_FIELDS):  # a multi-turn episode
+        return 4
     return 3 if any(getattr(msg, f) is not None and getattr(msg, f) != [] for f in V3_FIELDS) else 2
 
 
@@ -131,8 +145,9 @@ def _check_envelope(obj: dict[str, Any]) -> tuple[type[PromptBatch] | type[Sampl
 
 def _fields_of(cls: type[PromptBatch] | type[SampleBatch], version: int) -> dict[str, str]:
     """The fields a record of ``cls`` at ``version`` may hold."""
-    if cls is SampleBatch and version < 3:
-        gone = V3_FIELDS + (V2_FIELDS if version < 2 else ())
+    if cls is SampleBatch and version < 5:
+        gone = (V5_FIELDS + (V4_FIELDS if version < 4 else ()) + (V3_FIELDS if version < 3 else ())
+                + (V2_FIELDS if version < 2 else ()))
         return {k: v for k, v in cls.FIELDS.items() if k not in gone}
     if cls is PromptBatch and version < 2:
         return {k: v for k, v in cls.FIELDS.items() if k not in PROMPT_V2_FIELDS}

@@ -19,29 +19,35 @@ import numpy as np
 from schemas.errors import ValidationError
 from schemas.tensors import Ragged, all_finite, as_dtype, normalise_indices, short_repr
 
-__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS", "V3_FIELDS", "PROMPT_V2_FIELDS"]
+__all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS", "V3_FIELDS", "V4_FIELDS", "V5_FIELDS",
+           "PROMPT_V2_FIELDS"]
 
 #: Allowed values of ``SampleBatch.layout``.
 LAYOUTS = ("", "padded", "packed")
 #: Action-level ragged fields: each must have exactly the lengths of ``action_ids``.
 ACTION_FIELDS = (
     "action_mask", "action_log_probs", "action_entropy", "base_action_log_probs",
-    "values", "kl", "token_rewards", "advantages", "returns", "rollout_log_probs",
+    "values", "kl", "token_rewards", "advantages", "returns", "rollout_log_probs", "token_versions",
 )  # fmt: skip
 #: Action-level fields that exist before shard-preprocess too: there (no ``action_ids`` yet) they
 #: are response-level, with the lengths of ``response_ids``; shard-preprocess aligns them.
-RESPONSE_LEVEL_BEFORE_ACTIONS = ("rollout_log_probs",)
+RESPONSE_LEVEL_BEFORE_ACTIONS = ("rollout_log_probs", "token_versions")
 #: SampleBatch fields added by schema version 2 (a version-1 record has none of them).
 V2_FIELDS = ("rollout_log_probs", "rollout_version", "logprob_version")
 #: SampleBatch fields added by schema version 3 (visual inputs by claim check; schemas/README.md).
 V3_FIELDS = ("images", "videos", "image_grid_thw", "video_grid_thw")
+#: SampleBatch fields added by schema version 4 (multi-turn episodes; docs/multi_turn.md).
+V4_FIELDS = ("turn_lengths", "turn_rewards", "turn_versions")
+#: SampleBatch fields added by schema version 5 (per-token policy versions, docs/async.md "In-flight updates").
+V5_FIELDS = ("token_versions",)
 #: PromptBatch fields added by schema version 2.
 PROMPT_V2_FIELDS = ("images", "videos")
 #: Wire dtype of every ragged field of SampleBatch.
 RAGGED_DTYPES = {
     "prompt_ids": "int32", "response_ids": "int32", "action_ids": "int32", "action_mask": "bool",
-    "image_grid_thw": "int32", "video_grid_thw": "int32",
-    **{f: "float32" for f in ACTION_FIELDS if f != "action_mask"},
+    "image_grid_thw": "int32", "video_grid_thw": "int32", "token_versions": "int32",
+    "turn_lengths": "int32", "turn_rewards": "float32", "turn_versions": "int32",
+    **{f: "float32" for f in ACTION_FIELDS if f not in ("action_mask", "token_versions")},
 }  # fmt: skip
 
 
@@ -205,7 +211,7 @@ class SampleBatch(_Message):
     """
 
     SCHEMA: ClassVar[str] = "expstream.SampleBatch"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
     FIELDS: ClassVar[dict[str, str]] = {
         "batch_id": "str", "policy_version": "int", "n_samples_per_prompt": "int",
         "eos_token_id": "int", "pad_token_id": "int",
@@ -220,6 +226,8 @@ class SampleBatch(_Message):
         "processed_rewards": "array", "token_rewards": "ragged", "advantages": "ragged",
         "returns": "ragged", "info": "arrays",
         "images": "opt_refs", "videos": "opt_refs", "image_grid_thw": "ragged", "video_grid_thw": "ragged",
+        "turn_lengths": "ragged", "turn_rewards": "ragged", "turn_versions": "ragged",
+        "token_versions": "ragged",
     }  # fmt: skip
     #: Fields describing the whole micro-batch (not sliced by select / joined by concat).
     PER_BATCH: ClassVar[tuple[str, ...]] = (
@@ -267,6 +275,15 @@ class SampleBatch(_Message):
     videos: list[list[str]] = field(default_factory=list)  # (B; v_b) video manifest blob references
     image_grid_thw: Ragged | None = None  # Ragged int32 (B; 3*k_b) (t, h, w) patch grid of each image
     video_grid_thw: Ragged | None = None  # Ragged int32 (B; 3*v_b) (t, h, w) patch grid of each video
+    # v4: multi-turn episodes (docs/multi_turn.md); None in a single-turn run. response_ids is then the
+    # episode after the prompt: model turn 1, observation 1, model turn 2, ..., always ending with a model turn
+    turn_lengths: Ragged | None = None  # Ragged int32 (B; 2k-1 or 2k) lengths of those segments, model first
+    turn_rewards: Ragged | None = None  # Ragged float32 (B; k or k-1) the environment's reward per model turn
+    turn_versions: Ragged | None = None  # Ragged int32 (B; k) policy version that generated each model turn
+    # v5: the policy version each token was sampled under (in-flight weight updates, docs/async.md). Ragged int32
+    # with rollout_log_probs' lengths: (B; o_b) from generate, (B; a_b) from shard-preprocess on. None: every
+    # token of sample b was sampled under rollout_version[b] (every record before version 5).
+    token_versions: Ragged | None = None
 
     def sample_ids(self) -> list[str]:
         """``f"{group_id}#{sample_index}"`` for every sample."""
@@ -317,6 +334,9 @@ class SampleBatch(_Message):
                 raise _err(self, "kl_coef", f"must be finite, got {self.kl_coef}")
         for name, dtype in RAGGED_DTYPES.items():
             self._ragged(name, dtype, B, ids)
+        tv = self.token_versions
+        if tv is not None and tv.values.size and int(tv.values.min()) < 0:
+            raise _err(self, "token_versions", "negative policy versions; versions start at 0 (the initial weights)")
         for name in ("rewards", "processed_rewards"):
             if getattr(self, name) is not None:
                 setattr(self, name, self._vector(name, getattr(self, name), B, ids))
@@ -329,6 +349,28 @@ class SampleBatch(_Message):
                     raise _err(self, name, f"key {k!r} is {type(k).__name__}; keys must be str")
             setattr(self, name, {k: self._vector(f"{name}[{k!r}]", v, B, ids) for k, v in d.items()})
         self._visual(B, ids)
+        self._turns(ids)
+
+    def _turns(self, ids: list[str]) -> None:
+        """turn_lengths covers response_ids exactly; one version per model turn, at most one reward each."""
+        tl, tr, tv = self.turn_lengths, self.turn_rewards, self.turn_versions
+        if tl is None:
+            for name in ("turn_rewards", "turn_versions"):
+                if getattr(self, name) is not None:
+                    raise _err(self, name, "is set but turn_lengths is missing; a multi-turn record has all three")
+            return
+        if self.response_ids is None:
+            raise _err(self, "turn_lengths", "is set but response_ids is missing; the turns are segments of it")
+        rows = tl.rows()
+        for b, row in enumerate(rows):
+            k = (len(row) + 1) // 2
+            if int(np.sum(row)) != int(self.response_ids.lengths[b]) or (row.size and int(row.min()) < 0):
+                raise _err(self, "turn_lengths", f"sample {ids[b]}: segments {short_repr(row.tolist())} do not add up "
+                                                 f"to its {int(self.response_ids.lengths[b])} response tokens")
+            if tv is None or len(tv.row(b)) != k:
+                raise _err(self, "turn_versions", f"sample {ids[b]}: give one version per model turn ({k})")
+            if tr is None or len(tr.row(b)) not in (k - 1, k):
+                raise _err(self, "turn_rewards", f"sample {ids[b]}: give one reward per answered model turn")
 
     def _visual(self, B: int, ids: list[str]) -> None:
         """images/videos references and their grids: 3 ints (t, h, w), all >= 1, per reference."""

@@ -1,4 +1,4 @@
-"""The eight stages, and the contract every stage module keeps.
+"""The eight stages (nine with a multi-turn run's environment), and the contract every stage module keeps.
 
 Required: ``setup(ctx) -> None`` (load models into ``ctx.models``) and
 ``process(batch, ctx) -> list[SampleBatch]`` (one input micro-batch -> zero or more outputs).
@@ -25,6 +25,7 @@ from stages import (
     actor_logprob,
     advantage,
     critic,
+    environment,
     generate,
     postprocess,
     reference,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 STAGES: dict[str, ModuleType] = {
     "generate": generate,
+    "environment": environment,
     "shard-preprocess": shard_preprocess,
     "actor-logprob": actor_logprob,
     "reference": reference,

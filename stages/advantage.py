@@ -30,6 +30,7 @@ import torch
 from expstream.config.estimators import CROSS_BATCH_ESTIMATORS, uses_window
 from expstream.models.forward import scalar
 from expstream.rl import numerics
+from expstream.rl.episodes import PER_TOKEN_ESTIMATORS, turn_reward_tokens
 from expstream.rl.layout import action_field, padded, to_ragged
 from schemas import Ragged, SampleBatch, decode, encode
 from stages.context import StageContext
@@ -56,6 +57,8 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
     r, reward_info = finish_rewards(delivered if shaped is None else shaped.to(torch.float32), batch.batch_id, ctx)
     if batch.kl is not None and batch.kl_coef is not None:
         token_rewards = numerics.kl_penalized_rewards(r, action_field(batch, "kl", width), mask, batch.kl_coef)
+        if batch.turn_rewards is not None and algo.advantage_estimator in PER_TOKEN_ESTIMATORS:
+            token_rewards = token_rewards + turn_reward_tokens(batch, width) * mask  # as postprocess (docs/numerics.md §15)
     else:  # no KL on the record: move R within postprocess's token rewards
         token_rewards = action_field(batch, "token_rewards", width) + numerics.kl_penalized_rewards(
             r - delivered, None, mask, 0.0)
@@ -63,7 +66,8 @@ def compute(batch: SampleBatch, ctx: StageContext, shaped: torch.Tensor | None =
     raw = torch.from_numpy(np.array(batch.info["reward"], dtype=np.float32))
     adv, ret, extra = numerics.compute_advantages(
         algo.advantage_estimator, token_rewards, mask, values=values, raw_rewards=raw, gamma=algo.gamma,
-        lambd=algo.lambd, advantages_norm=algo.advantages_norm, advantage_clip=algo.advantage_clip)
+        lambd=algo.lambd, advantages_norm=algo.advantages_norm, advantage_clip=algo.advantage_clip,
+        skip_masked=batch.turn_lengths is not None)  # multi-turn: observations are no steps (docs/numerics.md §15)
     info = dict(batch.info or {})
     info.update(reward_info)
     info["return"] = scalar((token_rewards * mask).sum(-1))

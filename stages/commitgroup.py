@@ -362,7 +362,9 @@ class CommitGroup:
         batch, outputs, letters = p.batch, p.outputs, p.letters
         seconds = time.monotonic() - p.started
         samples, row = 0, None
-        if batch is not None:
+        # a generation that went back to the input topic (stages/context.py BackToInput) is accounted once, by
+        # the record that finishes it (the flow of a batch id counts once: the first row would stay in flight)
+        if batch is not None and not any(o.topic == self.ctx.stage.input for o in outputs):
             samples = sum(o.samples for o in outputs) if isinstance(batch, PromptBatch) else len(batch)
             per = self.ctx.topology.generate.n_samples_per_prompt if isinstance(batch, PromptBatch) else 1
             flow = {"in": len(batch) * per, "out": sum(o.samples for o in outputs),

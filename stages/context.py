@@ -28,6 +28,14 @@ class StageContext:
     metrics: Any = None
 
 
+@dataclass
+class BackToInput:
+    """An output of ``process`` that goes to the stage's own input topic instead of its output topic: generate's
+    partial generations, continued by whichever replica reads them (docs/async.md "Resumable generations")."""
+
+    batch: Any
+
+
 def make_context(topology: Topology, stage_name: str, state: State | None = None, run_id: str = "local",
                  replica_id: str = "0") -> StageContext:
     """A context for calling a stage in-process (tests, replay, the synchronous bench).
@@ -43,3 +51,12 @@ def make_context(topology: Topology, stage_name: str, state: State | None = None
         run_id=run_id,
         replica_id=replica_id,
     )
+
+
+@dataclass
+class Routed:
+    """An output of ``process`` for a topic other than the stage's output (the environment stage sends
+    unfinished episodes back to generate on the turns topic); the runner sends ``batch`` to ``topic``."""
+
+    topic: str
+    batch: Any

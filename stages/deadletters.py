@@ -120,14 +120,16 @@ class DeadLetters:
             The letter, not sent yet.
         """
         value = record.value if value is ... else value
+        # the twin of the record's own topic (generate of a multi-turn run reads prompts and turns)
+        topic = dlq_topic(record.topic) if isinstance(getattr(record, "topic", None), str) else self.topic
         headers = letter_headers(
             record, stage=failed_stage(exc) or self.stage, replica=self.ctx.replica_id, error_class=error_class(exc),
             error_message=str(exc), value=value, sample_ids=sample_ids(batch) if batch is not None else None,
             split_from=split_from, errors=errors)
         if value is None:  # a tombstone: a letter always has a value (possibly empty), so say it is omitted
-            return Out(self.topic, b"", record.key, value_omitted_headers(
+            return Out(topic, b"", record.key, value_omitted_headers(
                 headers, "the record had no value (a tombstone); there is nothing to carry or redrive"))
-        return Out(self.topic, value, record.key, headers, batch=batch)
+        return Out(topic, value, record.key, headers, batch=batch)
 
     def deliver(self, record: Any, where: str, outputs: list[Out], letters: list[Out], batch: Any) -> None:
         """Send the outputs and letters of one record; when the broker refuses one (non-retriable), fall
@@ -178,13 +180,13 @@ class DeadLetters:
         dead-lettered never reach the trainer; count them lost (idempotent per batch id) before the commit.
         A PromptBatch counts its G x n samples under the version its root record was admitted with (not
         admitted: nothing to count); a SampleBatch counts B under its policy_version, except one read from
-        the prompt topic (never admitted)."""
+        the prompt topic (never admitted; a multi-turn generate's turns records are counted)."""
         n = self.ctx.topology.generate.n_samples_per_prompt
         for letter in letters:
             b = letter.batch
             if isinstance(b, PromptBatch):
                 version, samples = self.ctx.state.admitted_version(admission_id(b.batch_id)), len(b) * n
-            elif isinstance(b, SampleBatch) and self.ctx.stage.input != self.ctx.topology.topics.input:
+            elif isinstance(b, SampleBatch) and letter.topic != dlq_topic(self.ctx.topology.topics.input):
                 version, samples = b.policy_version, len(b)
             else:
                 continue

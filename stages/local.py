@@ -33,6 +33,11 @@ class LocalChain:
     batches: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def setup(self) -> LocalChain:
+        if self.topology.environment is not None:  # the turns loop goes through topics (docs/multi_turn.md)
+            from expstream.errors import ConfigError
+
+            raise ConfigError("a multi-turn topology runs on a broker only (the turns loop)", field="environment",
+                              fix="run it with `expstream run`, or drop the environment block for LocalChain/replay")
         for st in self.topology.enabled_stages():
             ctx = make_context(self.topology, st.name, state=self.state)
             STAGES[st.name].setup(ctx)

@@ -10,6 +10,10 @@ Per micro-batch (docs/numerics.md §2):
 3. ``token_rewards`` = −β·kl + that reward at the last valid action, with β from the run state
    (shared by replicas).
 
+A multi-turn episode's environment rewards (``turn_rewards``, docs/numerics.md §15): with gae and
+reinforce each sits at its turn's last model token in ``token_rewards``; with every other estimator
+their sum is added to the raw reward (``info.reward`` and what group shaping starts from).
+
 Group shaping, the running normalisation and the reward clip come after, in the advantage stage,
 in the seed's order (shaping first): only there is a prompt group whole.
 """
@@ -21,6 +25,7 @@ import torch
 
 from expstream.models.forward import scalar
 from expstream.rl import numerics
+from expstream.rl.episodes import PER_TOKEN_ESTIMATORS, turn_reward_sums, turn_reward_tokens
 from expstream.rl.layout import action_field, forced_action_mask, padded, to_ragged
 from schemas import SampleBatch
 from stages.context import StageContext
@@ -47,6 +52,9 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     else:
         kl = torch.zeros(mask.shape, dtype=torch.float32)
     raw = torch.from_numpy(np.array(batch.rewards, dtype=np.float32))
+    per_token = algo.advantage_estimator in PER_TOKEN_ESTIMATORS
+    if batch.turn_rewards is not None and not per_token:  # multi-turn: the episode's return, shaped as one scalar
+        raw = raw + turn_reward_sums(batch)
     response_length = mask.sum(-1).to(torch.float32)
     info = {
         "kl": scalar(numerics.masked_mean(kl, kl_mask, dim=-1)),
@@ -60,6 +68,8 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
                                           algo.overlong_buffer_penalty_factor)
     beta = kl_coefficient(ctx)
     token_rewards = numerics.kl_penalized_rewards(r, kl, mask, beta)
+    if batch.turn_rewards is not None and per_token:  # each turn's reward at its last model token (docs/numerics.md §15)
+        token_rewards = token_rewards + turn_reward_tokens(batch, width) * mask
     return [batch.replace(
         kl=to_ragged(kl, batch),
         kl_coef=beta,

@@ -85,7 +85,10 @@ class StageRunner:
                  max_records: int | None = None, max_record_bytes: int | None = None,
                  committed: CommittedFn | None = None,
                  stage_rows: Callable[[str, dict[str, int]], dict[str, tuple]] | None = None,
-                 produced_by: str | None = None, label: str | None = None) -> None:
+                 produced_by: str | None = None, label: str | None = None, *, group_suffix: str = "",
+                 metrics: bool = True, stop: threading.Event | None = None) -> None:
+        """``group_suffix``, ``metrics=False`` and ``stop`` (shared with another runner) are for a second
+        runner in one replica: generate's consumer of the turns topic (expstream/launch/replica.py)."""
         self.ctx = ctx
         # a chain (stages/chain.py): its statistics per inner stage, and the last stage names the outputs
         self.stage_rows, self.produced_by = stage_rows, produced_by
@@ -94,11 +97,11 @@ class StageRunner:
         self.bootstrap = bootstrap
         self.max_records = max_records
         self.max_record_bytes = int(max_record_bytes or ctx.topology.kafka.max_request_size)
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self.stage = ctx.stage
         # a chain's log lines come from its unit (``expstream.stage.postprocess+advantage``)
         self.log = logging.getLogger(f"expstream.stage.{label or self.stage.name}")
-        self.group_id = stage_group(ctx.run_id, self.stage.name)
+        self.group_id = stage_group(ctx.run_id, self.stage.name) + group_suffix
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
@@ -114,7 +117,8 @@ class StageRunner:
         self.pausing: PausedPolling | None = None
         self.rewinding: ReplicaRewind | None = None  # made once the consumer is subscribed
         # Prometheus metrics (expstream/observe/metrics.py); served from run(); None when switched off
-        self.metrics: StageMetrics | None = StageMetrics(label or self.stage.name, str(ctx.replica_id)) if metrics_on() else None
+        self.metrics: StageMetrics | None = (StageMetrics(label or self.stage.name, str(ctx.replica_id))
+                                             if metrics_on() and metrics else None)
         ctx.metrics = self.metrics
         self._join_thread: threading.Thread | None = None
         self._join_error: BaseException | None = None
@@ -158,6 +162,11 @@ class StageRunner:
     def rewinds(self) -> int:
         """Rewind requests this replica left its group for (stages/rewinding.py)."""
         return self.rewinding.rewinds if self.rewinding is not None else 0
+
+    @property
+    def stop_event(self) -> threading.Event:
+        """Set when this replica is asked to stop (a second runner of the replica shares it)."""
+        return self._stop
 
     @property
     def stop_requested(self) -> bool:

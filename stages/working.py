@@ -28,7 +28,7 @@ from expstream.observe.metrics import StageMetrics
 from schemas import PromptBatch, SampleBatch, decode, encode
 from schemas.errors import SchemaError
 from stages.commitgroup import Pending
-from stages.context import StageContext
+from stages.context import BackToInput, Routed, StageContext
 from stages.deadletters import (
     DeadLetters,
     ProcessFailure,
@@ -138,17 +138,24 @@ class Worker:
         """``process`` + encode; non-retriable failures come out as SchemaError, ExpstreamError or ProcessFailure."""
         try:
             outs = self.process(batch, self.ctx)
-            if isinstance(outs, (SampleBatch, PromptBatch)):
+            if isinstance(outs, (SampleBatch, PromptBatch, BackToInput)):
                 outs = [outs]
-            return [Out(self.stage.output, encode(o), record_key(o),
-                        headers=provenance_headers(self.produced_by, getattr(o, "policy_version", 0)),
-                        samples=len(o) if isinstance(o, SampleBatch) else 0)
-                    for o in outs]
+            return [self.out(o) for o in outs]
         except (SchemaError, ExpstreamError):
             raise
         except Exception as exc:  # a bug or a bad sample: data routed to the DLQ, never swallowed
             # the class travels in the error_class header; the message gets a short traceback
             raise ProcessFailure(f"{exc}\n{traceback.format_exc(limit=6)}") from exc
+
+    def out(self, o: Any) -> Out:
+        """One output of ``process`` as a record to send: to the output topic; a Routed one to its own topic
+        (the environment stage's unfinished episodes, to turns); a BackToInput one (a partial generation, not
+        samples yet) back to the stage's input topic."""
+        topic = o.topic if isinstance(o, Routed) else self.stage.input if isinstance(o, BackToInput) else self.stage.output
+        batch = o.batch if isinstance(o, (Routed, BackToInput)) else o
+        return Out(topic, encode(batch), record_key(batch),
+                   headers=provenance_headers(self.produced_by, getattr(batch, "policy_version", 0)),
+                   samples=0 if isinstance(o, BackToInput) or not isinstance(batch, SampleBatch) else len(batch))
 
     def process_or_split(self, batch: Any, record: Any, where: str) -> tuple[list[Out], list[Out]]:
         """(outputs, letters) of one decoded batch: processed whole, or bisected (stages/splitting.py).

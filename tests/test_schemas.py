@@ -398,8 +398,8 @@ def test_decode_errors():
         decode(encode(make_batch()) + b"\x00")
     with pytest.raises(DecodeError):
         decode("not bytes")
-    with pytest.raises(VersionError, match="version 4 is not supported by this reader \\(it reads version 1 or 2 or 3\\)"):
-        decode(enc(version=4))
+    with pytest.raises(VersionError, match="version 6 is not supported by this reader \\(it reads version 1 or 2 or 3 or 4 or 5\\)"):
+        decode(enc(version=6))
     with pytest.raises(VersionError, match="version 3 is not supported"):
         decode(msgpack.packb({**msgpack.unpackb(encode(PromptBatch("p", ["0"], ["x"], [""], [""]))), "version": 3}))
     with pytest.raises(VersionError):

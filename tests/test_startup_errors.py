@@ -130,6 +130,7 @@ def _bad_value(tp: object) -> object:
 
 def _settable_fields() -> list[tuple[str, object]]:
     import dataclasses
+    import types
     import typing
 
     from expstream.config.topology import BLOCK_ATTRS, StageConfig, Topology, valid_tree
@@ -141,6 +142,8 @@ def _settable_fields() -> list[tuple[str, object]]:
     assert {b.split(".")[0] for b in blocks} == set(valid_tree())  # every block of the loader is covered
     out = []
     for block, cls in blocks.items():
+        if typing.get_origin(cls) in (typing.Union, types.UnionType):  # an optional block (environment)
+            cls = next(a for a in typing.get_args(cls) if a is not type(None))
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if block.startswith("stages") and f.name in ("name", "input"):

@@ -108,6 +108,24 @@ def test_sampled_log_probs_equal_the_actor_recomputation(engine, hf, temperature
     assert again == outs, "the same seed samples the same tokens (a redelivered micro-batch)"
 
 
+def test_fire_samples_the_first_token_hot_and_the_rest_at_temperature(engine, hf):
+    """FIRE on vLLM (two engine calls, expstream/models/fire.py): the first token's log-prob is
+    log_softmax(logits / 10) of an independent transformers forward, the later ones at 0.7; with equal
+    temperatures the tokens and log-probs are those of plain sampling, byte for byte."""
+    ps = prompts(hf.tokenizer)
+    outs, lp = engine.generate(ps, 3, temperature=0.7, max_new_tokens=6, seed=13, ignore_eos=True,
+                               return_log_probs=True, first_token_temperature=10.0)
+    assert len(outs) == 9 and all(len(o) == 6 for o in outs)
+    rows = [p for p in ps for _ in range(3)]
+    hot = recompute(hf.model, rows, outs, 10.0)
+    rest = recompute(hf.model, rows, outs, 0.7)
+    assert max_diff([r[:1] for r in lp], [r[:1] for r in hot]) <= 1e-5
+    assert max_diff([r[1:] for r in lp], [r[1:] for r in rest]) <= 1e-5
+    assert max(abs(a[0] - b[0]) for a, b in zip(lp, rest, strict=True)) > 1e-2, "the first token is not at 0.7"
+    kw = dict(temperature=0.7, max_new_tokens=6, seed=13, return_log_probs=True)
+    assert engine.generate(ps, 3, first_token_temperature=0.7, **kw) == engine.generate(ps, 3, **kw)
+
+
 def long_prompt(tok, tokens: int = 200) -> list[int]:
     """A prompt of ``tokens`` tokens: longer than one KV block (128 on CPU), so its first block is cached."""
     ids = tok("def add(a, b):\n    return a + b\n\nx = [i * i for i in range(10)]\n", add_special_tokens=False)
@@ -265,3 +283,46 @@ def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine
     alive = _processes()
     assert not [p for p in [*generate_pids, *started] if p in alive], (generate_pids, started)
     assert not [p for p, st in alive.items() if int(st[3]) in generate_pids], "a process of a generate session survives"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
+def test_in_flight_update_between_engine_steps_changes_later_log_probs_only(engine, hf, tiny, mode):
+    """generate.in_flight_updates with vLLM (issue 26): a version loaded between two engine steps (on the engine
+    thread, through the follower's path: VllmWeights.load_state_dict) changes the log-probs of the later tokens
+    only; recompute re-prefills the running requests under the new weights (their later log-probs are the new
+    policy's), keep keeps their KV cache."""
+    from expstream.models.decode_loop import InFlight
+    from expstream.models.hf import load_causal_lm
+    from expstream.models.vllm_generator import VllmWeights
+
+    swap_at, steps = 4, 10
+    new = load_causal_lm(tiny["actor"])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    weights, calls = VllmWeights(engine, tiny["actor"]), {"n": 0, "v": 0}
+
+    def poll() -> int:
+        if calls["n"] == swap_at:
+            weights.load_state_dict(new.state_dict())
+            calls["v"] = 1
+        calls["n"] += 1
+        return calls["v"]
+
+    ps = prompts(hf.tokenizer)
+    inf = InFlight(poll=poll, version=0, mode=mode)
+    try:
+        outs, lp = engine.generate(ps, 2, temperature=1.0, max_new_tokens=steps, seed=3, ignore_eos=True,
+                                   return_log_probs=True, in_flight=inf)
+    finally:
+        engine.reload(state_dict=load_causal_lm(tiny["actor"]).state_dict())
+    assert inf.swaps == 1 and all(len(o) == steps for o in outs)
+    assert inf.token_versions == [[0] * swap_at + [1] * (steps - swap_at)] * 6
+    rows = [p for p in ps for _ in range(2)]
+    old_lp, new_lp = recompute(hf.model, rows, outs), recompute(new, rows, outs)
+    for got, old, newer in zip(lp, old_lp, new_lp, strict=True):
+        assert max(abs(a - b) for a, b in zip(got[:swap_at], old[:swap_at], strict=True)) <= TOL
+        assert min(abs(a - b) for a, b in zip(got[swap_at:], old[swap_at:], strict=True)) > TOL
+        if mode == "recompute":
+            assert max(abs(a - b) for a, b in zip(got[swap_at:], newer[swap_at:], strict=True)) <= TOL

@@ -37,6 +37,7 @@ def topology_raw(topo: Any) -> dict[str, Any]:
     """Every block of a Topology, keyed by its name in topology.yaml (``async``, not ``async_``)."""
     names = {attr: name for name, attr in BLOCK_ATTRS.items()}
     raw = {names.get(f.name, f.name): block_raw(getattr(topo, f.name))
-           for f in dataclasses.fields(topo) if f.name not in ("stages", "switched_off", "source")}
+           for f in dataclasses.fields(topo) if f.name not in ("stages", "switched_off", "source")
+           and not (f.name == "environment" and topo.environment is None)}  # single-turn: written as before
     raw["stages"] = {name: stage_raw(st, name in topo.switched_off) for name, st in topo.stages.items()}
     return raw

@@ -18,9 +18,27 @@ from typing import Any
 
 import yaml
 
+from expstream.config.blocks import (  # noqa: F401  (the blocks, re-exported)
+    BUILTIN_TINY,
+    BUILTIN_TINY_VL,
+    OFF_POLICY_MODES,
+    AlgoConfig,
+    AsyncConfig,
+    AutoscaleConfig,
+    GenerateConfig,
+    ModelsConfig,
+    RecordConfig,
+    RedisConfig,
+    RunConfig,
+    StageConfig,
+    TopicsConfig,
+    TrainConfig,
+    from_dict,
+)
 from expstream.config.chains import Unit, check_chains, parse_chains, units
-from expstream.config.estimators import ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
-from expstream.config.fieldtypes import check_block, check_fields
+from expstream.config.environment import ENVIRONMENT_STAGE, EnvironmentConfig, environment_from_raw
+from expstream.config.estimators import GROUP_ESTIMATORS
+from expstream.config.fieldtypes import check_block
 from expstream.config.kafka import KafkaConfig
 from expstream.config.overrides import FREE_FORM, parse_override, set_dotted
 from expstream.config.rawform import BLOCK_ATTRS, topology_raw  # noqa: F401  (BLOCK_ATTRS re-exported)
@@ -28,8 +46,6 @@ from expstream.config.redaction import apply_secrets, env_topology_secrets
 from expstream.config.rewards import RewardsConfig, RewardSourceConfig  # noqa: F401  (the rewards block, re-exported)
 from expstream.errors import ConfigError, unknown_key_error
 
-#: train.off_policy choices (docs/async.md has each formula).
-OFF_POLICY_MODES = ("none", "token_tis", "seq_tis", "decoupled")
 STAGE_ORDER: tuple[str, ...] = (
     "generate",
     "shard-preprocess",
@@ -40,328 +56,12 @@ STAGE_ORDER: tuple[str, ...] = (
     "postprocess",
     "advantage",
 )
-BUILTIN_TINY = "builtin:tiny"
-#: The tiny Qwen2-VL (expstream/models/vl.py); with it as models.actor, builtin:tiny roles use its tokenizer.
-BUILTIN_TINY_VL = "builtin:tiny-vl"
 # The file `expstream` reads from the current directory when no --topology is given.
 LOCAL_TOPOLOGY = "topology.yaml"
 # How Topology.source names the copy shipped inside the package (the repository root's file).
 PACKAGED_SOURCE = "packaged expstream/topology.yaml"
 
 log = logging.getLogger("expstream.topology")
-
-
-def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys with a suggestion and values
-    of the wrong type with the expected one (expstream.config.fieldtypes)."""
-    data = check_block(data, where)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise unknown_key_error(where, key, sorted(names))
-    return cls(**check_fields(cls, data, where))
-
-
-def _check(cond: bool, field_name: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{field_name}: {msg}")
-
-
-@dataclass
-class RunConfig:
-    seed: int = 1234
-    prompt_batch_size: int = 2
-    timeout_s: float = 900.0
-    torch_threads: int = 1
-    max_restarts: int = 5
-    spawn: str = "fork"
-    target_groups: int | None = None
-    max_lost_group_share: float = 0.0
-    # The claim-check store of images and video frames (expstream/models/blobs.py); null = <output>/blobs
-    blob_store: str | None = None
-    # Where a prompt file's image/video paths may lead (symlinks resolved); null = the prompt file's
-    # directory (`expstream run --media-root DIR` sets it). expstream/models/media.py MediaPolicy
-    media_root: str | None = None
-    # The largest image or video item of a prompt file, in MiB; a larger one refuses its prompt
-    media_max_mb: float = 64.0
-
-    def __post_init__(self) -> None:
-        share = self.max_lost_group_share
-        if not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0.0 <= share <= 1.0):
-            raise ConfigError(f"run.max_lost_group_share: got {share!r}; give a number from 0 to 1",
-                              field="run.max_lost_group_share",
-                              fix="0 fails the run when any fed prompt group is lost, 1 never fails it for losses")
-        _check(self.spawn in ("fork", "exec"), "run.spawn",
-               f"got {self.spawn!r}; use fork (stages forked from a preloaded server) or exec")
-        _check(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
-        _check(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
-        _check(self.media_max_mb > 0, "run.media_max_mb", f"got {self.media_max_mb!r}; give a size in MiB > 0")
-
-
-@dataclass
-class RedisConfig:
-    group_ttl_s: int = 86400  # an unsettled group buffer (an abandoned run's) expires this long after its last write
-    # ids of applied statistics and "done" markers of freed groups are kept this long (docs/async.md "What a long run keeps")
-    dedupe_window_s: int = 600
-    # before a stage commits its offsets, this many replicas acknowledge its state writes (WAIT); null: 1
-    # where the primary has a replica, none where it has none (docs/redis.md "Durability")
-    wait_replicas: int | None = None
-    wait_timeout_ms: int = 1000  # one WAIT's timeout; asked again until the state's retry deadline
-
-    def __post_init__(self) -> None:
-        _check(self.group_ttl_s >= 0, "redis.group_ttl_s", "must be >= 0 seconds (0: buffers never expire)")
-        _check(self.wait_replicas is None or self.wait_replicas >= 0, "redis.wait_replicas",
-               "must be >= 0 replicas, or null (1 where the primary has a replica)")
-        _check(self.wait_timeout_ms >= 1, "redis.wait_timeout_ms", "must be >= 1 ms")
-        _check(self.dedupe_window_s >= 1, "redis.dedupe_window_s",
-               "must be >= 1 second (how long a record read again is still known as applied)")
-
-
-@dataclass
-class ModelsConfig:
-    cache_dir: str = ".cache/expstream/models"
-    tokenizer: str = BUILTIN_TINY
-    actor: str = BUILTIN_TINY
-    reference: str | None = BUILTIN_TINY
-    critic: str | None = BUILTIN_TINY
-    reward: str | None = BUILTIN_TINY
-    reward_fn: str | None = None
-    reward_combine: str = "sum"
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        # "no reward source at all" is a cross-field check: rewards.sources may name them instead
-        _check(
-            self.reward_combine in ("sum", "mean", "model", "fn"),
-            "models.reward_combine",
-            f"got {self.reward_combine!r}; use one of sum, mean, model, fn",
-        )
-        if self.reward_fn is not None:
-            _check(
-                ":" in self.reward_fn,
-                "models.reward_fn",
-                f"got {self.reward_fn!r}; write it as 'package.module:function'",
-            )
-
-
-@dataclass
-class GenerateConfig:
-    backend: str = "transformers"
-    n_samples_per_prompt: int = 4
-    max_new_tokens: int = 16
-    min_new_tokens: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    prompt_max_len: int = 64
-    truncate_prompts: bool = True
-    skip_special_tokens: bool = False
-    apply_chat_template: bool = True
-    # backend=vllm only (docs/vllm.md): the engine's longest sequence (sizes its KV cache), and the
-    # CPU backend's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, unless that is set in the environment)
-    vllm_max_model_len: int = 512
-    vllm_kv_cache_gib: int = 1
-
-    def __post_init__(self) -> None:
-        _check(self.backend in ("transformers", "vllm"), "generate.backend",
-               f"got {self.backend!r}; use transformers (default) or vllm (after `make setup-vllm`)")
-        _check(self.vllm_max_model_len >= 2, "generate.vllm_max_model_len", "must be >= 2 tokens")
-        _check(isinstance(self.vllm_kv_cache_gib, int) and self.vllm_kv_cache_gib >= 1, "generate.vllm_kv_cache_gib", "must be a whole number of GiB >= 1 (vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer)")
-        _check(self.n_samples_per_prompt >= 1, "generate.n_samples_per_prompt", "must be >= 1")
-        _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
-        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "generate.min_new_tokens",
-               "must be between 0 and generate.max_new_tokens")
-        _check(self.temperature >= 0, "generate.temperature", "must be >= 0 (0 means greedy)")
-        _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
-        _check(self.prompt_max_len >= 1, "generate.prompt_max_len", "must be >= 1")
-
-
-@dataclass
-class AlgoConfig:
-    advantage_estimator: str = "group_norm"
-    micro_rollout_batch_size: int = 8
-    gamma: float = 1.0
-    lambd: float = 0.95
-    init_kl_coef: float = 0.01
-    kl_estimator: str = "k3"
-    kl_target: float | None = None
-    kl_horizon: int = 10000
-    use_kl_loss: bool | None = None  # None: resolved on load to train.enabled (resolve_kl_placement)
-    reward_running_norm: bool = False
-    reward_running_norm_minus_mean: bool = False
-    reward_clip: float = 0.0
-    advantage_clip: float = 0.0
-    advantages_norm: bool = False
-    overlong_buffer: bool = False
-    overlong_buffer_len: int = 8
-    overlong_buffer_penalty_factor: float = 1.0
-    dynamic_sampling: bool = False
-    high_entropy_token_ratio: float = 0.0
-    packing_samples: bool = False
-    advantage_cross_batch_norm: str = "none"
-    rollout_batch_size: int = 16
-    dynamic_sampling_over_provision: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check(self.advantage_cross_batch_norm in ("none", "window", "running"), "algo.advantage_cross_batch_norm",
-               f"got {self.advantage_cross_batch_norm!r}; use none, window or running")
-        _check(self.rollout_batch_size >= 1, "algo.rollout_batch_size", "must be >= 1")
-        _check(self.dynamic_sampling_over_provision >= 0, "algo.dynamic_sampling_over_provision",
-               "must be >= 0 (0.25 feeds 25% more prompts)")
-        _check(self.advantage_estimator in ESTIMATORS, "algo.advantage_estimator",
-               f"got {self.advantage_estimator!r}; use one of {', '.join(ESTIMATORS)}")
-        _check(self.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator",
-               f"got {self.kl_estimator!r}; use k1, k2 or k3")
-        _check(self.micro_rollout_batch_size >= 1, "algo.micro_rollout_batch_size", "must be >= 1")
-        _check(0 <= self.gamma <= 1, "algo.gamma", "must be in [0, 1]")
-        _check(0 <= self.lambd <= 1, "algo.lambd", "must be in [0, 1]")
-        _check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 switches clipping off)")
-        _check(self.advantage_clip >= 0, "algo.advantage_clip", "must be >= 0 (0 switches clipping off)")
-        _check(self.overlong_buffer_len >= 1, "algo.overlong_buffer_len", "must be >= 1")
-        _check(0 <= self.high_entropy_token_ratio < 1, "algo.high_entropy_token_ratio",
-               "must be in [0, 1); 0 switches it off")
-        _check(self.kl_target is None or self.kl_target > 0, "algo.kl_target",
-               "must be > 0, or null for the fixed KL controller")
-
-
-@dataclass
-class TrainConfig:
-    """The reference trainer of the continuous loop (``expstream train``; docs/async.md)."""
-
-    enabled: bool = False  # true: `expstream run` keeps feeding epochs and runs the trainer (= --continuous)
-    max_steps: int = 60  # optimisation steps, then the run stops cleanly
-    batch_size: int = 16  # samples per optimisation step; a multiple of run.prompt_batch_size x n
-    lr: float = 5e-3  # Adam learning rate (the tiny built-in models learn within 30 steps at this rate)
-    max_grad_norm: float = 1.0  # gradient clipping; 0 switches it off
-    clip_eps: float = 0.2  # PPO-clip epsilon
-    kl_loss_coef: float = 0.1  # KL-in-loss weight, used when algo.use_kl_loss is true (docs/async.md "Stability")
-    off_policy: str = "none"  # none | token_tis | seq_tis | decoupled (docs/async.md)
-    old_log_probs: str = "recompute"  # recompute: π_old = the trainer's weights at the step; stage: actor-logprob's
-    is_cap: float = 2.0  # C, the truncation cap of token_tis / seq_tis / decoupled
-    train_critic: bool = True  # with gae: train and publish the critic too
-    critic_lr: float = 1e-3
-    checkpoint_every: int = 1  # steps between checkpoints (offsets are committed only after one)
-    weight_store: str | None = None  # a directory; null = <run output>/weights
-    # versions the weight store keeps: null = async.max_staleness + 1 (the staleness window); N = the N
-    # newest (never fewer than max_staleness + 1); 0 = every version. The latest checkpoint's is always kept.
-    keep_versions: int | None = None
-
-    def __post_init__(self) -> None:
-        _check(self.max_steps >= 1, "train.max_steps", "must be >= 1")
-        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1 (samples per optimisation step)")
-        _check(self.lr > 0, "train.lr", "must be > 0")
-        _check(self.critic_lr > 0, "train.critic_lr", "must be > 0")
-        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 switches clipping off)")
-        _check(self.clip_eps > 0, "train.clip_eps", "must be > 0, e.g. 0.2")
-        _check(self.kl_loss_coef >= 0, "train.kl_loss_coef", "must be >= 0")
-        _check(self.off_policy in OFF_POLICY_MODES, "train.off_policy",
-               f"got {self.off_policy!r}; use one of {', '.join(OFF_POLICY_MODES)}")
-        _check(self.old_log_probs in ("recompute", "stage"), "train.old_log_probs",
-               f"got {self.old_log_probs!r}; use recompute (the trainer's current weights) or stage (actor-logprob's)")
-        _check(self.is_cap >= 1, "train.is_cap", "must be >= 1 (the importance-weight cap C)")
-        _check(self.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
-        _check(self.keep_versions is None or self.keep_versions >= 0, "train.keep_versions",
-               "must be null (the staleness window: async.max_staleness + 1), N >= 1 (the N newest) or 0 (all)")
-
-
-@dataclass
-class AsyncConfig:
-    """Bounded staleness between generation and training (the ``async:`` block; docs/async.md)."""
-
-    max_staleness: int = 2  # k: a sample generated by policy version v is trained at step u <= v + k
-    on_stale: str = "backpressure"  # backpressure: generate waits; drop: the trainer drops (counted, logged)
-    straggler_timeout_s: float = 120.0  # the trainer stops waiting for an admitted sample after this long
-
-    def __post_init__(self) -> None:
-        _check(self.max_staleness >= 0, "async.max_staleness", "must be >= 0 (0 is the synchronous shape)")
-        _check(self.on_stale in ("backpressure", "drop"), "async.on_stale",
-               f"got {self.on_stale!r}; use backpressure (generate waits) or drop (the trainer drops, counted)")
-        _check(self.straggler_timeout_s > 0, "async.straggler_timeout_s", "must be > 0 seconds")
-
-
-@dataclass
-class RecordConfig:
-    """What the run records into ``<output>/topics/`` (the ``record:`` block; docs/replay.md "Recording")."""
-
-    enabled: bool | None = None  # null: on when `expstream run` starts its own broker, off with --bootstrap-servers
-    topics: list[str] | None = None  # null: every topology topic, its .dlq twin and `policy`; or these names
-    max_bytes: int | None = None  # null: unbounded; the files together, oldest records dropped (tools/retention.py)
-    max_age_s: float | None = None  # null: unbounded; records older than this (broker timestamp) are dropped
-
-    def __post_init__(self) -> None:
-        for name, kinds, e_g in (("max_bytes", int, "1073741824 (1 GiB)"), ("max_age_s", (int, float), "86400")):
-            v = getattr(self, name)
-            _check(v is None or (isinstance(v, kinds) and not isinstance(v, bool) and v > 0), f"record.{name}",
-                   f"{v!r} is not a positive number; give e.g. {e_g}, or null for no bound")
-        if self.topics is not None:
-            _check(len(self.topics) > 0, "record.topics",
-                   "an empty list records nothing; give topic names, null for every topic, or set record.enabled=false")
-            for t in self.topics:
-                _check(bool(t) and "/" not in t and t not in (".", ".."), "record.topics",
-                       f"{t!r} cannot name a topic (nor a recording folder)")
-
-    def is_on(self, own_broker: bool) -> bool:
-        """Whether `expstream run` records, given whether it started its own broker."""
-        return own_broker if self.enabled is None else bool(self.enabled)
-
-
-@dataclass
-class AutoscaleConfig:
-    """``stages.<name>.autoscale``: the replica count follows the input topic's consumer lag
-    (expstream/launch/scale.py ``desired_replicas``). Lag is counted in records (micro-batches)."""
-
-    min: int = 1
-    max: int = 4
-    target_lag_per_replica: float = 4.0  # uncommitted input records one replica may have waiting
-    cooldown_s: float = 20.0  # between two changes; also how long the lag must stay low before a scale-down
-    where: str = ""  # filled by the loader: "stages.<name>.autoscale", for messages
-
-    def __post_init__(self) -> None:
-        w = self.where or "autoscale"
-        if self.min < 1:
-            raise ConfigError(f"{w}.min: {self.min} replicas", field=f"{w}.min", fix="give 1 or more")
-        if self.max < self.min:
-            raise ConfigError(f"{w}.max: {self.max} is below min {self.min}", field=f"{w}.max",
-                              fix=f"give a max of at least {self.min}")
-        if not self.target_lag_per_replica > 0:
-            raise ConfigError(f"{w}.target_lag_per_replica: {self.target_lag_per_replica}",
-                              field=f"{w}.target_lag_per_replica",
-                              fix="give a positive number of input records per replica, e.g. 4")
-        if self.cooldown_s < 0:
-            raise ConfigError(f"{w}.cooldown_s: {self.cooldown_s}", field=f"{w}.cooldown_s",
-                              fix="give 0 or more seconds, e.g. 20")
-
-
-@dataclass
-class StageConfig:
-    output: str = ""
-    replicas: int = 1
-    enabled: bool = True
-    autoscale: AutoscaleConfig | None = None  # null = the replica count changes only by `expstream scale`
-    name: str = ""
-    input: str = ""  # filled by the loader: the previous enabled stage's output
-
-    def __post_init__(self) -> None:
-        _check(self.replicas >= 1, f"stages.{self.name}.replicas", "must be >= 1")
-        auto = self.autoscale
-        if auto is not None and not auto.min <= self.replicas <= auto.max:
-            raise ConfigError(f"stages.{self.name}.replicas: {self.replicas} is outside autoscale's "
-                              f"[{auto.min}, {auto.max}]", field=f"stages.{self.name}.replicas",
-                              fix=f"start with a count from {auto.min} to {auto.max}")
-
-    @property
-    def max_replicas(self) -> int:
-        """The most replicas this stage may ever run: its input topic gets at least this many partitions."""
-        return max(self.replicas, self.autoscale.max if self.autoscale else 1)
-
-
-@dataclass
-class TopicsConfig:
-    input: str = "prompts"
-    partitions: int = 2
-
-    def __post_init__(self) -> None:
-        _check(self.partitions >= 1, "topics.partitions", "must be >= 1")
 
 
 @dataclass
@@ -379,6 +79,7 @@ class Topology:
     record: RecordConfig = field(default_factory=RecordConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     chains: list[list[str]] = field(default_factory=list)  # stages run in one process (expstream/config/chains.py)
+    environment: EnvironmentConfig | None = None  # multi-turn episodes (expstream/config/environment.py)
     # loader: stage -> the algo.* key that switched it off though configured on (to_raw writes it on)
     switched_off: dict[str, str] = field(default_factory=dict, repr=False)
     # Which file this was read from (a path, or PACKAGED_SOURCE); logged and kept in summary.json.
@@ -392,8 +93,17 @@ class Topology:
     raw = property(to_raw, doc=":meth:`to_raw` (a fresh mapping each time: change the dataclasses, not this)")
 
     # ---- derived views -------------------------------------------------------------------
+    def stage_order(self) -> tuple[str, ...]:
+        """STAGE_ORDER, with the environment stage after generate when ``environment`` is set."""
+        return STAGE_ORDER[:1] + (ENVIRONMENT_STAGE,) + STAGE_ORDER[1:] if self.environment else STAGE_ORDER
+
     def enabled_stages(self) -> list[StageConfig]:
-        return [self.stages[name] for name in STAGE_ORDER if self.stages[name].enabled]
+        return [self.stages[name] for name in self.stage_order() if self.stages[name].enabled]
+
+    def stage_inputs(self, name: str) -> list[str]:
+        """The topics stage ``name`` consumes: its input, and for generate of a multi-turn run the turns topic."""
+        extra = [self.environment.turns_topic] if self.environment and name == "generate" else []
+        return [self.stages[name].input, *extra]
 
     def all_topics(self) -> dict[str, int]:
         """Topic -> partitions: ``topics.partitions``, raised for a stage's input topic to the most
@@ -402,11 +112,12 @@ class Topology:
         cannot at all; on Kafka it would move keys between partitions mid-run), so the headroom is
         created up front."""
         topics = {self.topics.input: self.topics.partitions}
-        heads = [self.stages[u.head] for u in self.units()]  # a chain's inner topics are not created
-        for u in self.units():
+        for u in self.units():  # a chain's inner topics are not created
             topics[self.stages[u.last].output] = self.topics.partitions
-        for st in heads:
-            topics[st.input] = max(topics[st.input], st.max_replicas)
+        for u in self.units():
+            head = self.stages[u.head]
+            for t in self.stage_inputs(head.name):
+                topics[t] = max(topics.get(t, self.topics.partitions), head.max_replicas)
         return topics
 
     def units(self) -> list[Unit]:
@@ -453,12 +164,13 @@ def valid_tree() -> dict[str, Any]:
         "models": fields_of(ModelsConfig),
         "generate": fields_of(GenerateConfig),
         "algo": fields_of(AlgoConfig),
-        "stages": {name: dict(stage_fields) for name in STAGE_ORDER},
+        "stages": {name: dict(stage_fields) for name in (*STAGE_ORDER, ENVIRONMENT_STAGE)},
         "topics": fields_of(TopicsConfig),
         "train": fields_of(TrainConfig),
         "async": fields_of(AsyncConfig),
         "record": fields_of(RecordConfig),
         "rewards": {**fields_of(RewardsConfig), "sources": FREE_FORM, "weights": FREE_FORM, "recipe": FREE_FORM},
+        "environment": fields_of(EnvironmentConfig),
     }
 
 
@@ -500,35 +212,39 @@ def load_topology(path: str | Path | None = None, overrides: Iterable[str] = ())
 def build_topology(raw: dict[str, Any]) -> Topology:
     stages_raw = check_block(raw.get("stages"), "stages")
     for name in stages_raw:
-        if name not in STAGE_ORDER:
+        if name not in (*STAGE_ORDER, ENVIRONMENT_STAGE):
             raise unknown_key_error("stages", name, STAGE_ORDER, what="stage")
     topo = Topology(
-        run=_from_dict(RunConfig, raw.get("run"), "run"),
+        run=from_dict(RunConfig, raw.get("run"), "run"),
         kafka=KafkaConfig.from_dict(raw.get("kafka")),
-        redis=_from_dict(RedisConfig, raw.get("redis"), "redis"),
-        models=_from_dict(ModelsConfig, raw.get("models"), "models"),
-        generate=_from_dict(GenerateConfig, raw.get("generate"), "generate"),
-        algo=_from_dict(AlgoConfig, raw.get("algo"), "algo"),
-        topics=_from_dict(TopicsConfig, raw.get("topics"), "topics"),
-        train=_from_dict(TrainConfig, raw.get("train"), "train"),
-        async_=_from_dict(AsyncConfig, raw.get("async"), "async"),
-        record=_from_dict(RecordConfig, raw.get("record"), "record"),
-        rewards=_from_dict(RewardsConfig, raw.get("rewards"), "rewards"),
+        redis=from_dict(RedisConfig, raw.get("redis"), "redis"),
+        models=from_dict(ModelsConfig, raw.get("models"), "models"),
+        generate=from_dict(GenerateConfig, raw.get("generate"), "generate"),
+        algo=from_dict(AlgoConfig, raw.get("algo"), "algo"),
+        topics=from_dict(TopicsConfig, raw.get("topics"), "topics"),
+        train=from_dict(TrainConfig, raw.get("train"), "train"),
+        async_=from_dict(AsyncConfig, raw.get("async"), "async"),
+        record=from_dict(RecordConfig, raw.get("record"), "record"),
+        rewards=from_dict(RewardsConfig, raw.get("rewards"), "rewards"),
         chains=parse_chains(raw.get("chains"), STAGE_ORDER),
+        environment=environment_from_raw(raw.get("environment")),
     )
-    for name in STAGE_ORDER:
+    if stages_raw.get(ENVIRONMENT_STAGE) is not None and topo.environment is None:
+        raise ConfigError("set, but there is no environment block", field="stages.environment",
+                          fix="add environment: {fn: module:function} (or url: ...), or remove stages.environment")
+    for name in topo.stage_order():
         st = check_block(stages_raw.get(name), f"stages.{name}")
         for key in ("name", "input"):
             if key in st:
                 raise ConfigError(f"stages.{name}.{key}: set by the loader; remove it from the topology")
-        st.setdefault("output", name.replace("-", "_"))
+        st.setdefault("output", "episodes" if name == ENVIRONMENT_STAGE else name.replace("-", "_"))
         if st.get("autoscale") is not None:
             where = f"stages.{name}.autoscale"
             auto = check_block(st["autoscale"], where)
             if "where" in auto:
                 raise unknown_key_error(where, "where", [f.name for f in dataclasses.fields(AutoscaleConfig)][:4])
-            st["autoscale"] = _from_dict(AutoscaleConfig, {**auto, "where": where}, where)
-        topo.stages[name] = _from_dict(StageConfig, {**st, "name": name}, f"stages.{name}")
+            st["autoscale"] = from_dict(AutoscaleConfig, {**auto, "where": where}, where)
+        topo.stages[name] = from_dict(StageConfig, {**st, "name": name}, f"stages.{name}")
     resolve_kl_placement(topo)
     _switch_stages(topo)
     check_chains(topo)
@@ -555,6 +271,8 @@ def _switch_stages(topo: Topology) -> None:
             topo.stages[name].enabled, topo.switched_off[name] = False, key
     previous = topo.topics.input
     seen: dict[str, str] = {previous: "topics.input"}
+    if topo.environment:
+        seen[topo.environment.turns_topic] = "environment.turns_topic"
     for st in topo.enabled_stages():
         st.input = previous
         if st.output in seen:
@@ -566,6 +284,19 @@ def _switch_stages(topo: Topology) -> None:
 
 def _check_cross_fields(topo: Topology) -> None:
     algo, gen, models = topo.algo, topo.generate, topo.models
+    if gen.resumable and gen.backend == "vllm":
+        raise ConfigError("generate.resumable: not available with generate.backend=vllm (docs/async.md \"Resumable "
+                          "generations\" says why)", field="generate.resumable",
+                          fix="use generate.backend=transformers, or set generate.resumable=false")
+    for knob in ("in_flight_updates", "resumable"):
+        if getattr(gen, knob) and gen.backend == "sglang":
+            raise ConfigError(f"generate.{knob}: not available with generate.backend=sglang (docs/sglang.md)",
+                              field=f"generate.{knob}", fix=f"use generate.backend=transformers or vllm, or set "
+                              f"generate.{knob}=false")
+        if getattr(gen, knob) and topo.environment is not None:
+            raise ConfigError(f"generate.{knob}: not available with an environment block yet (a multi-turn episode "
+                              "records its versions per turn, docs/multi_turn.md)", field=f"generate.{knob}",
+                              fix=f"set generate.{knob}=false, or remove the environment block")
     if topo.rewards.sources is None and models.reward is None and models.reward_fn is None:
         raise ConfigError("models.reward: no reward source: set models.reward to a model directory (or builtin:tiny) "
                           "or models.reward_fn to 'module:function', or name sources under rewards.sources")

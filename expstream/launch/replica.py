@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 from expstream.config.chains import CHAIN_SEP, Unit, unit_of
 from expstream.config.topology import Topology
@@ -77,6 +78,8 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     from stages.context import StageContext
     from stages.runner import StageRunner
 
+    if args.name in STAGES and args.name not in topo.stages:  # the environment stage without an environment block
+        raise ConfigError(f"stage {args.name}: this topology has no environment block (docs/multi_turn.md)")
     unit = stage_unit(topo, args.name)
     if not args.bootstrap_servers:
         raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
@@ -109,20 +112,65 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
         setup, close = functools.partial(module.setup, ctx), functools.partial(teardown, ctx)
     ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
     runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
+    turns = None if unit.chained else turns_runner(ctx, module.process, runner, args.bootstrap_servers)
     started = time.monotonic()
     # setup inside the try/finally: what it built before a SIGTERM (the handler lets it finish) or an
     # error, such as a vLLM engine, is torn down too; every stage's teardown copes with a partial setup
     runner.start_joining()  # the group join (seconds on a new group) overlaps the model load
+    if turns is not None:
+        turns.start_joining()
     try:
         setup()
         log.info("stage %s replica %s: ready in %.2fs", args.name, args.replica_id, time.monotonic() - started)
         if runner.stop_requested:
             runner.stop_before_run()
+            if turns is not None:
+                turns.stop_before_run()
             return EXIT_OK
         try:
-            return runner.run()
+            return run_both(runner, turns)
         except ExpstreamError as exc:
             log.error("stage %s: %s: %s", args.name, type(exc).__name__, exc)
             return EXIT_FAILED
     finally:
         close()  # the stage's own resources (HTTP sessions, thread pools, an engine), after the last commit
+
+
+def turns_runner(ctx: Any, process: Any, main: Any, bootstrap: str) -> Any:
+    """generate of a multi-turn run (docs/multi_turn.md): a second runner in the replica, consuming the turns
+    topic as the consumer group ``<generate's>.turns`` and sharing the models, so that an unfinished episode
+    never waits behind a prompt record that admission control holds back (the episodes in flight are what
+    must finish for the trainer to step and admission to open again). None for any other stage."""
+    if ctx.stage.name != "generate" or ctx.topology.environment is None:
+        return None
+    import dataclasses
+
+    from stages.runner import StageRunner
+
+    tctx = dataclasses.replace(ctx, stage=dataclasses.replace(ctx.stage, input=ctx.topology.environment.turns_topic))
+    return StageRunner(tctx, process, bootstrap, group_suffix=".turns", metrics=False, stop=main.stop_event)
+
+
+def run_both(runner: Any, turns: Any) -> int:
+    """``runner.run()``, with ``turns.run()`` (when there is one) on a thread beside it until both stop."""
+    if turns is None:
+        return runner.run()
+    result: list[BaseException] = []
+
+    def run_turns() -> None:
+        try:
+            turns.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            result.append(exc)
+            runner.stop_event.set()
+
+    thread = threading.Thread(target=run_turns, name="generate-turns", daemon=True)
+    thread.start()
+    try:
+        code = runner.run()
+    finally:
+        runner.stop_event.set()
+        thread.join()
+    if result:
+        raise result[0]
+    return code

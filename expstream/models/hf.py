@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -26,6 +26,10 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from expstream.errors import ShutdownRequested  # noqa: E402
+from expstream.models.decode_loop import cut_at_stop, finished_in_prefix  # noqa: E402
+
+if TYPE_CHECKING:
+    from expstream.models.decode_loop import InFlight
 
 __all__ = [
     "ModelNotFoundError",
@@ -221,8 +225,11 @@ def _as_id_set(value: Any) -> set[int]:
 
 
 def check_generate_args(prompts: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                        min_new_tokens: int) -> None:
+                        min_new_tokens: int, first_token_temperature: float | None = None) -> None:
     """The argument checks of every generator's ``generate`` (ValueError naming the argument)."""
+    if first_token_temperature is not None and (temperature == 0 or not first_token_temperature > 0):
+        raise ValueError(f"first_token_temperature={first_token_temperature} needs temperature > 0 and a "
+                         f"positive first_token_temperature (temperature={temperature})")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if max_new_tokens < 1:
@@ -308,19 +315,6 @@ def left_padded(rows: list[list[int]], pad_token_id: int) -> tuple[Tensor, Tenso
     return input_ids, attention_mask
 
 
-def cut_at_stop(generated: list[list[int]], stops: set[int], max_new_tokens: int) -> list[list[int]]:
-    """Each row up to and including its first stop token, else its first ``max_new_tokens`` tokens.
-
-    A row without a stop token ran to max_new_tokens (generation only ends early once every row
-    has stopped), so it is never padded.
-    """
-    result: list[list[int]] = []
-    for row in generated:
-        cut = next((j + 1 for j, tok in enumerate(row) if tok in stops), None)
-        result.append(row[:cut] if cut is not None else row[:max_new_tokens])
-    return result
-
-
 def checked_log_probs(result: list[list[int]], logp: list[list[float]]) -> list[list[float]]:
     """Row i of ``logp`` cut to the length of ``result[i]``; every value must be finite.
 
@@ -367,7 +361,7 @@ class SamplingSupport:
 
     @classmethod
     def of(cls, tokenizer: Any, model: Any, backend: str, min_new_tokens: int) -> SamplingSupport:
-        """The support of ``generate.backend`` (``transformers`` | ``vllm``) for this tokenizer and model."""
+        """The support of ``generate.backend`` (``transformers`` | ``vllm`` | ``sglang``) for this tokenizer and model."""
         never = never_sampled_token_ids(tokenizer, model) if backend == "transformers" else []
         return cls(tuple(never), tuple(stop_token_ids(tokenizer, model)), max(0, int(min_new_tokens)))
 
@@ -413,16 +407,16 @@ class TransformersGenerator:
         prompts: list[list[int]],
         n: int,
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        max_new_tokens: int = 32,
-        min_new_tokens: int = 1,
+        temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+        max_new_tokens: int = 32, min_new_tokens: int = 1,
         seed: int | None = None,
         ignore_eos: bool = False,
         should_stop: Callable[[], bool] | None = None,
         return_log_probs: bool = False,
         model_inputs: Callable[[Tensor], dict[str, Any]] | None = None,
+        in_flight: InFlight | None = None,
+        prefix: list[list[int]] | None = None,
+        first_token_temperature: float | None = None,
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """Generate ``n`` samples per prompt; returns ``len(prompts) * n`` token lists.
 
@@ -444,50 +438,89 @@ class TransformersGenerator:
         is abandoned with :class:`~expstream.errors.ShutdownRequested` (nothing is returned, so a
         stage never emits a cut-short response). A stop therefore waits for at most one forward
         pass (the prompt's prefill, or one token), not for ``max_new_tokens`` of them.
+
+        ``in_flight`` (:class:`expstream.models.decode_loop.InFlight`): sample with that module's decode loop
+        (new weights between two steps; each token's version left in ``in_flight.token_versions``); ``prefix``:
+        tokens an interrupted generation already has, one row per output row (only the continuation returns).
+        ``first_token_temperature`` (FIRE, expstream/models/fire.py): the first token at that temperature.
         """
         from transformers import StoppingCriteriaList
 
-        check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
+        check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens, first_token_temperature)
         if not prompts:
             return ([], []) if return_log_probs else []
-
         input_ids, attention_mask = left_padded([list(map(int, p)) for p in prompts for _ in range(n)],
                                                 self.pad_token_id)
         width = input_ids.shape[1]
-
         greedy = temperature == 0
-        # The whole logits chain is ours (HF adds none: no suppress_tokens / min_new_tokens /
-        # warpers in the config), in HF's own order and with HF's own classes, so the tokens are
-        # those of plain `model.generate` with these settings, and the behaviour log-probs can be
-        # read from the exact distribution sampled from.
+        # The whole logits chain is ours (HF adds none: no suppress_tokens / min_new_tokens / warpers in the
+        # config), in HF's order with HF's classes: the tokens of plain `model.generate` with these settings,
+        # and the behaviour log-probs read from the exact distribution sampled from (also in the decode loop).
         recorder = _BehaviourLogProbs() if return_log_probs else None
         chain = self._logits_chain(
             width, greedy, temperature, top_k, top_p,
-            max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder,
+            max_new_tokens if ignore_eos else max(min_new_tokens, 0), recorder, first_token_temperature,
         )  # fmt: skip
 
-        criteria = None
-        if should_stop is not None:
-            if should_stop():
-                raise ShutdownRequested("stop requested before the generation started")
-            criteria = StoppingCriteriaList([_AbandonOnStop(should_stop, width, max_new_tokens)])
-
+        if should_stop is not None and should_stop():
+            raise ShutdownRequested("stop requested before the generation started")
         with seeded(seed, self.device), torch.inference_mode():
-            extra = {k: (v.to(self.device) if isinstance(v, Tensor) else v)
-                     for k, v in (model_inputs(input_ids) if model_inputs is not None else {}).items()}
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                generation_config=self._generation_config(greedy, max_new_tokens),
-                logits_processor=chain,
-                stopping_criteria=criteria,
-                **extra,
-            )
-        generated_t = out[:, width:]
-        result = cut_at_stop(generated_t.tolist(), set(self.stop_token_ids), max_new_tokens)
+            if in_flight is not None and model_inputs is None:  # a vision-language generation: model.generate
+                generated_t = self._decode_in_flight(input_ids, attention_mask, chain, recorder, greedy,
+                                                     max_new_tokens, should_stop, in_flight, prefix)
+            else:
+                criteria = None if should_stop is None else StoppingCriteriaList(
+                    [_AbandonOnStop(should_stop, width, max_new_tokens)])
+                generated_t = self._hf_generate(input_ids, attention_mask, chain, criteria, greedy, max_new_tokens,
+                                                model_inputs)
+                in_flight = None
+        result = finished_in_prefix(prefix, cut_at_stop(generated_t.tolist(), set(self.stop_token_ids),
+                                                        max_new_tokens), self.stop_token_ids)
+        if in_flight is not None:
+            in_flight.token_versions = [v[: len(r)] for v, r in zip(in_flight.token_versions, result, strict=True)]
         if recorder is None:
             return result
         return result, checked_log_probs(result, recorder.finish(generated_t).cpu().tolist())
+
+    def _hf_generate(self, input_ids: Tensor, attention_mask: Tensor, chain: Any, criteria: Any, greedy: bool,
+                     max_new_tokens: int, model_inputs: Callable[[Tensor], dict[str, Any]] | None) -> Tensor:
+        """``model.generate`` with our chain: the (rows, T) new tokens (in-flight updates off)."""
+        extra = {k: (v.to(self.device) if isinstance(v, Tensor) else v)
+                 for k, v in (model_inputs(input_ids) if model_inputs is not None else {}).items()}
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=self._generation_config(greedy, max_new_tokens),
+            logits_processor=chain,
+            stopping_criteria=criteria,
+            **extra,
+        )
+        return out[:, input_ids.shape[1]:]
+
+    def _decode_in_flight(self, input_ids: Tensor, attention_mask: Tensor, chain: Any,
+                          recorder: _BehaviourLogProbs | None, greedy: bool, max_new_tokens: int,
+                          should_stop: Callable[[], bool] | None, in_flight: InFlight,
+                          prefix: list[list[int]] | None) -> Tensor:
+        """The decode loop (expstream/models/decode_loop.py): (rows, T) new tokens; their versions go to
+        ``in_flight.token_versions``. A stop with ``in_flight.keep_partial`` raises PartialGeneration with
+        ``tokens``, ``log_probs`` and ``versions`` (rows cut at their stop token) set on it."""
+        from expstream.models.decode_loop import PartialGeneration, prefix_tensor, sample_loop
+
+        pre = None if prefix is None else prefix_tensor(prefix, self.pad_token_id, self.device)
+        try:
+            loop = sample_loop(self.model, input_ids.to(self.device), attention_mask.to(self.device), chain,
+                               greedy=greedy, max_new_tokens=max_new_tokens, stop_ids=list(self.stop_token_ids),
+                               pad_id=self.pad_token_id, should_stop=should_stop, in_flight=in_flight, prefix=pre)
+        except PartialGeneration as stop:
+            tokens = finished_in_prefix(prefix, cut_at_stop(stop.result.tokens.tolist(), set(self.stop_token_ids),
+                                                            max_new_tokens), self.stop_token_ids)
+            stop.tokens, stop.versions = tokens, [v[: len(r)] for v, r in zip(stop.result.versions.tolist(), tokens,
+                                                                                strict=True)]
+            stop.log_probs = None if recorder is None else checked_log_probs(
+                tokens, recorder.finish(stop.result.tokens).cpu().tolist())
+            raise
+        in_flight.token_versions, in_flight.swaps = loop.versions.tolist(), loop.swaps
+        return loop.tokens
 
     def _generation_config(self, greedy: bool, max_new_tokens: int) -> Any:
         """HF's GenerationConfig with every processor of its own off (the chain is ours, see generate)."""
@@ -513,13 +546,14 @@ class TransformersGenerator:
 
     def _logits_chain(
         self, width: int, greedy: bool, temperature: float, top_k: int, top_p: float, min_new_tokens: int,
-        recorder: _BehaviourLogProbs | None,
+        recorder: _BehaviourLogProbs | None, first_token_temperature: float | None = None,
     ) -> Any:
         """The logits processors of one generation, in the order HF builds them.
 
         Token suppression (EOS before ``min_new_tokens``; the pad token), then, when sampling,
         temperature -> top-k -> top-p. ``recorder`` reads the raw logits when greedy (the plain
         softmax) and the fully processed scores when sampling (the distribution sampled from).
+        FIRE's first-step rescaling (``first_token_temperature``) comes right before the temperature warper.
         """
         from transformers import (
             LogitsProcessorList,
@@ -539,6 +573,10 @@ class TransformersGenerator:
         if self.suppress_token_ids:
             chain.append(SuppressTokensLogitsProcessor(list(self.suppress_token_ids), device=self.device))
         if not greedy:
+            if first_token_temperature is not None:
+                from expstream.models.fire import FirstTokenTemperature
+
+                chain.append(FirstTokenTemperature(width, float(temperature) / float(first_token_temperature)))
             if float(temperature) != 1.0:
                 chain.append(TemperatureLogitsWarper(float(temperature)))
             if top_k > 0:

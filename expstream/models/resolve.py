@@ -49,6 +49,8 @@ def check_models(topo: Topology) -> None:
     """
     if topo.models.reward_fn:
         reward_fn(topo.models.reward_fn)
+    if topo.environment is not None and topo.environment.fn:
+        import_function(topo.environment.fn, "environment.fn")
     for role in model_roles(topo):
         value = getattr(topo.models, role)
         if value not in (BUILTIN_TINY, BUILTIN_TINY_VL):
@@ -59,14 +61,19 @@ def check_models(topo: Topology) -> None:
         elif cfg.kind == "model" and cfg.path not in (BUILTIN_TINY, BUILTIN_TINY_VL):
             _checked_dir("reward", cfg.path or "", field=f"{cfg.where}.path")
     combine_fn(topo)
-    if topo.generate.backend == "vllm" and _is_vl_actor(topo):
-        raise ConfigError("generate.backend=vllm: models.actor is a vision-language model, and images are not "
-                          "passed to vLLM yet", field="generate.backend",
+    engine = {"vllm": "vLLM", "sglang": "SGLang"}.get(topo.generate.backend)
+    if engine is not None and _is_vl_actor(topo):
+        raise ConfigError(f"generate.backend={topo.generate.backend}: models.actor is a vision-language model, and "
+                          f"images are not passed to {engine} yet", field="generate.backend",
                           fix="use generate.backend=transformers with a vision-language actor")
     if topo.generate.backend == "vllm" and topo.stages["generate"].enabled:
         from expstream.models.vllm_generator import check_generate_config
 
         check_generate_config(topo.generate)  # installed, and every generate.* knob honoured
+    if topo.generate.backend == "sglang" and topo.stages["generate"].enabled:
+        from expstream.models.sglang_generator import check_generate_config as check_sglang
+
+        check_sglang(topo.generate)  # an SGLang environment (or server), and every generate.* knob honoured
 
 
 def _is_vl_actor(topo: Topology) -> bool:

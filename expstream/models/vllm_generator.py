@@ -18,6 +18,7 @@ import importlib.util
 import itertools
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -84,6 +85,17 @@ def _sampled_logprobs(lps: Any, toks: list[int]) -> list[float]:
     return [float(step[tok].logprob) for step, tok in zip(lps, toks, strict=True)]
 
 
+def _accumulate(acc: dict, out: Any, version: int, return_log_probs: bool) -> None:
+    """One step's new tokens (DELTA outputs) of a request, each stamped with the version that sampled it."""
+    for o in out.outputs:
+        toks = list(o.token_ids)
+        row = acc.setdefault((out.request_id, o.index), [[], [], []])
+        row[0].extend(toks)
+        if return_log_probs and toks:
+            row[1].extend(_sampled_logprobs(o.logprobs, toks))
+        row[2].extend([version] * len(toks))
+
+
 class VllmWeights:
     """What :class:`expstream.train.weights.PolicyFollower` needs of a model, for a vLLM engine.
 
@@ -125,6 +137,8 @@ class VllmGenerator:
         _engine_env(kv_cache_gib)
         from vllm import LLM
 
+        from expstream.models.vllm_fire import FirstTokenScale
+
         self.model_dir = str(model_dir)
         self.tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -134,6 +148,7 @@ class VllmGenerator:
         # thread that creates the engine, and a forward pass from another thread (the stage runner's
         # worker) fails its check `thread_num == thread_num (2 vs. 1)`.
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self._engine_ident = self._thread.submit(threading.get_ident).result()
         t0 = time.perf_counter()
         self.llm = self._on_engine_thread(lambda: LLM(
             model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -141,20 +156,29 @@ class VllmGenerator:
             # A prompt's prefill is never split over steps: on CPU a seeded request whose partial-prefill
             # sample is discarded fails (`CPU Generator does not use offset`), and seeds are how a
             # redelivered micro-batch samples the same tokens again.
-            enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, MAX_BATCHED_TOKENS)))
+            enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, MAX_BATCHED_TOKENS),
+            # FIRE (generate.use_fire): rescales a request's first position; a no-op for other requests
+            logits_processors=[FirstTokenScale]))
         self.engine = self.llm.llm_engine
         self.startup_s = time.perf_counter() - t0
         self.last_reload_s: float | None = None
         self._closed = False
+        self._in_flight_mode: str | None = None  # keep | recompute while an in-flight generation runs
+        self._reset_pending = False  # keep: the prefix cache is reset once the running requests end
 
     def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        if threading.get_ident() == self._engine_ident:  # a reload from an in-flight poll, between two steps
+            return fn()
         return self._thread.submit(fn).result()
 
     # -- sampling ---------------------------------------------------------------------------------
     def _params(self, n: int, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-                min_new_tokens: int, seed: int | None, ignore_eos: bool, logprobs: bool) -> Any:
+                min_new_tokens: int, seed: int | None, ignore_eos: bool, logprobs: bool, delta: bool = False,
+                fire_ratio: float | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
+        from expstream.models.vllm_fire import FIRE_ARG
 
         greedy = temperature == 0
         return SamplingParams(
@@ -164,7 +188,9 @@ class VllmGenerator:
             seed=seed, ignore_eos=ignore_eos, stop_token_ids=sorted(self.stop_token_ids),
             # flat: the engine keeps one float per token instead of a {token: Logprob} dict per step
             logprobs=0 if logprobs else None, flat_logprobs=logprobs, detokenize=False, skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            # in-flight updates: the new tokens of every step, to stamp each with the version that sampled it
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+            **({"extra_args": {FIRE_ARG: fire_ratio}} if fire_ratio is not None else {}),
         )
 
     def generate(
@@ -181,15 +207,28 @@ class VllmGenerator:
         ignore_eos: bool = False,
         should_stop: Callable[[], bool] | None = None,
         return_log_probs: bool = False,
+        in_flight: Any = None,
+        first_token_temperature: float | None = None,
     ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         """``n`` samples per prompt in one engine batch; the contract of TransformersGenerator.generate.
 
         ``seed`` seeds prompt g's requests with ``seed + g``, so a micro-batch samples the same
-        tokens whenever it is (re)processed, whatever else the engine is doing.
+        tokens whenever it is (re)processed, whatever else the engine is doing. ``in_flight``
+        (expstream.models.decode_loop.InFlight): polled between two engine steps (a reload runs in place on
+        the engine thread: keep the running requests' KV cache, or recompute them); each token's version is
+        left in ``in_flight.token_versions``.
+        ``first_token_temperature`` (FIRE): the engine's FirstTokenScale processor rescales each request's
+        first position (expstream/models/vllm_fire.py); equal to ``temperature`` it changes nothing.
         """
         from expstream.models.hf import check_generate_args
 
         check_generate_args(prompts, n, temperature, top_p, max_new_tokens, min_new_tokens)
+        fire_ratio = None
+        if first_token_temperature is not None and first_token_temperature != temperature:
+            if temperature == 0 or not first_token_temperature > 0:
+                raise ValueError(f"first_token_temperature={first_token_temperature} needs temperature > 0 and a "
+                                 f"positive first_token_temperature (temperature={temperature})")
+            fire_ratio = float(temperature) / float(first_token_temperature)
         if self._closed:
             raise RuntimeError("VllmGenerator.generate after close()")
         if not prompts:
@@ -200,12 +239,13 @@ class VllmGenerator:
         return self._on_engine_thread(lambda: self._generate(
             prompts, n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens, seed=seed, ignore_eos=ignore_eos, should_stop=should_stop,
-            return_log_probs=return_log_probs))
+            return_log_probs=return_log_probs, in_flight=in_flight, fire_ratio=fire_ratio))
 
     def _generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float, top_k: int,
                   max_new_tokens: int, min_new_tokens: int, seed: int | None, ignore_eos: bool,
-                  should_stop: Callable[[], bool] | None,
-                  return_log_probs: bool) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+                  should_stop: Callable[[], bool] | None, return_log_probs: bool,
+                  in_flight: Any = None,
+                  fire_ratio: float | None = None) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
         # vLLM refuses n > 1 with greedy decoding: the n samples of a greedy prompt are one sample, copied.
         per_request = 1 if temperature == 0 else n
         ids = [f"expstream-{os.getpid()}-{next(_ids)}" for _ in prompts]
@@ -214,15 +254,23 @@ class VllmGenerator:
             params = self._params(per_request, temperature=temperature, top_p=top_p, top_k=top_k,
                                   max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                   seed=None if seed is None else (seed + g) % 2**31, ignore_eos=ignore_eos,
-                                  logprobs=return_log_probs)
+                                  logprobs=return_log_probs, delta=in_flight is not None, fire_ratio=fire_ratio)
             self.engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, params)
         done: dict[str, Any] = {}
+        acc: dict[tuple[str, int], list[list]] = {}  # in-flight: (request, sample) -> [tokens, log-probs, versions]
+        version = None if in_flight is None else int(in_flight.version)
+        self._in_flight_mode = None if in_flight is None else in_flight.mode
         try:
             while len(done) < len(ids):
                 if should_stop is not None and should_stop():
                     raise ShutdownRequested(f"stop requested with {len(ids) - len(done)} of {len(ids)} prompts "
                                             "unfinished; generation abandoned")
+                now = version if in_flight is None else int(in_flight.poll())  # may reload, on this thread
+                if now != version:
+                    version, in_flight.swaps = now, in_flight.swaps + 1
                 for out in self.engine.step():
+                    if out.request_id in ours and in_flight is not None:
+                        _accumulate(acc, out, version, return_log_probs)
                     if out.finished and out.request_id in ours:
                         done[out.request_id] = out
                 if not self.engine.has_unfinished_requests() and len(done) < len(ids):
@@ -231,19 +279,35 @@ class VllmGenerator:
             with contextlib.suppress(Exception):
                 self.engine.abort_request([r for r in ids if r not in done])
             raise
+        finally:
+            self._in_flight_mode = None
+            if self._reset_pending:  # keep: the prefix cache held blocks of the old weights
+                self._reset_pending = not self.llm.reset_prefix_cache()
+        return self._collect(ids, done, acc, n, per_request, return_log_probs, in_flight)
 
+    def _collect(self, ids: list[str], done: dict[str, Any], acc: dict, n: int, per_request: int,
+                 return_log_probs: bool, in_flight: Any) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+        """The token lists (and log-probs; versions into ``in_flight``) of every request, rows by prompt."""
         tokens: list[list[int]] = []
         logprobs: list[list[float]] = []
+        versions: list[list[int]] = []
         for rid in ids:
             outs = sorted(done[rid].outputs, key=lambda o: o.index)
-            if len(outs) != per_request:
+            if in_flight is None and len(outs) != per_request:
                 raise RuntimeError(f"vLLM returned {len(outs)} samples for a prompt, expected {per_request}")
-            outs = outs * (n // per_request)
-            for o in outs:
-                toks = list(o.token_ids)
+            for j in list(range(per_request)) * (n // per_request):
+                if in_flight is not None:
+                    toks, lps, vs = acc.get((rid, j), [[], [], []])
+                    tokens.append(list(toks))
+                    logprobs.append(list(lps))
+                    versions.append(list(vs))
+                    continue
+                toks = list(outs[j].token_ids)
                 tokens.append(toks)
                 if return_log_probs:
-                    logprobs.append(_sampled_logprobs(o.logprobs, toks))
+                    logprobs.append(_sampled_logprobs(outs[j].logprobs, toks))
+        if in_flight is not None:
+            in_flight.token_versions = versions
         return (tokens, logprobs) if return_log_probs else tokens
 
     # -- weights ------------------------------------------------------------------------------------
@@ -260,8 +324,15 @@ class VllmGenerator:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
             else:
                 self._reload_tensors(state_dict)
-            # Mandatory: KV blocks cached under the old weights would be reused for shared prefixes.
-            self.llm.reset_prefix_cache()
+            # Mandatory: KV blocks cached under the old weights would be reused for shared prefixes. In the middle
+            # of an in-flight generation: recompute preempts the running requests (recomputed under the new
+            # weights); keep leaves their KV cache and resets the prefix cache once they end.
+            if self._in_flight_mode == "recompute":
+                self.llm.reset_prefix_cache(reset_running_requests=True)
+            elif self._in_flight_mode == "keep":
+                self._reset_pending = True
+            else:
+                self.llm.reset_prefix_cache()
 
         self._on_engine_thread(reload)
         self.last_reload_s = time.perf_counter() - t0

@@ -55,6 +55,7 @@ ACTION_FIELDS: tuple[str, ...] = (
     "action_entropy",
     "rollout_log_probs",
     "forced_mask",
+    "token_versions",
 )
 #: Token-level (B, S) tensor fields.
 TOKEN_FIELDS: tuple[str, ...] = ("sequences", "attention_mask")
@@ -97,6 +98,9 @@ class Experience:
     # last token, an appended EOS; expstream.rl.layout.forced_action_rows); they carry no KL penalty and
     # no policy-loss term (docs/numerics.md §14.12). None for a hand-built batch (nothing forced known)
     forced_mask: torch.Tensor | None = None
+    # (B, A) long: the policy version each action was sampled under (schema v5, in-flight weight updates), 0 past
+    # a_b; None when the records carry none: every action of row b is of rollout_versions[b] (expstream/rl/versions.py)
+    token_versions: torch.Tensor | None = None
     rollout_versions: list[int] = field(default_factory=list)  # (B,) policy version that generated each row
     logprob_versions: list[int] = field(default_factory=list)  # (B,) actor version behind action_log_probs
     # ---- stable ids (one entry per row; empty lists mean "unknown", e.g. a hand-built batch) ----
@@ -341,6 +345,7 @@ class BufferItem:
     action_entropy: torch.Tensor | None = None  # (A,) or None
     rollout_log_probs: torch.Tensor | None = None  # (A,) float32 behaviour log-probs, or None
     forced_mask: torch.Tensor | None = None  # (A,) bool: actions the EOS repair forced, or None
+    token_versions: torch.Tensor | None = None  # (A,) long: policy version of each action, or None (all rollout_version)
     rollout_version: int = -1  # policy version that generated this sample (-1: unknown)
     logprob_version: int = -1  # actor version behind action_log_probs (-1: unknown)
     sample_id: str = ""  # f"{group_id}#{sample_index}"

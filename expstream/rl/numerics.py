@@ -283,10 +283,12 @@ def clip_fraction_masked(x: Tensor, mask: Tensor | None, lo: float, hi: float) -
 # ----------------------------------------------------------------------------------------------
 
 
-def cumulative_returns(rewards: Tensor, action_mask: Tensor | None, gamma: float) -> Tensor:
+def cumulative_returns(rewards: Tensor, action_mask: Tensor | None, gamma: float, skip_masked: bool = False) -> Tensor:
     """Masked reward-to-go ``G_t = Σ_{k>=t} γ^{k−t} F_k M_k`` (docs/numerics.md §6), float32 (B, A).
 
     The recursion runs over all A positions (as the seed); the result is 0 at masked positions.
+    ``skip_masked`` (a multi-turn episode, docs/numerics.md §15): a masked position is no step at all
+    (the return passes it unchanged, no factor γ), so an observation between two turns costs no discount.
     """
     f = torch.as_tensor(rewards).to(torch.float32)
     check_2d("rewards", f)
@@ -295,19 +297,26 @@ def cumulative_returns(rewards: Tensor, action_mask: Tensor | None, gamma: float
     out = torch.zeros_like(f)
     run = torch.zeros(f.shape[0], dtype=torch.float32)
     for t in range(f.shape[1] - 1, -1, -1):
-        run = f[:, t] + gamma * run
+        step = f[:, t] + gamma * run
+        run = torch.where(m[:, t], step, run) if skip_masked else step
         out[:, t] = run
     return torch.where(m, out, torch.zeros((), dtype=torch.float32))
 
 
 def gae(
-    rewards: Tensor, values: Tensor, action_mask: Tensor | None, gamma: float, lambd: float
+    rewards: Tensor, values: Tensor, action_mask: Tensor | None, gamma: float, lambd: float,
+    skip_masked: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (docs/numerics.md §6.1 steps 1–3), float32 (advantages, returns).
 
     V ← V·M, F ← F·M, V_A := 0; δ_t = F_t + γV_{t+1} − V_t; Â_t = δ_t + γλÂ_{t+1}, Â_A = 0;
     returns = Â + V (from the raw Â). Both are 0 at masked positions.
+    ``skip_masked`` (a multi-turn episode, docs/numerics.md §15): the recursion runs over the unmasked
+    positions only, V_{t+1} being the next *unmasked* position's value: the last model token of a turn
+    bootstraps from the first of the next turn, across the observation between them.
     """
+    if skip_masked:
+        return _gae_over_actions(rewards, values, action_mask, gamma, lambd)
     f = torch.as_tensor(rewards).to(torch.float32)
     check_2d("rewards", f)
     v = torch.as_tensor(values).to(torch.float32)
@@ -327,6 +336,26 @@ def gae(
         adv[:, t] = last
     returns = adv + v
     return torch.where(m, adv, zero), torch.where(m, returns, zero)
+
+
+def _gae_over_actions(rewards: Tensor, values: Tensor, action_mask: Tensor | None, gamma: float,
+                      lambd: float) -> tuple[Tensor, Tensor]:
+    """:func:`gae` with masked positions skipped (no step: Â and the next value pass them unchanged)."""
+    f = torch.as_tensor(rewards).to(torch.float32)
+    v = torch.as_tensor(values).to(torch.float32)
+    m = as_bool_mask(action_mask, f)
+    zero = torch.zeros((), dtype=torch.float32)
+    f, v = torch.where(m, f, zero), torch.where(m, v, zero)
+    adv = torch.zeros_like(f)
+    last = torch.zeros(f.shape[0], dtype=torch.float32)
+    next_v = torch.zeros(f.shape[0], dtype=torch.float32)
+    for t in range(f.shape[1] - 1, -1, -1):
+        here = m[:, t]
+        delta = f[:, t] + gamma * next_v - v[:, t]
+        last = torch.where(here, delta + gamma * lambd * last, last)
+        next_v = torch.where(here, v[:, t], next_v)
+        adv[:, t] = last
+    return torch.where(m, adv, zero), torch.where(m, adv + v, zero)
 
 
 def whiten(x: Tensor, mask: Tensor | None, eps: float) -> Tensor:
@@ -390,6 +419,7 @@ def compute_advantages(
     advantages_norm: bool = False,
     advantage_clip: float = 0.0,
     cpgd_mode: str = "STD_weight",
+    skip_masked: bool = False,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Advantages and returns of one experience (docs/numerics.md §6.1–6.5, as intended).
 
@@ -405,6 +435,9 @@ def compute_advantages(
     * ``group_norm``, ``grpo``, ``dr_grpo``: G^γ, never whitened; optional clamp;
     * ``cpgd``: ``raw_rewards`` (B,) required; advantages = returns = :func:`cpgd_scores`·M;
       γ, whitening and clipping do not apply and no clip fraction is reported.
+
+    ``skip_masked``: a multi-turn episode's recursions skip the observation positions (:func:`gae`,
+    :func:`cumulative_returns`; docs/numerics.md §15).
 
     γ is the configured one for every experience (no pop, docs/numerics.md §14.2). Returns are never whitened
     or clipped. Masked positions of both outputs are 0. Clip fractions use
@@ -431,11 +464,11 @@ def compute_advantages(
     if estimator == "gae":
         if values is None:
             raise ValueError("gae needs values (run the critic stage)")
-        adv, returns = gae(f, values, m, gamma, lambd)
+        adv, returns = gae(f, values, m, gamma, lambd, skip_masked=skip_masked)
         eps = GAE_WHITEN_EPS
     else:
         g = 1.0 if estimator == "reinforce_baseline" else gamma
-        returns = cumulative_returns(f, m, g)
+        returns = cumulative_returns(f, m, g, skip_masked=skip_masked)
         adv = returns.clone()
         eps = REINFORCE_WHITEN_EPS
 

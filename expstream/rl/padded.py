@@ -70,6 +70,7 @@ def padded_fields(batch: Any, rows: Sequence[int] | None = None) -> dict[str, An
         action_entropy=action("action_entropy", required=False),
         rollout_log_probs=action("rollout_log_probs", required=False),
         forced_mask=_forced(batch, idx, act_vals, act_lens, width),
+        token_versions=_token_versions(batch, idx, act_lens, width),
         rollout_versions=_versions(batch, "rollout_version", idx),
         logprob_versions=_versions(batch, "logprob_version", idx),
         batch_id=str(getattr(batch, "batch_id", "")),
@@ -173,6 +174,20 @@ def _forced(batch: Any, idx: list[int], act_vals: torch.Tensor, act_lens: torch.
                               [r.numpy() for r in _split(act_vals, act_lens)])
     if rows:
         _scatter_rows(out, torch.from_numpy(np.concatenate(rows)), act_lens, start=torch.zeros(len(idx), dtype=torch.long))
+    return out
+
+
+def _token_versions(batch: Any, idx: list[int], act_lens: torch.Tensor, width: int) -> torch.Tensor | None:
+    """(B, width) long: the wire's per-token versions of rows ``idx``, 0 past a_b (None when the record has none)."""
+    ragged = getattr(batch, "token_versions", None)
+    if ragged is None:
+        return None
+    vals, lens = _ragged_rows(ragged, idx)
+    if not torch.equal(lens, act_lens):
+        raise ValueError(f"SampleBatch {getattr(batch, 'batch_id', '')!r}.token_versions: row lengths {lens.tolist()} "
+                         f"differ from action_ids {act_lens.tolist()}; they are aligned by shard-preprocess")
+    out = torch.zeros((len(idx), width), dtype=torch.long)
+    _scatter_rows(out, vals.to(torch.long), lens, start=torch.zeros(len(idx), dtype=torch.long))
     return out
 
 

@@ -30,6 +30,7 @@ __all__ = [
 
 #: Per-token columns of the table: (field of SampleBatch, column header), in pipeline order.
 TOKEN_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("token_versions", "version"),  # only in records of in-flight updates (schema v5)
     ("rollout_log_probs", "rollout_lp"),
     ("action_log_probs", "logprob"),
     ("base_action_log_probs", "ref_lp"),
@@ -94,7 +95,7 @@ def sample_dict(s: Sample, tokenizer: Any = None) -> dict[str, Any]:
     else:
         ids = f.get("response_ids", np.zeros(0, np.int32))
         columns = {}
-        names = [(n, h) for n, h in TOKEN_COLUMNS if n == "rollout_log_probs" and n in f]
+        names = [(n, h) for n, h in TOKEN_COLUMNS if n in ("token_versions", "rollout_log_probs") and n in f]
     columns.update({h: f[n] for n, h in names})
     tokens = {"level": "action" if "action_ids" in f else "response", "token_id": [int(x) for x in ids]}
     if tokenizer is not None:

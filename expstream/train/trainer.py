@@ -47,7 +47,9 @@ from expstream.config.topology import Topology
 from expstream.errors import EXIT_OK, ConfigError
 from expstream.faults import TRAINER_POINTS, fault_plan
 from expstream.procs import EXIT_WITH_PARENT_ENV
+from expstream.rl.episodes import turn_reward_sums
 from expstream.rl.experience import sample_id
+from expstream.rl.versions import mixed_rows, oldest_versions
 from expstream.train.checkpoint import BufferedRecord, Checkpoint, read_checkpoint, write_checkpoint
 from expstream.train.step import PolicyTrainer, experience_from_records
 from schemas import decode, encode
@@ -73,11 +75,9 @@ def experiences_topic(topo: Topology) -> str:
 
 
 def sample_versions(batch: Any) -> list[int]:
-    """Per-sample rollout versions: ``rollout_version`` (schema 2), else the batch's ``policy_version``."""
-    versions = getattr(batch, "rollout_version", None)
-    if versions:
-        return [int(v) for v in versions]
-    return [int(batch.policy_version)] * len(batch.group_id)
+    """Per-sample versions staleness is bounded by: the oldest token's (``token_versions``, schema 5), else
+    ``rollout_version`` (schema 2), else the batch's ``policy_version`` (expstream/rl/versions.py)."""
+    return oldest_versions(batch)
 
 
 def versions_kept(topo: Topology) -> int:
@@ -284,8 +284,11 @@ class Trainer:
         live = {s.key for s in self.buffer}
         for key in [k for k in self.records if k not in live]:
             del self.records[key]
-        rewards = np.concatenate([np.asarray(b.rewards, dtype=np.float64)[list(rows)] for b, rows in parts])
+        # a multi-turn episode's reward: the reward stage's plus its environment rewards (docs/multi_turn.md)
+        rewards = np.concatenate([(np.asarray(b.rewards, dtype=np.float64) + turn_reward_sums(b).numpy())[list(rows)]
+                                  for b, rows in parts])
         hist = Counter(str(self.step - s.version) for s in picked)
+        mixed = sum(int(np.asarray(mixed_rows(b), dtype=bool)[list(rows)].sum()) for b, rows in parts)
         kl = result.kl if exp.base_action_log_probs is not None else float(exp.info["kl"].mean()) \
             if "kl" in exp.info else 0.0
         line = {
@@ -296,7 +299,7 @@ class Trainer:
             "is_masked_frac": _finite(result.is_masked_frac), "grad_norm": _finite(result.grad_norm),
             "trained_tokens": result.trained_tokens, "skipped": "; ".join(result.skipped) or None,
             "nonfinite_steps": int(self.counters["nonfinite_steps"]),
-            "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))), "mixed_version_samples": mixed,
             "dropped_stale": self.counters.pop("dropped_stale_step", 0), "duplicates": self.counters["duplicates"],
             "sample_ids": [s.sid for s in picked], "wait_s": 0.0, "train_s": time.monotonic() - started,
             "time": time.time(),
