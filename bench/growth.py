@@ -1,14 +1,19 @@
-"""What a continuous run keeps as it goes: Redis keys and memory, and the weight store's size.
+"""What a continuous run keeps as it goes: Redis, every process's memory, the recording, the weights.
 
 Runs ``expstream run --continuous`` (embedded broker and redis-server, the built-in tiny models) for
-``--steps`` trainer steps and, while it runs, samples once a second: the trainer's step (lines of
-``train.jsonl``), Redis ``DBSIZE`` and ``INFO memory`` ``used_memory``, the run's keys by kind
-(``group``, ``window``, ...: the part of the key after the run prefix, up to its first ``:``), and
-the weight store's versions and bytes. Prints the sample nearest each of ``--at`` (steps) as a
-table and the summary line as JSON (also written to ``bench/results/growth.json``). Nothing is
-asserted; tests/test_growth.py checks the plateau.
+``--steps`` trainer steps and, while it runs, samples once a second: the trainer's step and samples
+(``train.jsonl``), Redis ``DBSIZE`` and ``INFO memory`` ``used_memory``, the run's keys by kind
+(``group``, ``window``, ...: the part of the key after the run prefix, up to its first ``:``), the
+weight store's versions and bytes, the RSS of every process of the run's tree (by its title: stage
+replicas, recorder, fork server, broker, redis-server, the CLI), the recording's bytes
+(``<output>/topics``) and samples/s (trained samples over the last ~10 s). Prints the sample nearest
+each of ``--at`` (steps) as a table, the growth per 100 steps of every curve between the first
+``--at`` and the end, and the summary line as JSON (also written to ``bench/results/growth.json``);
+with matplotlib, the curves to ``bench/results/<name>.png``. Nothing is asserted;
+tests/test_growth.py checks the plateau.
 
     .venv/bin/python bench/growth.py                          # 500 steps, ~4-6 min on 2 cores
+    .venv/bin/python bench/growth.py --prompt-counts 48,96,192,384,768   # the finite run's throughput
     .venv/bin/python bench/growth.py --steps 120 --at 40,80,120 --set train.keep_versions=0
 """
 
@@ -26,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def store_size(path: Path) -> tuple[int, int]:
@@ -43,6 +49,84 @@ def store_size(path: Path) -> tuple[int, int]:
             except OSError:
                 pass
     return versions, size
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_stats(root: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(RSS MiB, CPU seconds) of every process under ``root`` (Linux /proc), keyed by a short name from
+    its title. CPU is user + system of the process itself (its children are in the tree)."""
+    parent: dict[int, int] = {}
+    cpu_of: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    data = fh.read()
+                f = data[data.rfind(")") + 2:].split()
+                parent[int(entry)], cpu_of[int(entry)] = int(f[1]), (int(f[11]) + int(f[12])) / TICK
+            except (OSError, ValueError, IndexError):
+                continue
+    kids: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        kids.setdefault(ppid, []).append(pid)
+    rss_out: dict[str, float] = {}
+    cpu_out: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(kids.get(pid, []))
+        try:
+            title = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+            rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        name = process_name(pid, root, title)
+        rss_out[name] = round(rss / 1024, 1)
+        cpu_out[name] = round(cpu_of.get(pid, 0.0), 2)
+    return rss_out, cpu_out
+
+
+def process_name(pid: int, root: int, title: str) -> str:
+    """``cli``, ``broker``, ``redis``, ``stage <name>[i]``, ``recorder``, ``forkserver`` or the title's start."""
+    if pid == root:
+        return "cli"
+    if "tansu" in title:
+        return "broker"
+    if "redis-server" in title:
+        return "redis"
+    if title.startswith("expstream stage "):
+        return "stage " + title.split()[2]
+    for word in ("record", "forkserver", "fork-server", "supervisor"):
+        if word in title:
+            return word
+    return f"{title[:40]} ({pid})"
+
+
+def dir_bytes(path: Path) -> int:
+    size = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                size += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return size
+
+
+def trained(jsonl: Path) -> tuple[int, int]:
+    """(steps, samples) of train.jsonl so far."""
+    if not jsonl.exists():
+        return 0, 0
+    steps = samples = 0
+    for line in jsonl.read_text().splitlines():
+        try:
+            samples += int(json.loads(line).get("samples", 0))
+        except ValueError:
+            continue  # a line being written
+        steps += 1
+    return steps, samples
 
 
 def redis_sample(url: str, run_id: str) -> dict:
@@ -75,7 +159,12 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--output", default=None, help="run directory (default: a temporary one, removed)")
     ap.add_argument("--name", default="growth")
+    ap.add_argument("--prompt-counts", default=None,
+                    help="instead of the continuous loop: one finite run per prompt count (e.g. 48,96,...,768), "
+                         "samples/s of each against the count")
     args = ap.parse_args()
+    if args.prompt_counts:
+        return finite_scaling([int(x) for x in args.prompt_counts.split(",")], args.sets, args.name)
     at = [int(x) for x in args.at.split(",")]
     tmp = None
     if args.output is None:
@@ -101,15 +190,27 @@ def main() -> int:
                 jsonl = out / "train.jsonl"
                 if not services.exists():
                     continue
-                step = len(jsonl.read_text().splitlines()) if jsonl.exists() else 0
+                step, done = trained(jsonl)
                 try:
                     red = redis_sample(json.loads(services.read_text())["redis_url"], run_id)
                 except Exception as exc:  # noqa: BLE001 - the run is ending: redis is gone
                     print(f"redis sample failed at step {step}: {exc}", file=sys.stderr)
                     continue
                 versions, size = store_size(out / "weights")
-                samples.append({"step": step, "t": round(time.monotonic() - started, 1), **red,
-                                "store_versions": versions, "store_mb": round(size / 2**20, 2)})
+                now = round(time.monotonic() - started, 1)
+                back = [x for x in samples if now - x["t"] >= 10]
+                rate = (done - back[-1]["samples"]) / (now - back[-1]["t"]) if back else None
+                rss, cpu = tree_stats(proc.pid)
+                cpu_ms = None
+                if back and done > back[-1]["samples"] and set(back[-1]["cpu_s"]) <= set(cpu):
+                    # the run's CPU per trained sample over the window (not once processes start to exit)
+                    cpu_ms = 1000 * (sum(cpu.values()) - sum(back[-1]["cpu_s"].values())) / (done - back[-1]["samples"])
+                samples.append({"step": step, "t": now, "samples": done, **red,
+                                "store_versions": versions, "store_mb": round(size / 2**20, 2),
+                                "rss_mb": rss, "cpu_s": cpu, "recording_mb": round(dir_bytes(out / "topics") / 2**20, 3),
+                                "samples_per_s": None if rate is None else round(rate, 2),
+                                "cpu_ms_per_sample": None if cpu_ms is None else round(cpu_ms, 2),
+                                "loadavg": os.getloadavg()[0]})
                 if step and step % 50 == 0:
                     print(f"step {step}: {samples[-1]}", file=sys.stderr)
         finally:
@@ -128,8 +229,13 @@ def main() -> int:
         print(f"{row['step']:>6} {row['t']:>7} {row['keys']:>7} {row['used_memory'] / 2**20:>15.2f} "
               f"{row['store_versions']:>15} {row['store_mb']:>9.2f}  {row['kinds']}")
         print(f"{'':>6} KB by kind: {row['kind_kb']}")
+    growth = growth_per_100(samples, at[0])
+    print(f"per 100 steps from step {at[0]} to the end: {json.dumps(growth)}")
     summary = {"bench": "growth", "steps": args.steps, "sets": args.sets, "exit": proc.returncode, "rows": rows,
-               "load": os.getloadavg()}
+               "per_100_steps": growth, "load": os.getloadavg()}
+    plot(samples, ROOT / "bench" / "results" / f"{args.name}.png")
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (ROOT / "bench" / "results" / f"{args.name}-samples.json").write_text(json.dumps(samples) + "\n")
     print(json.dumps(summary))
     results = ROOT / "bench" / "results"
     results.mkdir(exist_ok=True)
@@ -137,6 +243,103 @@ def main() -> int:
     if tmp is not None:
         tmp.cleanup()
     return 0 if proc.returncode == 0 else 1
+
+
+def finite_scaling(counts: list[int], sets: list[str], name: str) -> int:
+    """One ``expstream run`` (finite, generated prompts, report off) per prompt count: samples, wall,
+    summary samples/s and steady samples/s, and the ratio of each rate to the smallest count's."""
+    from common import write_prompts
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scaling-") as tmp:
+        for n in counts:
+            prompts = write_prompts(Path(tmp) / f"p{n}.jsonl", n)
+            out = Path(tmp) / f"run{n}"
+            cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
+                   "--no-progress", "--no-report", "--set", "run.timeout_s=1200"]
+            for s in sets:
+                cmd += ["--set", s]
+            t0 = time.monotonic()
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+            wall = time.monotonic() - t0
+            summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+            rows.append({"prompts": n, "exit": rc, "samples": summary.get("samples"), "cmd_wall_s": round(wall, 2),
+                         "samples_per_s": summary.get("samples_per_s"),
+                         "steady_samples_per_s": summary.get("steady_samples_per_s"),
+                         "recording_mb": round(dir_bytes(out / "topics") / 2**20, 2), "load": os.getloadavg()[0]})
+            print(f"{n} prompts: {rows[-1]}", file=sys.stderr)
+    base = rows[0]
+    print(f"{'prompts':>8} {'samples':>8} {'wall s':>8} {'samples/s':>10} {'steady/s':>9} {'x first':>8} {'rec MB':>7}")
+    for r in rows:
+        ratio = (r["samples_per_s"] or 0) / (base["samples_per_s"] or 1)
+        print(f"{r['prompts']:>8} {r['samples'] or 0:>8} {r['cmd_wall_s']:>8} {r['samples_per_s'] or 0:>10.2f} "
+              f"{r['steady_samples_per_s'] or 0:>9.2f} {ratio:>8.2f} {r['recording_mb']:>7}")
+    summary = {"bench": "growth-finite", "sets": sets, "rows": rows, "load": os.getloadavg()}
+    print(json.dumps(summary))
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (ROOT / "bench" / "results" / f"{name}-finite.json").write_text(json.dumps(summary) + "\n")
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+def growth_per_100(samples: list[dict], start: int) -> dict[str, float]:
+    """Every curve's change per 100 steps between the first sample at ``start`` steps and the last."""
+    late = [x for x in samples if x["step"] >= start]
+    if len(late) < 2 or late[-1]["step"] == late[0]["step"]:
+        return {}
+    a, b = late[0], late[-1]
+    k = 100 / (b["step"] - a["step"])
+    out = {"redis_keys": (b["keys"] - a["keys"]) * k, "redis_used_mb": (b["used_memory"] - a["used_memory"]) / 2**20 * k,
+           "store_mb": (b["store_mb"] - a["store_mb"]) * k, "recording_mb": (b["recording_mb"] - a["recording_mb"]) * k}
+    for name in sorted(a["rss_mb"]):  # each process to its last sample (stages stop before the run ends)
+        last = [x for x in late if name in x["rss_mb"]][-1]
+        if last["step"] > a["step"]:
+            out[f"rss_mb {name}"] = (last["rss_mb"][name] - a["rss_mb"][name]) * 100 / (last["step"] - a["step"])
+    rates = [x["cpu_ms_per_sample"] for x in late if x.get("cpu_ms_per_sample")]
+    if len(rates) >= 4:  # first and last quarter of the windows: does a sample cost more CPU later?
+        q = len(rates) // 4
+        out["cpu_ms_per_sample first quarter"] = sum(rates[:q]) / q
+        out["cpu_ms_per_sample last quarter"] = sum(rates[-q:]) / q
+    return {key: round(v, 3) for key, v in out.items()}
+
+
+def plot(samples: list[dict], path: Path) -> None:
+    """Four panels against the trainer's step: Redis, RSS per process, recording + store, samples/s."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    if not samples:
+        return
+    steps = [x["step"] for x in samples]
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    ax[0][0].plot(steps, [x["keys"] for x in samples], label="Redis keys")
+    twin = ax[0][0].twinx()
+    twin.plot(steps, [x["used_memory"] / 2**20 for x in samples], color="tab:red", label="used_memory MiB")
+    ax[0][0].set_title("Redis: keys (blue), used_memory MiB (red)")
+    names = sorted({n for x in samples for n in x["rss_mb"]})
+    for name in names:
+        ax[0][1].plot(steps, [x["rss_mb"].get(name) for x in samples], label=name)
+    ax[0][1].set_title("RSS MiB per process")
+    ax[0][1].legend(fontsize=6, ncol=2)
+    ax[1][0].plot(steps, [x["recording_mb"] for x in samples], label="recording MiB")
+    ax[1][0].plot(steps, [x["store_mb"] for x in samples], label="weight store MiB")
+    ax[1][0].legend()
+    ax[1][0].set_title("bytes on disk")
+    ax[1][1].plot(steps, [x["samples_per_s"] for x in samples])
+    cpu = ax[1][1].twinx()
+    cpu.plot(steps, [x.get("cpu_ms_per_sample") for x in samples], color="tab:red")
+    cpu.plot(steps, [10 * x.get("loadavg", 0) for x in samples], color="tab:gray", linewidth=0.8)
+    ax[1][1].set_title("samples/s (blue); CPU ms/sample (red); 10 x load avg (grey)")
+    for a in ax.flat:
+        a.set_xlabel("trainer step")
+    fig.tight_layout()
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=80)
+    print(f"plot: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -324,8 +324,8 @@ def measure_hops(topo: Topology, hops: list[tuple[str, str, list]], per_hop: int
             flush(producer, cfg.produce_timeout_s)
             confirm_all(sent, cfg.produce_timeout_s)
             got: list = []
-            while len(got) < len(recs):  # one record per poll, as a stage replica polls (stages/runner.py)
-                for part in consumer.poll(timeout_ms=1000, max_records=1).values():
+            while len(got) < len(recs):  # up to kafka.max_poll_records per poll, as a stage replica polls
+                for part in consumer.poll(timeout_ms=1000).values():
                     got.extend(part)
                 if time.perf_counter() - t0 > 30:
                     raise RuntimeError("records not fetched back within 30 s")

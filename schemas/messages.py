@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from schemas.errors import ValidationError
-from schemas.tensors import Ragged, as_dtype, normalise_indices, short_repr
+from schemas.tensors import Ragged, all_finite, as_dtype, normalise_indices, short_repr
 
 __all__ = ["ACTION_FIELDS", "LAYOUTS", "PromptBatch", "SampleBatch", "V2_FIELDS", "V3_FIELDS", "V4_FIELDS", "V5_FIELDS",
            "PROMPT_V2_FIELDS"]
@@ -153,7 +153,7 @@ class _Message:
             raise _err(self, name, f"has dtype {value.dtype}; cast it to float32 (arr.astype(np.float32))")
         if value.shape != (B,):
             raise _err(self, name, f"has shape {value.shape} but must be (B,) = ({B},), one value per sample")
-        bad = np.flatnonzero(~np.isfinite(value))
+        bad = np.empty(0, np.int64) if all_finite(value) else np.flatnonzero(~np.isfinite(value))
         if bad.size:
             raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, bad)}; "
                                    "fix or drop those samples upstream")  # fmt: skip
@@ -422,7 +422,7 @@ class SampleBatch(_Message):
                                "action-level fields need action_ids (set by shard-preprocess) to define the "
                                "action lengths", "every action-level field must have one value per action token")
         if dtype == "float32":
-            bad = np.flatnonzero(~np.isfinite(r.values))
+            bad = np.empty(0, np.int64) if all_finite(r.values) else np.flatnonzero(~np.isfinite(r.values))
             if bad.size:
                 rows = np.unique(np.searchsorted(r.offsets, bad, side="right") - 1)
                 raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, rows)}; "

@@ -1,10 +1,10 @@
 """The commit group of a stage replica: confirm the outputs of the records in hand, account, commit, release.
 
-Commit protocol, per input record (one record = one micro-batch, polled one at a time), with steps
-3-4 done for a *commit group*: consecutive records, at most ``MAX_COMMIT_GROUP`` of them, closed once
-its first record has waited ``COMMIT_GROUP_MAX_S`` or a poll finds nothing more (so a slow stage's
-records are each their own group, and a backlog pays one flush and one commit per group instead of
-per record):
+Commit protocol, per input record (one record = one micro-batch; polled up to
+``kafka.max_poll_records`` at a time), with steps 3-4 done for a *commit group*: consecutive records,
+at most ``MAX_COMMIT_GROUP`` of them, closed once its first record has waited ``COMMIT_GROUP_MAX_S``
+or a poll finds nothing more (so a slow stage's records are each their own group, and a backlog pays
+one flush and one commit per group instead of per record):
 
 1. A record larger than ``max_record_bytes`` is dead-lettered without being decoded. Otherwise its
    bytes are decoded inside the stage (never in the fetcher), under try/except.

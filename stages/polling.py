@@ -1,4 +1,4 @@
-"""A stage replica's polls: one record at a time, retried with backoff, and what the assignment looks like.
+"""A stage replica's polls: up to ``kafka.max_poll_records`` records each, retried with backoff, and what the assignment looks like.
 
 The runner's loop (stages/runner.py) and its paused polling (stages/pausing.py) poll through
 :class:`Poller` (main thread only: the consumer is not thread-safe). A poll that fails is logged
@@ -29,7 +29,7 @@ UNASSIGNED_LOG_INTERVAL_S = 30.0
 
 
 class Poller:
-    """Polls the replica's consumer one record at a time (main thread only)."""
+    """Polls the replica's consumer (main thread only)."""
 
     def __init__(self, consumer: Any, tracker: RevocationTracker, log: logging.Logger, *, stage: Any,
                  group_id: str, bootstrap: str, stop: threading.Event, on_assigned: Callable[[], None]) -> None:
@@ -50,21 +50,21 @@ class Poller:
         self.unassigned_logged = 0.0
 
     def poll(self, timeout_ms: int) -> dict:
-        """One poll of at most one record.
+        """One poll of at most ``kafka.max_poll_records`` records.
 
         Args:
             timeout_ms: how long the poll may wait.
         Returns:
-            ``{TopicPartition: [record]}`` as kafka-python returns it; empty when nothing came or the
+            ``{TopicPartition: [records]}`` as kafka-python returns it; empty when nothing came or the
             poll failed (logged; the next poll comes after a backoff).
         """
         try:
-            # One record per poll, whatever kafka.max_poll_records says: the fetch position is then
-            # never more than one past the record in hand. With several records returned at once, a
-            # partition revoked and given back while one of them was in work kept its advanced position
-            # and the rest were never handled (found with max_poll_records=16 by test_scale's
-            # autoscaler test). Commit groups span polls instead (see StageRunner._handle_polled).
-            polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=1)
+            # Up to kafka.max_poll_records records: the fetch position is then past all of them. If the
+            # assignment moves before they are all handled, the runner leaves a resume point for the
+            # rest (stages/revocations.py): with 16 per poll and no resume point, a partition revoked and
+            # given back mid-poll kept its advanced position and the rest were never handled (found by
+            # test_scale's autoscaler test).
+            polled = self.consumer.poll(timeout_ms=timeout_ms)
         except kafka_errors.KafkaError as exc:
             delay = self.backoff.next()
             self.log.warning("stage %s: poll of %s failed (%s: %s); retrying in %.1fs", self.stage.name,

@@ -1,7 +1,7 @@
 """The one Kafka loop every stage runs in: consume -> decode -> process -> produce -> commit.
 
 :class:`StageRunner` keeps the loop and the replica's lifecycle (connect, join the group while the
-stage's ``setup`` runs, poll one record at a time, heartbeats, signals, stop) and hands the rest to
+stage's ``setup`` runs, poll, heartbeats, signals, stop) and hands the rest to
 plain collaborators, one concern each (the seams of quixstreams' Checkpoint, PausingManager and
 ProcessingContext):
 
@@ -10,7 +10,7 @@ ProcessingContext):
 * stages/working.py: one record decoded, processed, handed to the producer (and the fault plan);
 * stages/splitting.py: bisecting a failing batch (pure functions, shared with replay);
 * stages/deadletters.py: dead letters and their fallbacks; stages/sending.py: sends and work retries;
-* stages/polling.py: one record per poll; stages/pausing.py: pause/poll/resume while a record is in
+* stages/polling.py: polls of up to kafka.max_poll_records; stages/pausing.py: pause/poll/resume while a record is in
   hand; stages/revocations.py: the rebalance listener; stages/rewinding.py: the replica's side of
   the rewind handshake.
 
@@ -272,6 +272,7 @@ class StageRunner:
                     self.group.finish()  # a rewind starts with nothing in hand
                 if self.rewinding.maybe_rewind():
                     continue
+                self._seek_resume_points()
                 polled = self.poller.poll(self._poll_timeout_ms())
                 if any(polled.values()):
                     self._handle_polled(polled)
@@ -370,12 +371,15 @@ class StageRunner:
         return max(0, int(1000 * left))
 
     def _handle_polled(self, polled: dict) -> None:
-        """Add the polled record to the open commit group (see the module docstring, steps 3-4); the
-        group is confirmed and committed when it is full or old, on a stop, a rewind or a rebalance,
-        and when a poll finds nothing more (the run loop)."""
-        todo = [(tp, rec) for tp, records in polled.items() for rec in records]
+        """Add the polled records to the open commit group one by one (see the module docstring, steps
+        3-4); the group is confirmed and committed when it is full or old, on a stop, a rewind or a
+        rebalance, and when a poll finds nothing more (the run loop). Records left unhandled because
+        the assignment moved get a resume point (stages/revocations.py)."""
+        skip = self._seek_resume_points()  # a partition given back: its records here are past its resume point
+        todo = [(tp, rec) for tp, records in polled.items() if tp not in skip for rec in records]
+        tenure = {tp: self.tracker.tenure(tp) for tp in polled}
         group = self.group.records
-        moved: dict[TopicPartition, int] | None = None
+        moved = False
         for i, (tp, record) in enumerate(todo):
             if self.stop_requested:
                 break
@@ -384,29 +388,48 @@ class StageRunner:
                 if self.rewinding.maybe_rewind(first_offsets(todo[i:])):
                     return
             if not self.tracker.owns(tp):
-                continue  # revoked: the new owner fetches it from the committed offset
+                # revoked (maybe only for the rebalance in progress): if it comes back with this fetch
+                # position, the position is past this record; it is sought back then
+                self.tracker.leave_unhandled(tp, record.offset, tenure[tp])
+                continue
             changes = self.tracker.changes
             pending = self._start(tp, record, group)
             if pending is None:  # a stop abandoned it: not committed, redelivered
                 break
             group.append(pending)
             if self.tracker.changes != changes:
-                # The assignment moved while the record was in hand: a partition we (re)gained fetches
-                # from its committed offset, not from what this loop still holds. Set every owned
-                # position to the first record not handled yet, and poll afresh.
-                moved = {tp: record.offset + 1}
+                # The assignment moved while the record was in hand: a partition we (re)gained fresh
+                # fetches from its committed offset, one given back keeps its position past the rest
+                # of this poll. This record's partition continues after it; every other record of the
+                # poll is left to a resume point, and the loop polls afresh.
+                if self.tracker.owns(tp):
+                    self.pausing.reposition(tp, record.offset + 1)
+                else:
+                    self.tracker.leave_unhandled(tp, record.offset + 1, tenure[tp])
                 for other, rec in todo[i + 1:]:
-                    moved.setdefault(other, rec.offset)
+                    self.tracker.leave_unhandled(other, rec.offset, tenure[other])
+                moved = True
                 break
             if self.max_records is not None and self.handled + len(group) >= self.max_records:
                 self.group.finish()
                 return
             if self.group.closes():
                 self.group.finish()
-        if moved is not None or self.stop_requested:
+        if moved or self.stop_requested:
             self.group.finish()
-        for other, offset in (moved or {}).items():
-            self.pausing.reposition(other, offset)
+        self._seek_resume_points()
+
+    def _seek_resume_points(self) -> set[TopicPartition]:
+        """Seek every partition given back to this replica to its first record not handled (main
+        thread; stages/revocations.py). Returns the partitions sought."""
+        if not self.tracker.pending:
+            return set()
+        due = self.tracker.due_seeks()
+        for tp, offset in due.items():
+            self.log.info("stage %s: %s[%d]: the assignment moved with records of it polled and not "
+                          "handled; resuming at %d", self.stage.name, tp.topic, tp.partition, offset)
+            self.pausing.reposition(tp, offset)
+        return set(due)
 
     # -- one record -----------------------------------------------------------------------------
     def _start(self, tp: TopicPartition, record: Any, group: list[Pending]) -> Pending | None:

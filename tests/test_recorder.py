@@ -346,3 +346,22 @@ def test_supervisor_stops_a_stop_last_child_after_the_others(tmp_path: Path) -> 
         time.sleep(0.05)
     sup.stop(grace_s=10)
     assert seen.read_text() == "True"
+
+
+def test_record_max_bytes_keeps_the_newest_records_within_the_bound(broker: str, fresh_topic, tmp_path: Path) -> None:
+    """Issue 28 item 6: the recorder honours record.max_bytes (the oldest records dropped first)."""
+    topic = fresh_topic(1)
+    producer = make_producer(broker, KafkaConfig())
+    try:
+        for i in range(60):
+            producer.send(topic, bytes([i]) * 2048, partition=0).get(timeout=10)
+    finally:
+        producer.close(timeout=10)
+    stats = Recorder(broker, None, [topic], tmp_path, max_bytes=40_000).run()
+    assert stats.records[topic] == 60, "every record was recorded before the oldest were dropped"
+    assert partition_path(tmp_path, topic, 0).stat().st_size <= 40_000
+    frames = _frames(tmp_path, topic)[0]
+    offsets = [f.offset for f in frames]
+    assert offsets[-1] == 59 and offsets == list(range(offsets[0], 60)), offsets
+    assert 12 <= len(frames) < 20, len(frames)  # 3/4 to all of 40 KB of ~2.1 KB frames
+    assert all(f.value == bytes([f.offset]) * 2048 for f in frames)

@@ -144,6 +144,10 @@ class Rig:
                                                          replica_id=str(i)), _copy, broker))
                         for i, s in enumerate(self.states)]
         self.wait_outputs(12)
+        # a commit group is committed after its outputs are confirmed: the outputs show up first
+        deadline = time.monotonic() + 30
+        while sum(max(c, 0) for c in self.committed().values()) < 12 and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def outputs(self) -> list[str]:
         return [peek_header(r.value)[2] for r in read_topic(self.broker, None, self.dst)]

@@ -285,8 +285,15 @@ class RecordConfig:
 
     enabled: bool | None = None  # null: on when `expstream run` starts its own broker, off with --bootstrap-servers
     topics: list[str] | None = None  # null: every topology topic, its .dlq twin and `policy`; or these names
+    # null: unbounded. Bounds on the recording, the oldest records dropped first (expstream/tools/retention.py)
+    max_bytes: int | None = None  # the partition files together; trimmed to 3/4 of it once over
+    max_age_s: float | None = None  # records older than this (broker timestamp) are dropped
 
     def __post_init__(self) -> None:
+        for name, kinds, e_g in (("max_bytes", int, "1073741824 (1 GiB)"), ("max_age_s", (int, float), "86400")):
+            v = getattr(self, name)
+            check_value(v is None or (isinstance(v, kinds) and not isinstance(v, bool) and v > 0), f"record.{name}",
+                        f"{v!r} is not a positive number; give e.g. {e_g}, or null for no bound")
         if self.topics is not None:
             check_value(len(self.topics) > 0, "record.topics",
                    "an empty list records nothing; give topic names, null for every topic, or set record.enabled=false")

@@ -187,7 +187,8 @@ class Recorder:
     def __init__(self, bootstrap: str, kafka_config: KafkaConfig | None, topics: Iterable[str], root: str | Path,
                  start: Position | Mapping[tuple[str, int], int] | None = None,
                  end: Position | Mapping[tuple[str, int], int] | None = None, *, follow: bool = False,
-                 continue_recording: bool = False, run_id: str | None = None) -> None:
+                 continue_recording: bool = False, run_id: str | None = None, max_bytes: int | None = None,
+                 max_age_s: float | None = None) -> None:
         self.bootstrap, self.cfg = bootstrap, kafka_config or KafkaConfig()
         self.topics = list(dict.fromkeys(topics))
         if not self.topics:
@@ -199,6 +200,7 @@ class Recorder:
         self.root = Path(root)
         self.start, self.end, self.follow = start, end, follow
         self.continue_recording, self.run_id = continue_recording, run_id
+        self.max_bytes, self.max_age_s = max_bytes, max_age_s  # record.max_bytes / max_age_s (retention.py)
         self._stop = threading.Event()
         self.stats = RecordStats()
 
@@ -344,7 +346,7 @@ class Recorder:
         """Steps 0-5 of the module doc; returns what was recorded."""
         self._refuse_other_recording()
         consumer = make_consumer(self.bootstrap, None, self.cfg, max_poll_records=MAX_POLL_RECORDS)
-        writer = RecordingWriter(self.root)
+        writer = RecordingWriter(self.root, max_bytes=self.max_bytes, max_age_s=self.max_age_s)
         try:
             tps = self._partitions(consumer)
             if not tps:
@@ -371,6 +373,9 @@ class Recorder:
         finally:
             writer.close()
             consumer.close(autocommit=False)
+            if writer.trimmed:
+                log.info("recorder: %d oldest records dropped by record.max_bytes=%s / record.max_age_s=%s",
+                         writer.trimmed, self.max_bytes, self.max_age_s)
             log.info("recorder: recorded %s into %s", ", ".join(f"{t}: {n}" for t, n in sorted(
                 self.stats.records.items())) or "nothing", self.root)
 
@@ -544,7 +549,8 @@ def record_command(topo: Any, args: argparse.Namespace,
         raise ConfigError(f"cannot create {str(out)!r} ({exc.strerror or exc})", field="--output",
                           fix="give a writable directory") from exc
     recorder = Recorder(args.bootstrap_servers, topo.kafka, topics, out, start, end, follow=args.follow,
-                        continue_recording=args.continue_recording, run_id=args.run_id)
+                        continue_recording=args.continue_recording, run_id=args.run_id,
+                        max_bytes=topo.record.max_bytes, max_age_s=topo.record.max_age_s)
     if install_signals is None:
         def _on_signal(signum: int, _frame: Any) -> None:
             log.info("recorder: got signal %d; draining", signum)

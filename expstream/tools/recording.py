@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -122,9 +123,14 @@ class RecordingWriter:
     twice) and counted in :attr:`skipped`.
     """
 
-    def __init__(self, root: str | Path, *, fsync: bool = False) -> None:
+    def __init__(self, root: str | Path, *, fsync: bool = False, max_bytes: int | None = None,
+                 max_age_s: float | None = None) -> None:
         self.root = Path(root)
         self.fsync = fsync
+        # record.max_bytes / record.max_age_s: the oldest records dropped first (expstream/tools/retention.py)
+        self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self.trimmed = 0  # records dropped by the bounds
+        self._next_check = 0.0
         self.skipped = 0
         self.written = 0
         self._files: dict[tuple[str, int], BinaryIO] = {}
@@ -179,9 +185,25 @@ class RecordingWriter:
                 os.fsync(f.fileno())
             self.written += len(frames)
         self._pending.clear()
+        if (self.max_bytes is not None or self.max_age_s is not None) and time.monotonic() >= self._next_check:
+            self.enforce_bounds()
+
+    def enforce_bounds(self) -> None:
+        """Drop the oldest records of the files this writer has written beyond the bounds (retention.py)."""
+        from expstream.tools.retention import CHECK_INTERVAL_S, enforce
+
+        self._next_check = time.monotonic() + CHECK_INTERVAL_S
+        paths = {partition_path(self.root, *key): key for key in self._files}
+        dropped = enforce(paths, max_bytes=self.max_bytes, max_age_s=self.max_age_s, now_ms=int(time.time() * 1000))
+        if dropped.files:
+            self.trimmed += dropped.frames
+            for key in paths.values():  # reopened (appending to the renamed file) on the next flush
+                self._files.pop(key).close()
 
     def close(self) -> None:
         self.flush()
+        if self.max_bytes is not None or self.max_age_s is not None:
+            self.enforce_bounds()  # the recording left behind is within the bounds too
         for f in self._files.values():
             f.close()
         self._files.clear()
