@@ -161,7 +161,7 @@ def fresh_topic(broker: str) -> Callable[..., str]:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    """The session-wide S3 server (moto, in a thread of the test process, loopback only)."""
+    """The session-wide S3 server (moto, a child process on loopback)."""
     pytest.importorskip("moto", reason="moto[server] is in the dev extra: pip install -e .[dev]")
     server = S3Server()
     try:

@@ -106,18 +106,34 @@ def example_prompt_batches(topo, tag: str, records: int) -> list:
 
 
 class S3Server:
-    """A real S3-protocol server (moto's server mode, what s3fs's own tests use) on a loopback port."""
+    """A real S3-protocol server (moto's server mode, what s3fs's own tests use) on a loopback port.
+
+    It runs as a child process (``python -m moto.server``), not a thread of the test process: moto's
+    server imports flask, whose context-local proxies in ``sys.modules`` break vLLM's engine start-up
+    in the same process (it walks every module's attributes)."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        import logging
+        import socket
+        import time
+        import urllib.error
+        import urllib.request
 
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not one line per request on stderr
-        self._server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
         self.endpoint = f"http://{host}:{port}"
+        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2).close()
+                return
+            except (urllib.error.URLError, OSError) as exc:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto server on {self.endpoint} did not start: {exc}") from exc
+                time.sleep(0.1)
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables for this server (the only way expstream is configured for a store)."""
@@ -135,4 +151,9 @@ class S3Server:
         return name
 
     def stop(self) -> None:
-        self._server.stop()
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
