@@ -334,6 +334,11 @@ def test_a_primary_and_a_stage_sigkilled_mid_run_every_group_comes_out_once(tmp_
         outcome = finish(run, tmp_path_factory, "cluster-failover", stages=[], running_norm=False,
                          group_buffers=False, timeout_s=300)
         assert_exactly_once(outcome)
+        # a quick run can finish before the cluster has marked the victim failed (node timeout 1 s) and
+        # promoted its replica: wait for that before reading the primaries (the dead one refuses)
+        until = time.monotonic() + 60
+        while victim in redis_cluster.primary_ports() and time.monotonic() < until:
+            time.sleep(0.2)
         # what the run left (the done markers of its freed groups, a buffer left by a kill) is spread
         assert len(keys_by_primary(redis_cluster, f"expstream:{{{run.run_id}{{*")) > 1
         assert victim not in redis_cluster.primary_ports()  # it failed over
