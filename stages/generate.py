@@ -305,26 +305,6 @@ def next_turn(batch: SampleBatch, ctx: StageContext) -> SampleBatch:
     return with_turn(batch, outputs, logprobs, version, decode)
 
 
-def _ragged(rows: list, dtype: type) -> Ragged:
-    """Rows of Python numbers as one Ragged, converted in one pass (``Ragged.from_rows`` converts and
-    checks every row on its own: ~1 ms per field of a 256-sample record)."""
-    lengths = np.fromiter(map(len, rows), np.int32, count=len(rows))
-    values = np.fromiter(itertools.chain.from_iterable(rows), dtype, count=int(lengths.sum()))
-    return Ragged(values, lengths)
-
-
-def _visual_fields(images: list[list[str]], videos: list[list[str]], vision: object) -> dict:
-    """images/videos + their grids for the samples (the grids of their prompt's, from the cache)."""
-    out: dict = {}
-    for name, lists, fn in (("image", images, "image"), ("video", videos, "video")):
-        if any(lists):
-            grids = [np.asarray([x for ref in refs for x in getattr(vision, fn)(ref, ref)[1]], np.int32)
-                     for refs in lists]
-            out[f"{name}s"] = lists
-            out[f"{name}_grid_thw"] = Ragged.from_rows(grids, "int32")
-    return out
-
-
 #: Why 0.2 s: as admission's poll (expstream/rl/admission.py): a newly announced version is loaded within 200 ms
 #: of its announcement, and a generate replica asks Redis at most 5 times a second however fast it decodes.
 IN_FLIGHT_POLL_S = 0.2
