@@ -77,6 +77,11 @@ def redis_restart(tmp_path_factory: pytest.TempPathFactory, model_cache):
         run.start()
         _mid_flow(run, "postprocess[0]", 4)
         with run.state() as st:
+            # the moments are merged by advantage (issue 21's reward order), a hop after postprocess: wait
+            # for the first merge so that the restart really comes mid-run
+            until = time.monotonic() + 60
+            while st.get_moments().count == 0 and run.alive and time.monotonic() < until:
+                time.sleep(0.05)
             before = st.get_moments().count
             parked_before = {p: st.group_status(p)[0] for p in run.prompt_ids}
         t_down = time.time()
