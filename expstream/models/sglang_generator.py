@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from expstream.errors import ConfigError, ShutdownRequested
+from expstream.models.engine_weights import EngineWeights
 from expstream.models.sglang_server import (
     SETUP_HINT,
     SglangServer,
@@ -67,32 +68,11 @@ def check_generate_config(gen: Any) -> None:
                           fix="use 1.0 with generate.backend=sglang, or the transformers/vllm backend")
 
 
-class SglangWeights:
-    """What :class:`expstream.train.weights.PolicyFollower` needs of a model, for an SGLang server:
-    names and shapes from the safetensors headers of ``model_dir`` (no weights in memory), and a
-    ``load_state_dict`` that updates the server in place."""
+class SglangWeights(EngineWeights):
+    """The follower's model for SGLang (expstream/models/engine_weights.py)."""
 
     def __init__(self, generator: SglangGenerator, model_dir: str | os.PathLike[str]) -> None:
-        import torch
-        from safetensors import safe_open
-
-        self.generator = generator
-        self._template: dict[str, Any] = {}
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"{model_dir}: no *.safetensors files; the SGLang backend follows published weights "
-                              "by their safetensors names", field="models.actor",
-                              fix="save the actor with save_pretrained(safe_serialization=True)")
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
-                    self._template[name] = torch.empty(fh.get_slice(name).get_shape(), device="meta")
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self._template)
-
-    def load_state_dict(self, tensors: Mapping[str, Any], strict: bool = True) -> None:
-        self.generator.reload(state_dict=tensors)
+        super().__init__(generator, model_dir, "SGLang")
 
 
 class SglangGenerator:

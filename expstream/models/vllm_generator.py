@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from expstream.errors import ConfigError, ShutdownRequested
+from expstream.models.engine_weights import EngineWeights
 
 #: Why 1 GiB: without VLLM_CPU_KVCACHE_SPACE the CPU backend reserves 0.9 of the NUMA node's memory
 #: and may refuse to start next to the other stages; 1 GiB holds ~1M tokens of the tiny models.
@@ -96,35 +97,11 @@ def _accumulate(acc: dict, out: Any, version: int, return_log_probs: bool) -> No
         row[2].extend([version] * len(toks))
 
 
-class VllmWeights:
-    """What :class:`expstream.train.weights.PolicyFollower` needs of a model, for a vLLM engine.
-
-    ``state_dict()`` gives the names and shapes of the engine's checkpoint (meta tensors read from
-    the safetensors headers of ``model_dir``: no weights in memory twice), so a published version of
-    another architecture is refused before anything is loaded; ``load_state_dict`` reloads the engine.
-    """
+class VllmWeights(EngineWeights):
+    """The follower's model for vLLM (expstream/models/engine_weights.py)."""
 
     def __init__(self, generator: VllmGenerator, model_dir: str | os.PathLike[str]) -> None:
-        import torch
-        from safetensors import safe_open
-
-        self.generator = generator
-        self._template: dict[str, Any] = {}
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"{model_dir}: no *.safetensors files; the vLLM backend follows published weights "
-                              "by their safetensors names", field="models.actor",
-                              fix="save the actor with save_pretrained(safe_serialization=True)")
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
-                    self._template[name] = torch.empty(fh.get_slice(name).get_shape(), device="meta")
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self._template)
-
-    def load_state_dict(self, tensors: Mapping[str, Any], strict: bool = True) -> None:
-        self.generator.reload(state_dict=tensors)
+        super().__init__(generator, model_dir, "vLLM")
 
 
 class VllmGenerator:
