@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from schemas import frame as framing
 from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
 from schemas.messages import (
     PROMPT_V2_FIELDS,
@@ -31,13 +32,16 @@ __all__ = ["MESSAGE_TYPES", "READ_VERSIONS", "SCHEMA_VERSIONS", "Message", "deco
 
 Message = PromptBatch | SampleBatch
 #: Schema name -> the version this writer writes (and the newest this reader reads).
-SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 2, "expstream.SampleBatch": 5}
+SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 2, "expstream.SampleBatch": 6}
 #: Schema name -> every version this reader reads. SampleBatch version 1 has no V2_FIELDS; a
 #: version-1 record decodes with them absent (None / []).
 #: Version 3 of SampleBatch and 2 of PromptBatch add the visual fields (V3_FIELDS, PROMPT_V2_FIELDS);
 #: version 4 of SampleBatch adds the multi-turn fields (V4_FIELDS), version 5 the per-token policy
-#: versions (V5_FIELDS). A record is written at the lowest version that holds its fields.
-READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1, 2), "expstream.SampleBatch": (1, 2, 3, 4, 5)}
+#: versions (V5_FIELDS). A record is written at the lowest version that holds its fields, unless it is
+#: framed: version 6 holds every field of version 5, its tensors' bytes after a msgpack header
+#: (schemas/frame.py), and is written for a SampleBatch whose tensors hold >= FRAME_MIN_BYTES.
+READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1, 2),
+                                             "expstream.SampleBatch": (1, 2, 3, 4, 5, 6)}
 #: Schema name -> message class.
 MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
     PromptBatch.SCHEMA: PromptBatch,
@@ -64,26 +68,38 @@ def write_version(msg: Message) -> int:
 
 
 def encode(msg: Message) -> bytes:
-    """The msgpack bytes of ``msg`` (validated first; raises ValidationError if it is invalid)."""
+    """The msgpack bytes of ``msg`` (validated first; raises ValidationError if it is invalid).
+
+    A SampleBatch whose tensors hold at least ``FRAME_MIN_BYTES`` is framed (version 6: the tensor
+    bytes after the header, schemas/frame.py); every other message is one plain msgpack map at the
+    lowest version that holds its fields (:func:`write_version`).
+    """
     if not isinstance(msg, (PromptBatch, SampleBatch)):
         raise TypeError(f"encode() takes a PromptBatch or SampleBatch, got {type(msg).__name__}")
     msg.validate()  # fields may have been assigned since construction
     cls = type(msg).__name__
     out: dict[str, Any] = {"schema": msg.SCHEMA, "version": write_version(msg)}
+    nbytes = 0  # of the tensors
     for name, kind in msg.FIELDS.items():
         value = getattr(msg, name)
         if value is None or (kind in ("opt_ints", "opt_refs") and not value):
             continue
         if kind == "ragged":  # tensors as memoryviews: packed right below, one copy (schemas/tensors.py)
+            nbytes += value.values.nbytes + value.lengths.nbytes
             value = value.to_dict(copy=False)
         elif kind == "array":
+            nbytes += value.nbytes
             value = encode_tensor(value, "float32", field=f"{cls}.{name}", copy=False)
         elif kind == "arrays":
+            nbytes += sum(v.nbytes for v in value.values())
             value = {
                 k: encode_tensor(value[k], "float32", field=f"{cls}.{name}[{k!r}]", copy=False)
                 for k in sorted(value)
             }
         out[name] = value
+    if isinstance(msg, SampleBatch) and nbytes >= framing.FRAME_MIN_BYTES:
+        out["version"] = framing.FRAME_VERSION
+        return framing.frame(out)
     return msgpack.packb(out, use_bin_type=True)
 
 
@@ -181,10 +197,25 @@ def _float_tensor(value: Any, path: str) -> Any:
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """The message in ``data``; tensors view the decoded bytes without copying (read-only).
 
-    Raises DecodeError (not one msgpack map), UnknownSchemaError, VersionError or
-    ValidationError (unknown/missing/ill-typed fields, failed message validation).
+    A framed record's (version 6) tensors view ``data`` itself (a bytearray or memoryview is copied
+    into bytes first, so that nothing can change under the views). Raises DecodeError (not one msgpack
+    map, or a corrupt frame), UnknownSchemaError, VersionError or ValidationError
+    (unknown/missing/ill-typed fields, failed message validation).
     """
+    if isinstance(data, (bytes, bytearray, memoryview)) and framing.is_framed(data):
+        record = data if isinstance(data, bytes) else bytes(data)
+        obj, start, length = framing.read_header(record)
+        return _decode_map(obj, record, *framing.area_of(start, length, start))
     obj = _unpack(data)
+    if obj.get("version") == framing.FRAME_VERSION and obj.get("schema") == SampleBatch.SCHEMA:
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        payload, record_start = framing.split(obj, size)  # another writer's key order: the payload was copied
+        return _decode_map(obj, payload, *framing.area_of(0, len(payload), record_start))
+    return _decode_map(obj, None, 0, 0)
+
+
+def _decode_map(obj: dict[str, Any], buf: bytes | None, area: int, size: int) -> Message:
+    """The message of an unpacked map; ``buf``: a framed record's bytes (the payload's area at ``area``)."""
     cls, version = _check_envelope(obj)
     fields = _fields_of(cls, version)
     unknown = [k for k in obj if k not in _ENVELOPE and k not in fields]
@@ -195,6 +226,8 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
             "the writer is newer than this reader (upgrade the reader) or misspelt the field",
             field=path,
         )
+    if buf is not None:  # a framed record: its tensor maps become views of the payload
+        framing.attach(obj, memoryview(buf), area, size, cls.__name__)
     kwargs: dict[str, Any] = {}
     try:
         for f in dataclasses.fields(cls):
