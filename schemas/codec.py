@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from schemas import frame as framing
 from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
@@ -26,7 +27,7 @@ from schemas.messages import (
     PromptBatch,
     SampleBatch,
 )
-from schemas.tensors import Ragged, decode_tensor, encode_tensor
+from schemas.tensors import DTYPES, Ragged, decode_tensor
 
 __all__ = ["MESSAGE_TYPES", "READ_VERSIONS", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header", "write_version"]
 
@@ -48,6 +49,7 @@ MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
     SampleBatch.SCHEMA: SampleBatch,
 }
 _ENVELOPE = ("schema", "version")
+_RAGGED_KEYS = frozenset(("lengths", "values"))
 
 
 def write_version(msg: Message) -> int:
@@ -77,30 +79,37 @@ def encode(msg: Message) -> bytes:
     if not isinstance(msg, (PromptBatch, SampleBatch)):
         raise TypeError(f"encode() takes a PromptBatch or SampleBatch, got {type(msg).__name__}")
     msg.validate()  # fields may have been assigned since construction
-    cls = type(msg).__name__
     out: dict[str, Any] = {"schema": msg.SCHEMA, "version": write_version(msg)}
     nbytes = 0  # of the tensors
     for name, kind in msg.FIELDS.items():
         value = getattr(msg, name)
         if value is None or (kind in ("opt_ints", "opt_refs") and not value):
             continue
-        if kind == "ragged":  # tensors as memoryviews: packed right below, one copy (schemas/tensors.py)
-            nbytes += value.values.nbytes + value.lengths.nbytes
-            value = value.to_dict(copy=False)
+        if kind == "ragged":
+            value = {"lengths": _tensor(value.lengths, "int32"), "values": _tensor(value.values, value.dtype)}
+            nbytes += value["lengths"]["data"].nbytes + value["values"]["data"].nbytes
         elif kind == "array":
-            nbytes += value.nbytes
-            value = encode_tensor(value, "float32", field=f"{cls}.{name}", copy=False)
+            value = _tensor(value, "float32")
+            nbytes += value["data"].nbytes
         elif kind == "arrays":
-            nbytes += sum(v.nbytes for v in value.values())
-            value = {
-                k: encode_tensor(value[k], "float32", field=f"{cls}.{name}[{k!r}]", copy=False)
-                for k in sorted(value)
-            }
+            value = {k: _tensor(value[k], "float32") for k in sorted(value)}
+            nbytes += sum(t["data"].nbytes for t in value.values())
         out[name] = value
     if isinstance(msg, SampleBatch) and nbytes >= framing.FRAME_MIN_BYTES:
         out["version"] = framing.FRAME_VERSION
-        return framing.frame(out)
+        return framing.frame(out)  # the tensors' bytes appended, one copy
+    for parent, key, t, _ in framing.tensor_maps(out):  # the tensors as bins of the map: packed right below, one copy
+        parent[key] = {"dtype": t["dtype"], "shape": t["shape"], "data": memoryview(t["data"].reshape(-1).view(np.uint8))}
     return msgpack.packb(out, use_bin_type=True)
+
+
+def _tensor(a: np.ndarray, name: str) -> dict[str, Any]:
+    """A validated field's array as ``{dtype, shape, data}``, ``data`` the array itself made C-contiguous
+    and little-endian (a copy only when it is not already)."""
+    target = DTYPES[name]
+    if a.dtype != target or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=target)
+    return {"dtype": name, "shape": list(a.shape), "data": a}
 
 
 def _unpack(data: Any) -> dict[str, Any]:
@@ -205,17 +214,22 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     if isinstance(data, (bytes, bytearray, memoryview)) and framing.is_framed(data):
         record = data if isinstance(data, bytes) else bytes(data)
         obj, start, length = framing.read_header(record)
-        return _decode_map(obj, record, *framing.area_of(start, length, start))
+        area = framing.area_of(start, length, start)
+        fast = _decode_framed(obj, record, area)
+        if fast is not None:
+            return fast
+        obj = framing.read_header(record)[0]  # something failed a check: the whole way, for its precise error
+        return _decode_map(obj, (record, *area))
     obj = _unpack(data)
     if obj.get("version") == framing.FRAME_VERSION and obj.get("schema") == SampleBatch.SCHEMA:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         payload, record_start = framing.split(obj, size)  # another writer's key order: the payload was copied
-        return _decode_map(obj, payload, *framing.area_of(0, len(payload), record_start))
-    return _decode_map(obj, None, 0, 0)
+        return _decode_map(obj, (payload, *framing.area_of(0, len(payload), record_start)))
+    return _decode_map(obj, None)
 
 
-def _decode_map(obj: dict[str, Any], buf: bytes | None, area: int, size: int) -> Message:
-    """The message of an unpacked map; ``buf``: a framed record's bytes (the payload's area at ``area``)."""
+def _checked_envelope(obj: dict[str, Any]) -> tuple[type[PromptBatch] | type[SampleBatch], dict[str, str]]:
+    """The message class and the fields of the map's version; raises for an unknown field."""
     cls, version = _check_envelope(obj)
     fields = _fields_of(cls, version)
     unknown = [k for k in obj if k not in _ENVELOPE and k not in fields]
@@ -226,8 +240,57 @@ def _decode_map(obj: dict[str, Any], buf: bytes | None, area: int, size: int) ->
             "the writer is newer than this reader (upgrade the reader) or misspelt the field",
             field=path,
         )
-    if buf is not None:  # a framed record: its tensor maps become views of the payload
-        framing.attach(obj, memoryview(buf), area, size, cls.__name__)
+    return cls, fields
+
+
+def _decode_framed(obj: dict[str, Any], record: bytes, area: tuple[int, int]) -> Message | None:
+    """A framed record's message, its tensors checked in bulk (one pass over every float, one check of
+    each distinct ragged ``lengths``) and viewed in ``record``; None when a tensor fails a check (the
+    caller then decodes the record the whole way, which names the field and the fix)."""
+    cls, fields = _checked_envelope(obj)
+    if not framing.attach(obj, record, *area, cls.__name__, views=True):
+        return None
+    kwargs: dict[str, Any] = {}
+    lengths: dict[bytes, tuple[np.ndarray, int]] = {}  # equal lengths arrays: checked once, one object
+    try:
+        for name, value in obj.items():
+            kind = fields.get(name)
+            if kind == "ragged" and value is not None:
+                if type(value) is not dict or value.keys() != _RAGGED_KEYS:
+                    return None
+                (lname, lens), (vname, values) = value["lengths"], value["values"]
+                if lname != "int32" or lens.ndim != 1 or values.ndim != 1:
+                    return None
+                seen = lengths.get(key := lens.tobytes())
+                if seen is None:
+                    if lens.size and int(lens.min()) < 0:
+                        return None
+                    seen = lengths[key] = (lens, int(lens.sum(dtype=np.int64)))
+                if seen[1] != values.shape[0] or (vname == "bool" and values.size and int(values.view(np.uint8).max()) > 1):
+                    return None
+                value = Ragged.checked(values, seen[0], vname)
+            elif kind == "array" and value is not None:
+                if value[0] != "float32":
+                    return None
+                value = value[1]
+            elif kind == "arrays" and value is not None:
+                if type(value) is not dict or any(v[0] != "float32" for v in value.values()):
+                    return None
+                value = {k: v[1] for k, v in value.items()}
+            if name not in _ENVELOPE:
+                kwargs[name] = value
+        return cls.with_checked_floats(kwargs)
+    except SchemaError:
+        raise  # the message's own validation: the same error the whole way gives
+    except Exception:  # a tensor where a list belongs, a missing field, ...: the whole way says which
+        return None
+
+
+def _decode_map(obj: dict[str, Any], framed: tuple[bytes, int, int] | None) -> Message:
+    """The message of an unpacked map; ``framed``: a version-6 record's bytes and its payload's area."""
+    cls, fields = _checked_envelope(obj)
+    if framed is not None:  # its tensor maps become {dtype, shape, data} views of the payload
+        framing.attach(obj, framed[0], framed[1], framed[2], cls.__name__, views=False)
     kwargs: dict[str, Any] = {}
     try:
         for f in dataclasses.fields(cls):

@@ -24,10 +24,10 @@ import msgpack
 import numpy as np
 
 from schemas.errors import DecodeError
-from schemas.tensors import DTYPES
+from schemas.tensors import DTYPES, all_finite
 
-__all__ = ["ALIGN", "FRAME_MIN_BYTES", "FRAME_VERSION", "PAYLOAD_KEY", "area_of", "attach", "float_span", "frame",
-           "is_framed", "read_header", "split"]
+__all__ = ["ALIGN", "FRAME_MIN_BYTES", "FRAME_VERSION", "PAYLOAD_KEY", "area_of", "attach", "frame",
+           "is_framed", "read_header", "split", "tensor_maps"]
 
 #: The SampleBatch version of a framed record.
 FRAME_VERSION = 6
@@ -44,25 +44,29 @@ _PREFIX = b"\xa6schema\xb5expstream.SampleBatch\xa7version\x06"
 _CHUNK = 1 << 16  # header bytes fed to the unpacker at first (doubled until the header fits)
 
 
-def _tensors(obj: dict[str, Any], depth: int = 0) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
-    """(parent, key, tensor map) of every tensor map in ``obj`` (a field, a ragged map, a dict of arrays)."""
+def tensor_maps(obj: dict[str, Any], path: str = "") -> list[tuple[dict[str, Any], str, dict[str, Any], str]]:
+    """(parent, key, tensor map, the parent's dotted path) of every tensor map in ``obj`` (a field, a
+    ragged map, a dict of arrays: two levels down at most)."""
     found = []
     for key, value in obj.items():
         if type(value) is dict:
             if "dtype" in value:
-                found.append((obj, key, value))
-            elif depth < 2:
-                found.extend(_tensors(value, depth + 1))
+                found.append((obj, key, value, path))
+            else:
+                for k, v in value.items():
+                    if type(v) is dict and "dtype" in v:
+                        found.append((value, k, v, f"{path}.{key}"))
     return found
 
 
 def frame(header: dict[str, Any]) -> bytes:
-    """The framed record of ``header`` (a message map whose tensors are ``{dtype, shape, data}``).
+    """The framed record of ``header`` (a message map whose tensors are ``{dtype, shape, data}``, ``data`` a
+    C-contiguous little-endian array).
 
     The tensor maps are replaced in place by ``{dtype, shape, at}``; their data is appended once
     (``bytes.join``: the one copy of the tensor bytes).
     """
-    found = _tensors(header)
+    found = tensor_maps(header)
     order = sorted(range(len(found)), key=lambda i: (found[i][2]["dtype"] != "float32", -DTYPES[found[i][2]["dtype"]].itemsize))
     pos, placed = 0, []
     for i in order:
@@ -71,7 +75,7 @@ def frame(header: dict[str, Any]) -> bytes:
         pos += -pos % size
         placed.append((pos, t["data"]))
         found[i][0][found[i][1]] = {"dtype": t["dtype"], "shape": t["shape"], "at": pos}
-        pos += len(t["data"]) if isinstance(t["data"], bytes) else t["data"].nbytes
+        pos += t["data"].nbytes
     head = msgpack.packb({**header, PAYLOAD_KEY: None}, use_bin_type=True)
     assert head.endswith(_TAIL), "the payload key must be the header's last entry"
     head = head[:-1]
@@ -82,7 +86,7 @@ def frame(header: dict[str, Any]) -> bytes:
         if at > end:
             parts.append(bytes(at - end))
         parts.append(data)
-        end = at + (len(data) if isinstance(data, bytes) else data.nbytes)
+        end = at + data.nbytes
     return b"".join(parts)
 
 
@@ -172,44 +176,66 @@ def area_of(start: int, length: int, record_start: int) -> tuple[int, int]:
     return start + pad, length - pad
 
 
-def attach(header: dict[str, Any], buf: memoryview, area: int, size: int, schema: str) -> list[tuple[int, int]]:
-    """Replace every ``{dtype, shape, at}`` of ``header`` by ``{dtype, shape, data}``, ``data`` a view of ``buf``.
+def attach(header: dict[str, Any], buf: bytes, area: int, size: int, schema: str, *, views: bool) -> bool:
+    """Replace every ``{dtype, shape, at}`` of ``header`` by its bytes in ``buf``, viewed without a copy.
 
-    ``buf[area:area + size]`` is the payload's area (:func:`area_of`). Checks each tensor's place: ``at``
-    an int, a multiple of the item size, the bytes inside the area, no two tensors overlapping
-    (DecodeError naming the field otherwise). Returns the (start, end) buffer spans of the float32
-    tensors, in buffer order.
+    ``buf[area:area + size]`` is the payload's area (:func:`area_of`). ``views``: each tensor map becomes
+    ``(dtype name, read-only ndarray)`` and the answer is whether every float32 value is finite (one
+    pass over them when they lie back to back, the writer's layout); else ``{dtype, shape, data}`` with
+    ``data`` a memoryview (the tensor maps of the other versions) and the answer is True. Checks each
+    tensor's place first: ``at`` an int, a multiple of the item size, the bytes inside the area, no two
+    tensors overlapping (DecodeError naming the field otherwise).
     """
-    spans, floats = [], []
-    for parent, key, t in _tensors(header):
-        path = f"{schema}.{key}"
-        if t.keys() != _TENSOR_KEYS:
-            raise DecodeError(f"{path}: a version-6 tensor map has exactly the keys dtype, shape, at (got "
-                              f"{sorted(map(str, t))}); its bytes live in the payload", field=path)
-        dt, shape, at = DTYPES.get(t["dtype"]) if isinstance(t["dtype"], str) else None, t["shape"], t["at"]
-        if dt is None:
-            raise DecodeError(f"{path}: unknown dtype {t['dtype']!r}; use one of {', '.join(DTYPES)}", field=path)
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise DecodeError(f"{path}: shape must be a list of non-negative ints, got {shape!r}", field=path)
-        nbytes = math.prod(shape) * dt.itemsize
-        if type(at) is not int or at < 0 or at % dt.itemsize or at + nbytes > size:
-            raise DecodeError(f"{path}: payload offset {at!r} for {nbytes} bytes of {t['dtype']} is not a multiple of "
+    spans, floats, mv = [], [], memoryview(buf)
+    for parent, key, t, where in tensor_maps(header, schema):
+        path = f"{where}.{key}"
+        name, shape, at = t.get("dtype"), t.get("shape"), t.get("at")
+        dt = DTYPES.get(name) if type(name) is str else None
+        one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0  # the common case
+        if len(t) != 3 or dt is None or not (one_dim or _shape_ok(shape)) or type(at) is not int:
+            _refuse(t, path)
+        count = shape[0] if one_dim else math.prod(shape)
+        nbytes = count * dt.itemsize
+        if at < 0 or at % dt.itemsize or at + nbytes > size:
+            raise DecodeError(f"{path}: payload offset {at!r} for {nbytes} bytes of {name} is not a multiple of "
                               f"{dt.itemsize} inside the {size}-byte payload; the frame is corrupt", field=path)
-        parent[key] = {"dtype": t["dtype"], "shape": shape, "data": buf[area + at:area + at + nbytes]}
+        if views:
+            arr = np.frombuffer(buf, dt, count, area + at)
+            parent[key] = (name, arr if one_dim else arr.reshape(shape))
+        else:
+            parent[key] = {"dtype": name, "shape": shape, "data": mv[area + at:area + at + nbytes]}
         spans.append((at, at + nbytes, path))
-        if t["dtype"] == "float32":
-            floats.append((at, at + nbytes))
+        if name == "float32" and nbytes:
+            floats.append((area + at, area + at + nbytes))
     spans.sort()
     for (_, end, first), (at, _, second) in zip(spans, spans[1:], strict=False):
         if at < end:
             raise DecodeError(f"{second}: its payload bytes overlap {first}'s; the frame is corrupt", field=second)
-    floats.sort()
-    return [(area + a, area + b) for a, b in floats]
+    return not views or _all_finite(buf, sorted(floats))
 
 
-def float_span(data: bytes, spans: list[tuple[int, int]]) -> np.ndarray | None:
-    """The float32 tensors' bytes as one array when they lie back to back (the writer's layout), else None."""
-    if not spans or any(b[0] != a[1] for a, b in zip(spans, spans[1:], strict=False)):
-        return None
-    lo, hi = spans[0][0], spans[-1][1]
-    return np.frombuffer(data, np.float32, (hi - lo) // 4, lo)
+def _shape_ok(shape: Any) -> bool:
+    return type(shape) is list and all(type(s) is int and s >= 0 for s in shape)
+
+
+def _refuse(t: dict[str, Any], path: str) -> None:
+    """DecodeError for a version-6 tensor map ``t`` that is not ``{dtype, shape, at}`` of a known dtype."""
+    if t.keys() != _TENSOR_KEYS:
+        raise DecodeError(f"{path}: a version-6 tensor map has exactly the keys dtype, shape, at (got "
+                          f"{sorted(map(str, t))}); its bytes live in the payload", field=path)
+    if not isinstance(t["dtype"], str) or t["dtype"] not in DTYPES:
+        raise DecodeError(f"{path}: unknown dtype {t['dtype']!r}; use one of {', '.join(DTYPES)}", field=path)
+    if not _shape_ok(t["shape"]):
+        raise DecodeError(f"{path}: shape must be a list of non-negative ints, got {t['shape']!r}", field=path)
+    raise DecodeError(f"{path}: payload offset must be an int, got {t['at']!r}; the frame is corrupt", field=path)
+
+
+def _all_finite(buf: bytes, spans: list[tuple[int, int]]) -> bool:
+    """Whether the float32 values of every span of ``buf`` are finite: one pass when they lie back to back."""
+    runs: list[list[int]] = []
+    for a, b in spans:
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return all(all_finite(np.frombuffer(buf, np.float32, (b - a) // 4, a)) for a, b in runs)
