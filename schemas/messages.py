@@ -348,7 +348,11 @@ class SampleBatch(_Message):
                                    f"{short_repr(ref)} (first at sample {ids[row]}); {why}")  # fmt: skip
 
     def validate(self) -> None:
-        """Check every field against the contract (types, B, dtypes, lengths, finiteness)."""
+        """Check every field against the contract (types, B, dtypes, lengths, finiteness).
+
+        Every check runs each time, but the finiteness of a float array this message already found
+        finite (the same object: see ``_finite``); a field assigned since is checked whole.
+        """
         self._str("batch_id")
         for name in ("policy_version", "n_samples_per_prompt", "eos_token_id", "pad_token_id"):
             self._int(name)
@@ -444,7 +448,7 @@ class SampleBatch(_Message):
         if v and len(v) != B:
             raise _err(self, name, f"has {len(v)} entries but B={B} (len(prompt_id)); give one version per "
                                    "sample, or none at all")  # fmt: skip
-        bad = [i for i, x in enumerate(v) if x < 0]
+        bad = [i for i, x in enumerate(v) if x < 0] if v and min(v) < 0 else []
         if bad:
             raise _err(self, name, f"negative policy versions {short_repr([v[i] for i in bad], 5)} at rows "
                                    f"{short_repr(bad, 5)}; versions start at 0 (the initial weights)")  # fmt: skip

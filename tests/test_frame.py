@@ -216,3 +216,19 @@ def test_bit_flips_and_cuts_never_crash(record, data):
     except SchemaError:
         return
     assert isinstance(out, SampleBatch) and len(out) == B
+
+
+def test_encode_checks_reassigned_fields_and_decode_checks_every_value():
+    batch = big_batch(width=20)
+    bad = batch.values.values.copy()
+    bad[3] = np.nan
+    batch.values = Ragged(bad, batch.values.lengths)  # assigned after construction: encode checks it
+    with pytest.raises(ValidationError, match=r"^SampleBatch\.values: non-finite"):
+        encode(batch)
+    batch = big_batch()
+    batch.kl.values[5] = np.inf  # written in place after construction: not read again by encode ...
+    data = encode(batch)
+    with pytest.raises(ValidationError, match=r"^SampleBatch\.kl: non-finite .*\['q0#0'\]"):
+        decode(data)  # ... but every reader checks every value
+    with pytest.raises(ValidationError, match=r"^SampleBatch\.kl: non-finite"):
+        batch.replace()  # a new message checks its arrays

@@ -35,6 +35,7 @@ from expstream.kafka.clients import (
 )
 from expstream.kafka.topics import create_topics
 from schemas import PromptBatch, Ragged, SampleBatch, decode, encode
+from schemas import frame as framing
 from schemas.codec import peek_header
 from schemas.tensors import encode_tensor
 from stages import generate, shard_preprocess
@@ -134,6 +135,24 @@ def headers_of(rec) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # one shard-preprocess runner and one generate runner fed every kind of bad input
 # ---------------------------------------------------------------------------------------------
+def framed(batch: SampleBatch) -> bytes:
+    """``batch`` as a framed record (schema version 6), whatever its size."""
+    saved, framing.FRAME_MIN_BYTES = framing.FRAME_MIN_BYTES, 1
+    try:
+        return encode(batch)
+    finally:
+        framing.FRAME_MIN_BYTES = saved
+
+
+def nan_in_frame(batch: SampleBatch) -> bytes:
+    """A framed record of ``batch`` with values [0, NaN, ...]: the bytes of its first float32 (the writer
+    puts the floats first in the payload's area) patched."""
+    record = framed(batch.replace(values=Ragged.from_rows([np.zeros(3, np.float32)] * len(batch), "float32")))
+    _, start, length = framing.read_header(record)
+    at = framing.area_of(start, length, start)[0] + 4
+    return record[:at] + np.float32(np.nan).tobytes() + record[at + 4:]
+
+
 def bad_sample_batches() -> dict[str, tuple[bytes, str, str]]:
     """kind -> (record bytes, expected error class, expected text in the error message)."""
     ok = rollouts("bad", ["x"] * 4)
@@ -159,6 +178,8 @@ def bad_sample_batches() -> dict[str, tuple[bytes, str, str]]:
                       "ValidationError", "values"),
         "record over max_record_bytes": (encode(rollouts("huge", ["y" * (MAX_RECORD_BYTES + 10)])),
                                          "RecordTooLargeError", "max_record_bytes"),
+        "truncated frame (version 6)": (framed(ok)[:-5], "DecodeError", "truncated"),
+        "NaN in a frame's payload": (nan_in_frame(scored("fv")), "ValidationError", "values"),
         # every sample fails on its own too: nothing to salvage, the record goes whole
         "batch-level failure": (encode(rollouts("again", ["x"] * 4).replace(layout="padded", action_ids=i32(
             [[7, 8, 9]] * 4), action_mask=Ragged.from_rows([np.ones(3, bool)] * 4, "bool"))),
@@ -285,7 +306,9 @@ def test_bad_input_is_dead_lettered_with_original_bytes_and_headers(bad_input_ru
     assert (h["original_topic"], h["original_partition"], h["original_offset"]) == (res.input, "0", str(offset))
     assert h["size"] == str(len(value))
     assert "split_from" not in h
-    peeked = msgpack.unpackb(value, raw=False) if kind not in ("not msgpack", "truncated msgpack") else None
+    peeked = msgpack.unpackb(value, raw=False) if not kind.startswith(("not msgpack", "truncated")) else None
+    if kind.startswith("truncated frame"):  # its header is whole: the envelope still travels
+        assert (h["schema_version"], h["batch_id"]) == ("6", "bad")
     if isinstance(peeked, dict):  # what the envelope says travels in the headers
         assert h["schema"] == peeked["schema"] and h["schema_version"] == str(peeked["version"])
         assert h["batch_id"] == peeked["batch_id"]
