@@ -198,8 +198,8 @@ class _Message:
             raise _err(self, name, f"has dtype {value.dtype}; cast it to float32 (arr.astype(np.float32))")
         if value.shape != (B,):
             raise _err(self, name, f"has shape {value.shape} but must be (B,) = ({B},), one value per sample")
-        bad = np.empty(0, np.int64) if self._finite(name, value) else np.flatnonzero(~np.isfinite(value))
-        if bad.size:
+        bad = None if self._finite(name, value) else np.flatnonzero(~np.isfinite(value))
+        if bad is not None and bad.size:
             raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, bad)}; "
                                    "fix or drop those samples upstream")  # fmt: skip
         return value
@@ -463,7 +463,7 @@ class SampleBatch(_Message):
         if r.dtype != dtype:
             raise _err(self, name, f"has dtype {r.dtype} but must be {dtype}; "
                                    f"cast it (Ragged.from_rows(r.rows(), {dtype!r}))")  # fmt: skip
-        if len(r) != B:
+        if r.lengths.shape[0] != B:
             raise _err(self, name, f"has {len(r)} rows but B={B} (len(prompt_id)); give one row per sample")
         if name in RESPONSE_LEVEL_BEFORE_ACTIONS and self.action_ids is None:
             self._same_lengths(name, r, "response_ids", ids,
@@ -473,8 +473,8 @@ class SampleBatch(_Message):
             self._same_lengths(name, r, "action_ids", ids,
                                "action-level fields need action_ids (set by shard-preprocess) to define the "
                                "action lengths", "every action-level field must have one value per action token")
-        if dtype == "float32":
-            bad = np.empty(0, np.int64) if self._finite(name, r.values) else np.flatnonzero(~np.isfinite(r.values))
+        if dtype == "float32" and not self._finite(name, r.values):
+            bad = np.flatnonzero(~np.isfinite(r.values))
             if bad.size:
                 rows = np.unique(np.searchsorted(r.offsets, bad, side="right") - 1)
                 raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, rows)}; "
