@@ -23,6 +23,7 @@ from expstream.launch.continuous import TrainLog, feed_limit, records_to_feed, r
 from expstream.launch.prompts import EpochFeeder, PromptRow
 from expstream.launch.run import write_resolved_topology
 from expstream.launch.supervisor import Supervisor, SupervisorError
+from tests.harness import leftovers
 
 ROWS = [PromptRow(f"q{i}", f"Question {i}?", label=str(i)) for i in range(5)]
 
@@ -253,7 +254,7 @@ def test_a_continuous_run_with_two_generate_replicas_trains_max_steps_within_the
         stored = yaml.safe_load((out / "run" / "topology.yaml").read_text())["train"]
         assert stored["enabled"] is True and stored["weight_store"] == str((out / "weights").resolve())
         assert not (out / "experiences.msgpack").exists()  # the trainer is the consumer
-        assert leftovers(out / "run", external_broker=True) == []
+        assert leftovers(out / "run", external_broker=True, redis_port=False) == []
     finally:
         broker.stop()
 
@@ -284,19 +285,7 @@ def test_ctrl_c_stops_the_trainer_and_the_stages_and_writes_the_summary(tmp_path
     assert summary["final_weights"] == str(out / "final"), summary
     assert (out / "final" / "config.json").is_file() and list((out / "final").glob("*.safetensors"))
     assert "leaked semaphore" not in err
-    assert leftovers(out / "run") == []
-
-
-def leftovers(run_dir: Path, external_broker: bool = False) -> list[str]:
-    from tests.test_lifecycle import alive, port_open
-
-    pids = json.loads((run_dir / "pids.json").read_text())
-    services = json.loads((run_dir / "services.json").read_text())
-    found = [f"{label} pid {pid}" for label, pid in pids.items() if alive(pid)]
-    found += [f"{k} {services[k]}" for k in ("broker_pid", "redis_pid") if k in services and alive(services[k])]
-    if not external_broker:
-        found += [f"port {services['bootstrap_servers']}"] if port_open(services["bootstrap_servers"]) else []
-    return found
+    assert leftovers(out / "run", redis_port=False) == []
 
 
 def test_the_run_creates_the_topic_the_trainer_announces_on():
