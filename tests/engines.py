@@ -113,6 +113,26 @@ def session_members(sid: int) -> list[int]:
     return [p for p, st in processes().items() if int(st[3]) == sid]
 
 
+def start_example_run(tmp_path: Path, out: Path, cache: Path, *sets: str) -> tuple[subprocess.Popen, Path]:
+    """``expstream run`` of the example prompts into ``out`` with the model cache and ``--set``s, from the checkout,
+    stdout dropped and stderr to ``tmp_path / "stderr.log"``; returns the process and that file."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", "examples/prompts.jsonl", "--output", str(out),
+           "--no-progress"]
+    for x in (*sets, f"models.cache_dir={cache}"):
+        cmd += ["--set", x]
+    stderr_path = tmp_path / "stderr.log"
+    with stderr_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    return proc, stderr_path
+
+
+def stop_problems(stderr: str) -> list[str]:
+    """The supervisor's lines about a generate replica SIGKILLed after the grace ("did not stop within ...;
+    killing it") or exiting with an error code on stop ("exited with code N on stop")."""
+    return [line for line in stderr.splitlines() if "generate[" in line and ("on stop" in line or "did not stop" in line)]
+
+
 class GenerateProcesses:
     """The generate stage processes of an ``expstream run`` writing to ``out`` (run/pids.json, every one seen
     -> its label) and every process they started (children and grandchildren seen while :meth:`watch` is
@@ -134,6 +154,16 @@ class GenerateProcesses:
         procs = processes()
         for _ in range(2):  # children, then grandchildren
             self.started.update(p for p, st in procs.items() if int(st[1]) in self.pids or int(st[1]) in self.started)
+
+    def wait_for_end(self, proc: subprocess.Popen, timeout_s: float) -> None:
+        """Watch until the run ``proc`` exits (at most ``timeout_s``)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"the run did not finish within {timeout_s:.0f} s"
+            self.watch()
+            time.sleep(0.2)
 
     def assert_none_left(self) -> None:
         """No generate process and nothing it started is alive, nor any process of their sessions (a stage

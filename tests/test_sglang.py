@@ -8,9 +8,6 @@ session fixture starts, and its teardown checks that nothing of that server's se
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,9 +23,10 @@ from tests.engines import (
     max_diff,
     prompts,
     session_members,
+    start_example_run,
+    stop_problems,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not sglang_installed(), reason="no SGLang venv: run `make setup-sglang`")]
 #: Why 1e-5: the issue's bound; float32 SGLang and transformers agree to ~2e-6 here, a prefix cached
@@ -178,22 +176,11 @@ def test_expstream_run_with_sglang_puts_every_group_out_once_and_leaves_no_serve
     after the grace), no process the stage started survives it, and the server it did not start is left
     serving."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cache = Path(tiny["actor"]).parents[1]
-    stderr_path = tmp_path / "stderr.log"
-    with stderr_path.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "expstream", "run", "--prompts", "examples/prompts.jsonl",
-                                 "--output", str(out), "--no-progress", "--set", "generate.backend=sglang",
-                                 "--set", f"generate.sglang_url={engine.url}",
-                                 "--set", "stages.generate.replicas=1", "--set", f"models.cache_dir={cache}"],
-                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc, stderr_path = start_example_run(tmp_path, out, Path(tiny["actor"]).parents[1], "generate.backend=sglang",
+                                          f"generate.sglang_url={engine.url}", "stages.generate.replicas=1")
     gen_procs = GenerateProcesses(out)
     try:
-        deadline = time.monotonic() + 420
-        while proc.poll() is None:
-            assert time.monotonic() < deadline, "the run did not finish within 420 s"
-            gen_procs.watch()
-            time.sleep(0.2)
+        gen_procs.wait_for_end(proc, 420)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -204,8 +191,7 @@ def test_expstream_run_with_sglang_puts_every_group_out_once_and_leaves_no_serve
     assert gen_procs.pids, "the run's generate replica was seen"
     log = (out / "run" / "logs" / "generate-0.log").read_text(errors="replace")
     assert f"generate: SGLang server {engine.url} for" in log and "generate: SGLang engine shut down" in log
-    bad = [line for line in stderr.splitlines() if "generate[" in line and ("on stop" in line or "did not stop" in line)]
-    assert not bad, bad
+    assert not stop_problems(stderr), stop_problems(stderr)
     gen_procs.assert_none_left()
     assert engine.server.proc.poll() is None, "the server at generate.sglang_url is not the stage's to stop"
     ps = prompts(hf.tokenizer)

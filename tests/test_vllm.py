@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,9 +26,10 @@ from tests.engines import (
     max_diff,
     perturbed_actor,
     prompts,
+    start_example_run,
+    stop_problems,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed: run `make setup-vllm`")]
 #: Why 1e-4: the issue's bound; float32 on both engines agrees to ~1e-6 here, a reused KV cache of
@@ -160,14 +159,7 @@ def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine
     stops every generate replica cleanly: each returns from its runner and shuts its engine down
     (never SIGKILLed after the grace), and nothing that a generate stage started outlives it."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cache = Path(tiny["actor"]).parents[1]
-    stderr_path = tmp_path / "stderr.log"
-    with stderr_path.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "expstream", "run", "--prompts", "examples/prompts.jsonl",
-                                 "--output", str(out), "--no-progress", "--set", "generate.backend=vllm",
-                                 "--set", f"models.cache_dir={cache}"],
-                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc, stderr_path = start_example_run(tmp_path, out, Path(tiny["actor"]).parents[1], "generate.backend=vllm")
     gen_procs = GenerateProcesses(out)
     try:
         log = out / "run" / "logs" / "generate-0.log"
@@ -180,11 +172,7 @@ def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine
         killed = json.loads((out / "run" / "pids.json").read_text())["generate[0]"]
         assert children(killed) == [], "the engine runs inside the stage process: no engine process to orphan"
         os.kill(killed, signal.SIGKILL)
-        deadline = time.monotonic() + 240
-        while proc.poll() is None:
-            assert time.monotonic() < deadline, "the run did not finish within 240 s"
-            gen_procs.watch()
-            time.sleep(0.2)
+        gen_procs.wait_for_end(proc, 240)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -196,8 +184,7 @@ def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine
 
     # The stop: no generate replica was SIGKILLed after the grace or exited with an error code (the
     # supervisor logs both: "did not stop within ...; killing it", "exited with code N on stop").
-    bad = [line for line in stderr.splitlines() if "generate[" in line and ("on stop" in line or "did not stop" in line)]
-    assert not bad, bad
+    assert not stop_problems(stderr), stop_problems(stderr)
     # Each replica alive at the stop returned from its runner (so exited 0) and shut its engine down;
     # its log lines carry its pid.
     final = {pid: label for pid, label in gen_procs.pids.items() if pid != killed}
