@@ -1,11 +1,13 @@
-"""`expstream run` leaves nothing behind, Ctrl-C stops it cleanly, the supervisor restarts the dead."""
+"""`expstream run` leaves nothing behind, Ctrl-C stops it cleanly, the supervisor restarts the dead.
+
+That a run which finished leaves no process and no open port is checked after each run of tests/test_e2e.py
+(its ``run`` helper): a run of its own here repeated one of those.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,39 +16,9 @@ from pathlib import Path
 import pytest
 
 from expstream.launch.supervisor import Supervisor, SupervisorError
-from tests.harness import start_expstream
+from tests.harness import leftovers, start_expstream
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def port_open(hostport: str) -> bool:
-    host, _, port = hostport.rpartition(":")
-    with socket.socket() as s:
-        s.settimeout(0.3)
-        return s.connect_ex((host, int(port))) == 0
-
-
-def leftovers(run_dir: Path) -> list[str]:
-    pids = json.loads((run_dir / "pids.json").read_text()) if (run_dir / "pids.json").exists() else {}
-    services = json.loads((run_dir / "services.json").read_text())
-    found = [f"{label} pid {pid}" for label, pid in pids.items() if alive(pid)]
-    found += [f"{k} {services[k]}" for k in ("broker_pid", "redis_pid") if k in services and alive(services[k])]
-    found += [f"port {services['bootstrap_servers']}"] if port_open(services["bootstrap_servers"]) else []
-    found += [f"port {services['redis_url']}"] if port_open(services["redis_url"].split("//")[1].split("/")[0]) else []
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +32,6 @@ def start_run(tmp_path: Path, cache: Path, prompts: int = 6) -> tuple[subprocess
     proc, out = start_expstream(tmp_path, prompts=path, cache=cache,
                                 sets=["generate.max_new_tokens=6", "generate.n_samples_per_prompt=2"])
     return proc, out / "run"
-
-
-@pytest.mark.e2e
-def test_a_finished_run_leaves_no_process_and_no_open_port(tmp_path, cache):
-    proc, run_dir = start_run(tmp_path, cache)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert leftovers(run_dir) == []
 
 
 @pytest.mark.e2e
