@@ -422,13 +422,11 @@ def test_slow_batch_keeps_membership_and_a_rebalance_meanwhile_loses_and_doubles
         busy = next(r for r in replicas.values() if TopicPartition(src, 0) in r.runner.tracker.assigned)
         other = next(r for r in replicas.values() if r is not busy)
         produce(broker, src, [record("slow-0"), record("fast-1a"), record("fast-1b")], partitions=[0, 1, 1])
-        started = time.monotonic()
         other.wait(lambda: other.runner.handled == 2 and ("slow-0", busy.runner.ctx.replica_id) in seen, 30,
                    "partition 1 done and the slow record in hand")
         other.stop()  # leaves the group while the slow record is in hand: partition 1 moves to `busy`
         produce(broker, src, [record("fast-1c"), record("fast-1d"), record("fast-0")], partitions=[1, 1, 0])
         busy.wait(lambda: busy.runner.handled == 4, 60, "the busy replica to take over partition 1")
-        elapsed = time.monotonic() - started
         time.sleep(0.5)  # a second delivery would show up here
     finally:
         for running in replicas.values():
@@ -441,7 +439,6 @@ def test_slow_batch_keeps_membership_and_a_rebalance_meanwhile_loses_and_doubles
     assert runner.commits_skipped == 0 and other.runner.commits_skipped == 0
     assert runner.tracker.changes >= 3, "the assignment changed while the slow record was in hand"
     assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0, 1: 0}, "every offset committed"
-    assert elapsed < SLOW_S + 10
 
 
 # ---------------------------------------------------------------------------------------------
