@@ -117,6 +117,14 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
             os.environ.pop(k, None)
 
 
+def server_context() -> multiprocessing.context.BaseContext:
+    """The fork server's multiprocessing context (the server started if it is not yet): its ``Process``
+    forks from the server, torch imported already. For work that needs torch only briefly, done apart from
+    the process that starts the run (expstream/launch/modelbuild.py)."""
+    warm_up()
+    return _context()
+
+
 def warm_up_for(topo: Any) -> None:
     """:func:`warm_up` with the extra preloads a topology needs: vllm when it generates with it (an
     import only, 3-6 s per generate replica saved; its engine is built in the stage)."""
