@@ -30,7 +30,11 @@ PRELOAD = ["expstream.launch.forkserver", "torch", "transformers", "transformers
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast", "transformers.models.llama.modeling_llama",
            "expstream.models.hf", "expstream.models.passes", "expstream.rl.numerics", "expstream.state",
-           "expstream.kafka.clients", "stages", "stages.runner"]
+           "expstream.kafka.clients", "stages", "stages.runner",
+           # what every forked process imports after the fork otherwise (its command line, metrics endpoint, title):
+           # private pages in each child (~2-3 MiB apiece), shared when the server has them (bench/README.md item 5)
+           "expstream.cli", "expstream.launch.replica", "stages.chain", "expstream.tools.recorder", "prometheus_client",
+           "http.server", "wsgiref.simple_server", "setproctitle", "encodings.idna", "expstream.models.tiny"]
 #: glibc malloc settings of the fork server and so of every stage process (why: in start()).
 #: 32 MiB is the largest mmap threshold glibc accepts on 64-bit; larger values are ignored.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024)}
