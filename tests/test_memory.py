@@ -6,6 +6,7 @@ must be built (they are built in a child: the fork server's, or a spawned one).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,17 @@ def test_tiny_models_are_built_outside_the_runs_process(tmp_path: Path, spawn: s
     assert "config error: models.cache_dir" in lines  # a child's ConfigError comes back with its field
     assert "complete: True" in lines
     assert "torch here: False" in lines  # built, and torch never imported by the caller
+
+
+def test_a_forked_process_finds_its_modules_in_the_servers_frozen_pages(tmp_path: Path) -> None:
+    """A stage forked from the fork server imports its command line, replica and metrics modules from the
+    server's pages (shared, not a private copy per process), and the server froze the GC (gc.freeze) first."""
+    from expstream.launch.forkserver import ForkedProcess
+
+    report = tmp_path / "report.json"
+    proc = ForkedProcess("forkentries:report_fork_state", [sys.executable, "-m", "x", str(report)],
+                         tmp_path / "child.log", {"PYTHONPATH": str(ROOT / "tests")})
+    assert proc.wait(timeout=120) == 0, (tmp_path / "child.log").read_text()[-3000:]
+    state = json.loads(report.read_text())
+    assert state["after_fork"] == [], state["after_fork"]
+    assert state["frozen"] > 10_000  # torch and transformers' objects, out of the collector's reach
