@@ -37,7 +37,8 @@ PRELOAD = ["expstream.launch.forkserver", "torch", "transformers", "transformers
            "http.server", "wsgiref.simple_server", "setproctitle", "encodings.idna", "expstream.models.tiny"]
 #: glibc malloc settings of the fork server and so of every stage process (why: in start()).
 #: 32 MiB is the largest mmap threshold glibc accepts on 64-bit; larger values are ignored.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024)}
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024),
+              "MALLOC_ARENA_MAX": "2"}
 _CONTEXT: multiprocessing.context.BaseContext | None = None
 _PRELOADS: list[str] = []  # what the server imports after this module (set with _CONTEXT)
 #: Set (to the starting process's pid) only in the environment the fork server starts with.
