@@ -58,3 +58,35 @@ def test_a_forked_process_finds_its_modules_in_the_servers_frozen_pages(tmp_path
     state = json.loads(report.read_text())
     assert state["after_fork"] == [], state["after_fork"]
     assert state["frozen"] > 10_000  # torch and transformers' objects, out of the collector's reach
+
+
+WARM = """
+import os, sys
+os.environ["EXPSTREAM_FORKSERVER_WARM"] = "/nonexistent/actor"
+import expstream.launch.forkwarm as fw  # a warm-up that fails is reported, the import (the server) goes on
+import torch
+from expstream.models.cache import tiny_root
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+torch.manual_seed(7)
+before = (tasks(), torch.get_num_threads(), torch.get_rng_state())
+fw.warm(str(tiny_root(sys.argv[1]) / "actor"))
+after = (tasks(), torch.get_num_threads(), torch.get_rng_state())
+print("threads", before[0], after[0], "torch threads", before[1], after[1],
+      "rng kept", bool(torch.equal(before[2], after[2])))
+"""
+
+
+def test_the_fork_servers_warm_up_leaves_no_thread_and_the_random_state_as_it_was(model_cache: Path) -> None:
+    """expstream/launch/forkwarm.py loads the tiny actor once in the fork server: its children are forked, so
+    no thread may be left running, and their sampling must not see a generator the warm-up moved."""
+    out = subprocess.run([sys.executable, "-c", WARM, str(model_cache)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warming up with /nonexistent/actor failed" in out.stderr
+    words = out.stdout.split()
+    assert words[1] == words[2], out.stdout  # OS threads before and after
+    assert words[5] == words[6], out.stdout  # torch's intra-op thread setting
+    assert words[-1] == "True", out.stdout

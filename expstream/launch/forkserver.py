@@ -84,21 +84,25 @@ def _context(extra: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext
     global _CONTEXT
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
-        # the server preloads the rest itself (_preload, named in PRELOAD_ENV by warm_up); expstream.launch.forkfreeze
-        # last: gc.freeze() once every import is done (shared pages stay shared)
-        ctx.set_forkserver_preload([PRELOAD[0], "expstream.launch.forkfreeze"])
+        # the server preloads the rest itself (_preload, named in PRELOAD_ENV by warm_up); then expstream.launch.forkwarm
+        # (one tiny model load, when warm_up named one); expstream.launch.forkfreeze last: gc.freeze() once every
+        # import is done (shared pages stay shared)
+        ctx.set_forkserver_preload([PRELOAD[0], "expstream.launch.forkwarm", "expstream.launch.forkfreeze"])
         _CONTEXT = ctx
         _PRELOADS.extend(PRELOAD[1:] + list(extra))
     return _CONTEXT
 
 
-def warm_up(extra: tuple[str, ...] = ()) -> None:
+def warm_up(extra: tuple[str, ...] = (), warm_model: str | None = None) -> None:
     """Start the fork server now (it imports PRELOAD, then ``extra``, in the background of the caller's work).
 
     Call from the main thread: the server dies when the thread that started it ends (PDEATHSIG).
-    Idempotent; :class:`ForkedProcess` calls it too. ``extra`` counts only for the first call.
+    Idempotent; :class:`ForkedProcess` calls it too. ``extra`` and ``warm_model`` (a causal LM directory the
+    server loads once, expstream/launch/forkwarm.py) count only for the first call.
     """
     from multiprocessing import forkserver
+
+    from expstream.launch.forkwarm import WARM_ENV
 
     _context(extra)
     # libgomp reads this once, when the server's torch import loads it, so it is set before the start.
@@ -108,6 +112,8 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ[PARENT_ENV] = str(os.getpid())
     os.environ[PRELOAD_ENV] = ",".join(_PRELOADS)
+    if warm_model:
+        os.environ[WARM_ENV] = warm_model
     # glibc reads these when a process starts (the fork server; its children inherit the settings).
     # Why: multi-MB records otherwise get fresh pages and a page fault per 4 KiB each time; the
     # settings and their measured effect: bench/README.md "Issue 15's goals", Settings.
@@ -118,6 +124,7 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     finally:
         os.environ.pop(PARENT_ENV, None)
         os.environ.pop(PRELOAD_ENV, None)
+        os.environ.pop(WARM_ENV, None)
         for k in added:
             os.environ.pop(k, None)
 
@@ -132,8 +139,13 @@ def server_context() -> multiprocessing.context.BaseContext:
 
 def warm_up_for(topo: Any) -> None:
     """:func:`warm_up` with the extra preloads a topology needs: vllm when it generates with it (an
-    import only, 3-6 s per generate replica saved; its engine is built in the stage)."""
-    warm_up(("vllm",) if topo.generate.backend == "vllm" else ())
+    import only, 3-6 s per generate replica saved; its engine is built in the stage); and the built-in tiny
+    actor to load once, when the model cache has it (expstream/launch/forkwarm.py)."""
+    from expstream.models.cache import is_complete, tiny_root
+
+    tiny = tiny_root(topo.models.cache_dir)
+    warm_up(("vllm",) if topo.generate.backend == "vllm" else (),
+            warm_model=str((tiny / "actor").resolve()) if is_complete(tiny) else None)
 
 
 def malloc_env() -> dict[str, str]:
