@@ -3,9 +3,10 @@
 Why: importing torch and transformers costs a stage process seconds of CPU before any work, and
 many stages starting at once on few cores paid it many times; the fork server imports them once
 and every stage (first start or restart) is a fork of it, still its own OS process, ready in
-milliseconds. The server only imports (no model, no thread pool), so forking is safe. Nothing
-outlives ``expstream run``: the server and every forked stage carry ``PDEATHSIG``, and a stage
-drops the server's "alive" pipe end. A preload that fails is reported, not fatal to the server.
+milliseconds. The server imports, and loads the tiny actor once with one thread
+(expstream/launch/forkwarm.py); it starts no thread pool, so forking is safe. Nothing outlives
+``expstream run``: the server and every forked stage carry ``PDEATHSIG``, and a stage drops the
+server's "alive" pipe end. A preload that fails is reported, not fatal to the server.
 The numbered lifetimes, the measured start-up cost and the preload rules: docs/ARCHITECTURE.md
 "The fork server".
 """
@@ -144,8 +145,11 @@ def warm_up_for(topo: Any) -> None:
     from expstream.models.cache import is_complete, tiny_root
 
     tiny = tiny_root(topo.models.cache_dir)
+    # not beside vLLM: its in-process engine deadlocks in a child of a process that ran torch multithreaded
+    # (docs/vllm.md); the warm-up runs one thread, but the vllm server stays one that only imports
+    warm = is_complete(tiny) and topo.generate.backend == "transformers"
     warm_up(("vllm",) if topo.generate.backend == "vllm" else (),
-            warm_model=str((tiny / "actor").resolve()) if is_complete(tiny) else None)
+            warm_model=str((tiny / "actor").resolve()) if warm else None)
 
 
 def malloc_env() -> dict[str, str]:

@@ -8,7 +8,9 @@ of private memory (0.05 s of CPU), 6.1 MiB (0.02 s) when the server had loaded a
 the model is dropped again, one torch thread, torch's random generator left as it was (a child's sampling
 is as if no warm-up happened), and a failure is reported on the run's stderr, never fatal to the server.
 Only when the tiny models are in the cache already (the directory comes in ``EXPSTREAM_FORKSERVER_WARM``);
-a run with other models loads the same transformers code, so the warm-up is useful to it too.
+a run with other models loads the same transformers code, so the warm-up is useful to it too. Not with
+``generate.backend: vllm`` (``warm_up_for``): vLLM's in-process engine deadlocks in a child of a process
+that ran torch multithreaded (docs/vllm.md), and that server stays one that only imports.
 """
 
 from __future__ import annotations
