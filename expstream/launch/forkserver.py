@@ -141,7 +141,8 @@ def server_context() -> multiprocessing.context.BaseContext:
 def warm_up_for(topo: Any) -> None:
     """:func:`warm_up` with the extra preloads a topology needs: vllm when it generates with it (an
     import only, 3-6 s per generate replica saved; its engine is built in the stage); and the built-in tiny
-    actor to load once, when the model cache has it (expstream/launch/forkwarm.py)."""
+    actor to load once, when the model cache has it and generate.backend is transformers
+    (expstream/launch/forkwarm.py)."""
     from expstream.models.cache import is_complete, tiny_root
 
     tiny = tiny_root(topo.models.cache_dir)
