@@ -51,6 +51,7 @@ from expstream.launch.collect import (
     publish_end_of_input,
 )
 from expstream.launch.continuous import run_continuous
+from expstream.launch.modelbuild import build_models_apart
 from expstream.launch.outcome import ContinuousOutcome, RunOutcome
 from expstream.launch.preflight import check_output_dir, check_services, check_stores
 from expstream.launch.prompts import PromptRow, dead_letter_refused, has_media, read_prompts, store_media
@@ -58,7 +59,6 @@ from expstream.launch.rundir import claim_run_dir
 from expstream.launch.services import FORK_ENTRY, RunServices, stage_argv, stage_env, write_resolved_topology
 from expstream.launch.supervisor import SupervisorError
 from expstream.models.media import MIB
-from expstream.models.resolve import build_builtin_models
 from expstream.observe.timeline import Timeline
 
 log = logging.getLogger("expstream.run")
@@ -116,7 +116,7 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
             # no-op then
             warm_up_for(topo)
             timeline.mark("fork_server_started")
-        build_builtin_models(topo)  # torch-free when the cache has them (expstream/models/cache.py)
+        build_models_apart(topo)  # a child process builds them when the cache lacks them (torch stays out of here)
         timeline.mark("models_ready")
         resolve_run_paths(topo, out_dir, media=has_media(rows))  # the one place; the stages read topo.to_raw()
         (out_dir / "run").mkdir(parents=True, exist_ok=True)
