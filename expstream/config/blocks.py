@@ -48,6 +48,9 @@ class RunConfig:
     torch_threads: int = 1
     max_restarts: int = 5
     spawn: str = "fork"
+    # `expstream run` gives each replica its input partitions by index (no consumer-group join) until the
+    # stage is first scaled (stages/assigning.py); false: every replica joins its group from the start
+    assign_partitions: bool = True
     target_groups: int | None = None
     max_lost_group_share: float = 0.0
     # The claim-check store of images and video frames (expstream/models/blobs.py); null = <output>/blobs

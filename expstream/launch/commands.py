@@ -58,6 +58,9 @@ def add_stage_arguments(stage: argparse.ArgumentParser) -> None:
     stage.add_argument("--run-id", default="prod")
     stage.add_argument("--replica-id", default=os.environ.get("EXPSTREAM_REPLICA_ID") or socket.gethostname(),
                        help="names this replica in heartbeats (default: $EXPSTREAM_REPLICA_ID or the host name)")
+    stage.add_argument("--assign", metavar="INDEX/COUNT",
+                       help="take the input partitions p with p %% COUNT == INDEX instead of joining the consumer "
+                            "group (what `expstream run` starts replicas with; stages/assigning.py)")
 
 
 def add_train_arguments(train: argparse.ArgumentParser) -> None:
