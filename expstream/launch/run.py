@@ -124,10 +124,15 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         outcome = ContinuousOutcome if topo.train.enabled else RunOutcome
         out = outcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=time.monotonic(),
                       timeline=timeline)
+        report = not getattr(args, "no_report", False)
         with RunServices.start(topo, args, out_dir, out) as svc:
             store_run_media(svc, rows)
             run_loop(svc, rows, out, stop, progress_on=not args.no_progress)
-    return finish(out, report=not getattr(args, "no_report", False))
+            if report:  # the report's plotting imports overlap the stop of the stages and servers
+                from expstream.tools.report import import_plotting_in_background
+
+                import_plotting_in_background()
+    return finish(out, report=report)
 
 
 def run_loop(svc: RunServices, rows: list[PromptRow], out: RunOutcome, stop: dict[str, bool],
