@@ -23,8 +23,9 @@ What changes, and why it is safe:
   is lost either: a replica commits an offset only after the outputs of every record below it are
   confirmed (stages/commitgroup.py), so a late commit can only move the offset to records that were
   handled (forward) or make handled records be read again (back: duplicates, which every consumer
-  drops by batch or sample id). On Apache Kafka a generation-less commit is refused while the group
-  has members (UNKNOWN_MEMBER_ID): a straggler cannot move a grouped stage's offsets at all.
+  drops by batch or sample id). And once the stage has group members, the broker refuses a
+  generation-less commit (UNKNOWN_MEMBER_ID; Apache Kafka and the embedded Tansu alike, checked by
+  tests/test_assigning.py): a straggler cannot move a grouped stage's offsets at all.
 * **Rewind** works as before: the replica acknowledges under its heartbeat name, and at the ``move``
   step seeks and commits every partition it owns (its share).
 * **A replica that dies** leaves its share unread until the supervisor restarts it (a group would

@@ -148,3 +148,35 @@ def test_the_scaler_regroups_a_stage_once_before_its_count_first_changes(tmp_pat
     scaler.apply("reward", 3, MANUAL, None)
     scaler.apply("reward", 2, MANUAL, None)
     assert calls == ["reward"]
+
+
+def test_a_generation_less_commit_is_refused_while_the_group_has_members(broker, fresh_topic):
+    """What makes the switch at a scale safe (stages/assigning.py): a hand-assigned consumer's commit carries
+    no generation, and the broker refuses it while the group has members (a straggler cannot move a grouped
+    stage's offsets); once the group is empty again it is accepted (a restarted hand-assigned replica)."""
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    from expstream.kafka.clients import make_consumer
+
+    topic = fresh_topic(1)
+    produce(broker, topic, [b"x"] * 10)
+    group, tp = f"g-{uuid.uuid4().hex[:8]}", TopicPartition(topic, 0)
+    member = make_consumer(broker, group, topics=[topic])
+    straggler = make_consumer(broker, group)
+    try:
+        deadline = time.monotonic() + 60
+        while not member.assignment():
+            assert time.monotonic() < deadline, "the member never joined"
+            member.poll(200)
+        straggler.assign([tp])
+        with pytest.raises(Exception) as err:
+            straggler.commit({tp: OffsetAndMetadata(5, "", -1)})
+        assert "UnknownMemberId" in repr(err.value)
+        assert member.committed(tp) is None
+        member.close()
+        straggler.commit({tp: OffsetAndMetadata(7, "", -1)})
+        assert straggler.committed(tp) == 7
+    finally:
+        member.close()
+        straggler.close()
