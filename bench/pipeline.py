@@ -124,6 +124,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--demo-repeats", type=int, default=2,
                    help="runs of the README's demo command (examples/prompts.jsonl, defaults, report on) for "
                         "time to first experience, whole-command wall and memory (PSS); 0 skips them")
+    p.add_argument("--demo-only", action="store_true",
+                   help="only the demo: --demo-repeats pairs of the default and run.assign_partitions=false (every "
+                        "replica joins its consumer group), interleaved, with each run's start-up timeline "
+                        "(demo_start); writes bench/results/pipeline-demo.json")
     p.add_argument("--vl", action="store_true",
                    help="images through the pipeline instead: bytes per hop with and without the claim check, "
                         "samples/s of a mixed text/image run vs the same prompts without images (vl_cost)")
@@ -501,12 +505,13 @@ def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | 
             "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
 
 
-def demo_run(out: Path) -> dict[str, Any]:
+def demo_run(out: Path, sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """The README's demo as a user runs it (``expstream run --prompts examples/prompts.jsonl``, the embedded
     default topology, report on): whole-command wall, time to first experience (from the process start,
-    summary.json ``startup``; and from the run's own clock), and the peak summed PSS of its process tree."""
+    summary.json ``startup``; and from the run's own clock), and the peak summed PSS of its process tree.
+    ``sets``: ``--set`` items added to the command (the --demo-only comparison)."""
     cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(ROOT / "examples" / "prompts.jsonl"),
-           "--output", str(out), "--no-progress"]
+           "--output", str(out), "--no-progress", *(a for item in sets for a in ("--set", item))]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with TreeCPU(proc.pid, interval=0.1, pss=True) as tree:
@@ -523,6 +528,38 @@ def demo_run(out: Path) -> dict[str, Any]:
             "pss_peak_mib": tree.pss_peak_kib / 1024,
             "pss_peak_by_mib": {k: round(v / 1024, 1) for k, v in sorted(tree.pss_peak_by.items(),
                                                                           key=lambda kv: -kv[1])}}
+
+
+def demo_start(repeats: int, work: Path) -> dict[str, Any]:
+    """``--demo-only``: the demo with partitions assigned by the run (the default) and with every replica
+    joining its group (``run.assign_partitions=false``), interleaved; per run the start-up figures
+    (seconds since the command's process started): ``fork_ready`` (the first stage process started:
+    the fork server's imports are done), ``first_experience``, ``after_fork`` (the one minus the
+    other: stage set-up, partitions, the hops), ``stopping`` to the command's end, and the load."""
+    sides = {"assigned": (), "group join": ("run.assign_partitions=false",)}
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+    for rep in range(max(repeats, 1)):
+        for name, sets in (sides.items() if rep % 2 == 0 else reversed(sides.items())):
+            load = os.getloadavg()[0]
+            out = work / f"demo-{name.replace(' ', '-')}-{rep}"
+            r = demo_run(out, sets)
+            tl = r["timeline_s"] or {}
+            stages = json.loads((out / "summary.json").read_text()).get("startup", {}).get("stages", {})
+            fork_ready = min((m.get("process_start", float("nan")) for m in stages.values()), default=float("nan"))
+            fe = r["first_experience_s"] or float("nan")
+            row = {"first_experience_s": fe, "cmd_wall_s": r["cmd_wall_s"],
+                   "fork_started_s": tl.get("fork_server_started", float("nan")), "fork_ready_s": fork_ready,
+                   "after_fork_s": fe - fork_ready, "config_checked_s": tl.get("config_checked", float("nan")),
+                   "tail_s": r["cmd_wall_s"] - tl.get("stopping", float("nan")), "pss_peak_mib": r["pss_peak_mib"],
+                   "load_1m": load}
+            rows[name].append(row)
+            progress(f"demo {name} {rep + 1}/{repeats}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+    print("| demo (median) | first experience s | command s | fork server ready s | after it s | stop to end s "
+          "| PSS MiB |\n|---|---:|---:|---:|---:|---:|---:|")
+    for name, rs in rows.items():
+        print(f"| {name} | " + " | ".join(f"{median([r[k] for r in rs]):.2f}" for k in (
+            "first_experience_s", "cmd_wall_s", "fork_ready_s", "after_fork_s", "tail_s", "pss_peak_mib")) + " |")
+    return {"demo_start": rows}
 
 
 def codec_in_stage_env() -> dict[str, Any]:
@@ -637,6 +674,15 @@ def main() -> int:
     sets = topology_sets(args, models)
     topo = load_topology(None, sets)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    if args.demo_only:
+        try:
+            result = demo_start(args.demo_repeats, work)
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(work, ignore_errors=True)
+        save("pipeline-demo", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+                               "end_loadavg": machine()["loadavg"], **result})
+        return 0
     prompt_files = {args.prompts: write_prompts(work / f"prompts-{args.prompts}.jsonl", args.prompts),
                     2 * args.prompts: write_prompts(work / f"prompts-{2 * args.prompts}.jsonl", 2 * args.prompts)}
     if args.vl:

@@ -109,13 +109,13 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         stack.callback(claim_run_dir(out_dir, force=args.force, resume=args.resume).release)
         timeline.mark("config_checked")
         if topo.run.spawn == "fork":
-            from expstream.launch.forkserver import warm_up_for
+            from expstream.launch import forkserver
 
             # imports torch/transformers once, while the models are checked and the broker and redis start
-            # (the longest step before a stage can start); started already by `expstream run` (cli.py): a
-            # no-op then
-            warm_up_for(topo)
-            timeline.mark("fork_server_started")
+            # (the longest step before a stage can start); started already by `expstream run`
+            # (expstream/__main__.py, before the command line's imports): a no-op then
+            forkserver.warm_up_for(topo)
+            timeline.mark("fork_server_started", at=forkserver.STARTED_AT)
         build_builtin_models(topo)  # torch-free when the cache has them (expstream/models/cache.py)
         timeline.mark("models_ready")
         resolve_run_paths(topo, out_dir, media=has_media(rows))  # the one place; the stages read topo.to_raw()
