@@ -266,6 +266,9 @@ def test_live_scale_up_and_down_during_a_run(tmp_path: Path, model_cache: Path) 
             ("reward", 1, 3, "manual"), ("reward", 3, 1, "manual")]
         left = [m for m in re.finditer(r"stage (reward\[\d\]) left after scale-down", "\n".join(run.lines("run.log")))]
         assert sorted(m.group(1) for m in left) == ["reward[1]", "reward[2]"], run.diagnostics()
+        # started with its partitions assigned by the run (run.assign_partitions), switched to the group once
+        log = "\n".join(run.lines("run.log"))
+        assert log.count("reward is scaled: its replicas leave their assigned partitions") == 1, run.diagnostics()
     finally:
         gate.touch()
         run.close()
