@@ -4,8 +4,9 @@ Why: a consumer-group join waits on the broker before it answers: Tansu's JoinGr
 steps until half the session timeout has passed (3 s at ``kafka.session_timeout_ms`` 6000), Apache
 Kafka holds a new group's first join for ``group.initial.rebalance.delay.ms`` (3 s by default). When
 ``expstream run`` starts a stage it knows the membership already: ``n`` replicas, replica ``i`` of
-them. So it starts each replica with ``--assign i/n`` (``run.assign_partitions``, on by default) and
-the replica takes the partitions ``p`` with ``p % n == i`` of its input topic (``consumer.assign``).
+them. So it starts each replica with ``--assign i/n`` (``run.assign_partitions``, on by default when
+the run starts its own broker) and the replica takes the partitions ``p`` with ``p % n == i`` of its
+input topic (``consumer.assign``).
 It still reads and commits its offsets under the stage's group id, so everything that reads the
 group's committed offsets (the autoscaler's lag, ``expstream rewind``'s plan, status) is unchanged.
 
@@ -33,7 +34,11 @@ What changes, and why it is safe:
   supervisor's backoff (0.5 s doubling), faster than a session timeout.
 
 ``expstream stage`` started by hand or in a container (docker-compose, Kubernetes) has no
-``--assign`` and joins the group as before: there the membership is not known up front.
+``--assign`` and joins the group as before: there the membership is not known up front. For the same
+reason a run on a shared broker (``--bootstrap-servers``) assigns nothing unless told to
+(``run.assign_partitions: true``): a replica started on another machine joins the stage's group
+(docs/deploy.md "Adding machines"), and a hand-assigned replica beside it would read the same
+partitions, its commits refused (nothing lost, the work done twice).
 """
 
 from __future__ import annotations

@@ -180,3 +180,16 @@ def test_a_generation_less_commit_is_refused_while_the_group_has_members(broker,
     finally:
         member.close()
         straggler.close()
+
+
+def test_partitions_are_assigned_by_default_only_with_the_runs_own_broker() -> None:
+    from expstream.config.topology import load_topology
+    from expstream.launch.services import assigns_partitions
+
+    default = load_topology()
+    assert assigns_partitions(default, own_broker=True) and not assigns_partitions(default, own_broker=False)
+    on, off = load_topology(overrides=["run.assign_partitions=true"]), load_topology(overrides=["run.assign_partitions=false"])
+    assert assigns_partitions(on, own_broker=False) and not assigns_partitions(off, own_broker=True)
+    with pytest.raises(ConfigError) as err:
+        load_topology(overrides=["run.assign_partitions=sometimes"])
+    assert "run.assign_partitions" in str(err.value)

@@ -79,6 +79,14 @@ def stage_env(redis_url: str, topo: Topology | None = None) -> dict[str, str]:
             **({TOPOLOGY_SECRETS_ENV: json.dumps(secrets)} if secrets else {})}
 
 
+def assigns_partitions(topo: Topology, *, own_broker: bool) -> bool:
+    """Whether the run starts replicas with ``--assign`` (stages/assigning.py): ``run.assign_partitions``;
+    null: only with the run's own broker. On a shared one (``--bootstrap-servers``) replicas started
+    elsewhere may join a stage's group (docs/deploy.md "Adding machines"): membership is not known."""
+    assign = topo.run.assign_partitions
+    return bool(assign) if assign is not None else own_broker
+
+
 class RunServices:
     """What one run has started; built by :meth:`start` only (a context manager), read by the run loops."""
 
@@ -180,7 +188,7 @@ class RunServices:
             # a replica gone for good leaves no metrics file behind (expstream/observe/metrics.py)
             on_gone=functools.partial(forget_replica, run_dir / "metrics"))
         serve_supervisor(sup, run_dir / "metrics")  # expstream_restarts_total (docs/observability.md)
-        if topo.run.assign_partitions:
+        if assigns_partitions(topo, own_broker=self.own_broker):
             self.assigned = {u.name: topo.stages[u.head].replicas for u in topo.units()}
         for unit in topo.units():  # a chain is one process per replica (expstream/config/chains.py)
             for replica in range(topo.stages[unit.head].replicas):
