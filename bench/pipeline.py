@@ -129,6 +129,10 @@ def parse_args() -> argparse.Namespace:
                         "process's share, nothing else measured")
     p.add_argument("--demo-against", type=Path, metavar="CHECKOUT",
                    help="with --demo-only: the same demo from another checkout (e.g. /work/main), interleaved, A/B")
+    p.add_argument("--demo-start", action="store_true",
+                   help="only the demo start-up: --demo-repeats pairs of the default and run.assign_partitions=false (every "
+                        "replica joins its consumer group), interleaved, with each run's start-up timeline "
+                        "(demo_start); writes bench/results/pipeline-demo.json")
     p.add_argument("--vl", action="store_true",
                    help="images through the pipeline instead: bytes per hop with and without the claim check, "
                         "samples/s of a mixed text/image run vs the same prompts without images (vl_cost)")
@@ -527,13 +531,14 @@ def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | 
             "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
 
 
-def demo_run(out: Path, checkout: Path = ROOT) -> dict[str, Any]:
+def demo_run(out: Path, checkout: Path = ROOT, sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """The README's demo as a user runs it (``expstream run --prompts examples/prompts.jsonl``, the embedded
     default topology, report on): whole-command wall, time to first experience (from the process start,
     summary.json ``startup``; and from the run's own clock), and the peak summed PSS of its process tree
-    (each process's PSS and private dirty memory at that peak). ``checkout``: whose code runs (A/B)."""
+    (each process's PSS and private dirty memory at that peak). ``checkout``: whose code runs (A/B);
+    ``sets``: ``--set`` items added to the command (the --demo-start comparison)."""
     cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(checkout / "examples" / "prompts.jsonl"),
-           "--output", str(out), "--no-progress"]
+           "--output", str(out), "--no-progress", *(a for item in sets for a in ("--set", item))]
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -553,6 +558,38 @@ def demo_run(out: Path, checkout: Path = ROOT) -> dict[str, Any]:
                                                                           key=lambda kv: -kv[1])},
             "pss_peak_processes_mib": [(name, round(kib / 1024, 1), round(private / 1024, 1))
                                        for name, kib, private in sorted(tree.pss_peak_procs, key=lambda p: p[0])]}
+
+
+def demo_start(repeats: int, work: Path) -> dict[str, Any]:
+    """``--demo-start``: the demo with partitions assigned by the run (the default) and with every replica
+    joining its group (``run.assign_partitions=false``), interleaved; per run the start-up figures
+    (seconds since the command's process started): ``fork_ready`` (the first stage process started:
+    the fork server's imports are done), ``first_experience``, ``after_fork`` (the one minus the
+    other: stage set-up, partitions, the hops), ``stopping`` to the command's end, and the load."""
+    sides = {"assigned": (), "group join": ("run.assign_partitions=false",)}
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+    for rep in range(max(repeats, 1)):
+        for name, sets in (sides.items() if rep % 2 == 0 else reversed(sides.items())):
+            load = os.getloadavg()[0]
+            out = work / f"demo-{name.replace(' ', '-')}-{rep}"
+            r = demo_run(out, sets=sets)
+            tl = r["timeline_s"] or {}
+            stages = json.loads((out / "summary.json").read_text()).get("startup", {}).get("stages", {})
+            fork_ready = min((m.get("process_start", float("nan")) for m in stages.values()), default=float("nan"))
+            fe = r["first_experience_s"] or float("nan")
+            row = {"first_experience_s": fe, "cmd_wall_s": r["cmd_wall_s"],
+                   "fork_started_s": tl.get("fork_server_started", float("nan")), "fork_ready_s": fork_ready,
+                   "after_fork_s": fe - fork_ready, "config_checked_s": tl.get("config_checked", float("nan")),
+                   "tail_s": r["cmd_wall_s"] - tl.get("stopping", float("nan")), "pss_peak_mib": r["pss_peak_mib"],
+                   "load_1m": load}
+            rows[name].append(row)
+            progress(f"demo {name} {rep + 1}/{repeats}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+    print("| demo (median) | first experience s | command s | fork server ready s | after it s | stop to end s "
+          "| PSS MiB |\n|---|---:|---:|---:|---:|---:|---:|")
+    for name, rs in rows.items():
+        print(f"| {name} | " + " | ".join(f"{median([r[k] for r in rs]):.2f}" for k in (
+            "first_experience_s", "cmd_wall_s", "fork_ready_s", "after_fork_s", "tail_s", "pss_peak_mib")) + " |")
+    return {"demo_start": rows}
 
 
 def codec_in_stage_env() -> dict[str, Any]:
@@ -640,6 +677,15 @@ def main() -> int:
     sets = topology_sets(args, models)
     topo = load_topology(None, sets)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    if args.demo_start:
+        try:
+            result = demo_start(args.demo_repeats, work)
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(work, ignore_errors=True)
+        save("pipeline-demo", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+                               "end_loadavg": machine()["loadavg"], **result})
+        return 0
     prompt_files = {args.prompts: write_prompts(work / f"prompts-{args.prompts}.jsonl", args.prompts),
                     2 * args.prompts: write_prompts(work / f"prompts-{2 * args.prompts}.jsonl", 2 * args.prompts)}
     if args.vl:

@@ -151,9 +151,10 @@ class CopyingRunners:
 
 
 class Rig(CopyingRunners):
-    """A 2-partition input topic with 12 records (ts 1 s apart), two replicas of a copying stage."""
+    """A 2-partition input topic with 12 records (ts 1 s apart), two replicas of a copying stage
+    (``assigned``: each given its partitions as ``expstream run`` does, stages/assigning.py)."""
 
-    def __init__(self, broker: str, redis_url: str, tmp_path: Path, replicas: int = 2) -> None:
+    def __init__(self, broker: str, redis_url: str, tmp_path: Path, replicas: int = 2, assigned: bool = False) -> None:
         self.broker, self.redis_url = broker, redis_url
         self.src, self.dst = f"rin-{uuid.uuid4().hex[:8]}", f"rout-{uuid.uuid4().hex[:8]}"
         create_topics(broker, {self.src: 2, self.dst: 2}, with_dlq=True)
@@ -172,7 +173,8 @@ class Rig(CopyingRunners):
         producer.close()
         self.states = [RedisState(redis_url, self.run_id) for _ in range(replicas)]
         self.running = [Running(StageRunner(make_context(self.topo, "shard-preprocess", state=s, run_id=self.run_id,
-                                                         replica_id=str(i)), _copy, broker))
+                                                         replica_id=str(i)), _copy, broker,
+                                                assignment=(i, replicas) if assigned else None))
                         for i, s in enumerate(self.states)]
         self.wait_outputs(12)
         # a commit group is committed after its outputs are confirmed: the outputs show up first
@@ -199,7 +201,8 @@ class Rig(CopyingRunners):
 
 @pytest.fixture
 def rig(broker: str, redis_url: str, tmp_path: Path):
-    r = Rig(broker, redis_url, tmp_path)
+    """Two replicas with their partitions assigned by hand (the demo's way); rig1's one replica joins its group."""
+    r = Rig(broker, redis_url, tmp_path, assigned=True)
     try:
         yield r
     finally:

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ PARENT_ENV = "EXPSTREAM_FORKSERVER_PARENT"
 PRELOAD_ENV = "EXPSTREAM_FORKSERVER_PRELOAD"
 #: In the fork server and its children: the server's pid (None elsewhere).
 SERVER_PID: int | None = None
+#: In the process that started the fork server: when (``time.time()``), for the start-up timeline.
+STARTED_AT: float | None = None
 
 
 class ForkServerError(RuntimeError):
@@ -105,6 +108,8 @@ def warm_up(extra: tuple[str, ...] = (), warm_model: str | None = None) -> None:
 
     from expstream.launch.forkwarm import WARM_ENV
 
+    global STARTED_AT
+    STARTED_AT = STARTED_AT or time.time()
     _context(extra)
     # libgomp reads this once, when the server's torch import loads it, so it is set before the start.
     # Why PASSIVE: a waiting OpenMP thread that spins takes a core the other stage processes need;
