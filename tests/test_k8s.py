@@ -485,3 +485,148 @@ def test_without_out_it_prints_the_objects_and_the_topology_configmap(capsys, tm
     assert [d["kind"] for d in docs].count("Deployment") == len(topo.enabled_stages())
     assert [d["spec"]["topicName"] for d in docs if d["kind"] == "KafkaTopic"] == \
         [t for name in topo.all_topics() for t in (name, dlq_topic(name))]
+
+
+# ---- chained stages (chains:, expstream/config/chains.py) ---------------------------------------
+#: critic is switched off by the default estimator (group_norm): the first chain runs actor-logprob+reference.
+CHAINS = "chains=[[actor-logprob, reference, critic], [postprocess, advantage]]"
+CHAIN_SETS = [CHAINS, "topics.partitions=2", "stages.actor-logprob.autoscale.max=6"]
+CHAIN_OPTS = RenderOptions(run_id="c1", keda=("advantage",))  # a stage inside a chain: the chain scales
+
+
+@pytest.fixture(scope="module")
+def chained(tmp_path_factory) -> list[dict[str, Any]]:
+    """A chained topology rendered as `--out` writes it, through `kubectl kustomize` where it is installed
+    (the topology ConfigMap then named by its hash in every pod), else the objects as printed."""
+    from expstream.launch.k8s import write_rendered
+
+    files, text, _ = render(load_topology(None, CHAIN_SETS), CHAIN_OPTS)
+    if KUBECTL is None:
+        return [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "expstream-topology"},
+                 "data": {"topology.yaml": text}}, *_objs(files)]
+    out = tmp_path_factory.mktemp("k8s-chained") / "pipeline"
+    write_rendered(out, files, text)
+    return kustomize(out)
+
+
+@needs_kubectl
+def test_a_chained_topology_renders_valid_objects(chained, crd_schemas):
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    for obj in chained:
+        if obj["apiVersion"].split("/")[0] in CRD_GROUPS:
+            assert not crd_errors(obj, crd_schemas)
+        else:
+            kubernetes_validate.validate(obj, version, strict=True)
+    assert {"KafkaTopic", "Deployment", "ScaledObject", "ConfigMap"} == {o["kind"] for o in chained}
+
+
+def test_one_deployment_per_chain_and_per_unchained_stage(chained):
+    topo = pod_topology(chained)
+    assert topo.chains, "the pods' topology keeps chains:"
+    deployments = stage_deployments(chained)
+    assert len(of_kind(chained, "Deployment")) == len(deployments)
+    assert {"actor-logprob+reference", "postprocess+advantage"} <= set(deployments)
+    inner = {"actor-logprob", "reference", "critic", "postprocess", "advantage"}
+    assert not inner & set(deployments), "a stage inside a chain runs in the chain's process, not its own"
+    unchained = [st.name for st in topo.enabled_stages() if st.name not in inner]
+    assert sorted(deployments) == sorted([*unchained, "actor-logprob+reference", "postprocess+advantage"])
+    assert deployments["actor-logprob+reference"]["metadata"]["name"] == "expstream-actor-logprob-reference"
+    for name, d in deployments.items():
+        pod = d["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert bool(gpus) == any(uses_gpu(topo, s) for s in name.split("+")), name
+        assert c["readinessProbe"]["httpGet"]["path"] == "/metrics", name
+        assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true", name
+        assert pod["terminationGracePeriodSeconds"] > STOP_GRACE_S, name
+    assert deployments["actor-logprob+reference"]["spec"]["template"]["spec"]["containers"][0]["resources"][
+        "limits"]["nvidia.com/gpu"] == 1  # the chain's models share the process's GPU
+    assert "nvidia.com/gpu" not in deployments["postprocess+advantage"]["spec"]["template"]["spec"]["containers"][0][
+        "resources"]["limits"]
+
+
+def test_no_kafka_topic_for_a_topic_inside_a_chain(chained):
+    topo = pod_topology(chained)
+    topics = {t["spec"]["topicName"]: t["spec"]["partitions"] for t in of_kind(chained, "KafkaTopic")}
+    # what `expstream run` creates (expstream/launch/services.py): all_topics with their .dlq twins, the loop's
+    wanted = {**topo.all_topics(), **{dlq_topic(t): 1 for t in topo.all_topics()}, **loop_topics(topo)}
+    assert topics == wanted
+    plain = load_topology(None, CHAIN_SETS[1:])  # the same pipeline unchained: its hops inside the chains
+    hops = {plain.stages["actor-logprob"].output, plain.stages["postprocess"].output}
+    assert hops and not hops & set(topics) and not {dlq_topic(t) for t in hops} & set(topics)
+    assert plain.stages["reference"].output in topics and plain.stages["advantage"].output in topics
+    assert topics[plain.stages["actor-logprob"].input] == 6, "a partition per replica the chain may run"
+
+
+def test_keda_on_a_chain_watches_the_group_and_topic_its_runner_consumes(chained):
+    import logging
+
+    from expstream.launch.replica import stage_unit
+    from expstream.state import MemoryState
+    from stages.chain import Chain
+    from stages.context import StageContext
+    from stages.runner import StageRunner
+
+    topo = pod_topology(chained)
+    topics = {t["spec"]["topicName"]: t["spec"]["partitions"] for t in of_kind(chained, "KafkaTopic")}
+    deployments = {d["metadata"]["name"]: (s, d) for s, d in stage_deployments(chained).items()}
+    scaled = {}
+    for so in of_kind(chained, "ScaledObject"):
+        name, d = deployments[so["spec"]["scaleTargetRef"]["name"]]
+        scaled[name] = so
+        unit = stage_unit(topo, name)  # what `expstream stage NAME` runs, then its runner as replica.py makes it
+        stage = Chain.runner_stage(unit, topo) if unit.chained else topo.stages[name]
+        ctx = StageContext(topology=topo, stage=stage, state=MemoryState("c1"), log=logging.getLogger("test"),
+                           run_id=flag(d["spec"]["template"]["spec"]["containers"][0]["args"], "--run-id"),
+                           replica_id="0")
+        runner = StageRunner(ctx, lambda batch, ctx: [], "127.0.0.1:1")  # names its group; connects to nothing
+        meta = so["spec"]["triggers"][0]["metadata"]
+        assert meta["consumerGroup"] == runner.group_id, name
+        assert meta["topic"] == runner.stage.input == topo.stages[unit.head].input, name
+        assert so["spec"]["maxReplicaCount"] <= topics[meta["topic"]], name
+        assert "replicas" not in d["spec"], "the HPA owns a KEDA-scaled Deployment's count"
+    assert set(scaled) == {"actor-logprob+reference", "reward", "postprocess+advantage"}
+    assert scaled["actor-logprob+reference"]["spec"]["maxReplicaCount"] == 6
+    assert scaled["actor-logprob+reference"]["spec"]["triggers"][0]["metadata"]["consumerGroup"] != \
+        stage_group("c1", "actor-logprob+reference"), "the chain joins its first stage's group, not one of its name"
+
+
+def test_a_chains_command_parses_through_the_cli_and_the_topology_loader(chained, tmp_path):
+    from expstream.cli import build_parser
+    from expstream.launch.replica import stage_unit
+
+    topo_file = tmp_path / "topology.yaml"
+    topo_file.write_text(next(o for o in of_kind(chained, "ConfigMap"))["data"]["topology.yaml"])
+    for name, d in stage_deployments(chained).items():
+        args = build_parser().parse_args(d["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert args.name == name
+        topo = load_topology(topo_file, [o for o in args.overrides if "$(" not in o])
+        unit = stage_unit(topo, args.name)  # refuses an inner stage, and a chain this topology does not have
+        assert unit.name == name and (unit.chained == ("+" in name))
+        if "replicas" in d["spec"]:
+            assert d["spec"]["replicas"] == topo.stages[unit.head].replicas
+
+
+def test_keda_and_gpus_name_chains_in_their_errors(capsys):
+    from expstream.cli import main
+    from expstream.errors import ConfigError
+
+    topo = load_topology(None, [CHAINS])
+    files, _, _ = render(topo, RenderOptions(keda=("postprocess+advantage",)))  # a chain by its name
+    assert "expstream-postprocess-advantage" in {o["spec"]["scaleTargetRef"]["name"] for o in _objs(files)
+                                                 if o["kind"] == "ScaledObject"}
+    with pytest.raises(ConfigError, match=r"actor-logprob\+reference") as err:  # critic is off: not in the chain
+        render(topo, RenderOptions(keda=("actor-logprob+critic",)))
+    assert err.value.field == "--keda" and "chain" in str(err.value)
+    with pytest.raises(ConfigError, match="switches this stage off"):
+        render(topo, RenderOptions(keda=("critic",)))
+    assert main(["k8s", "render", "--set", CHAINS, "--keda", "nope"]) == 2
+    assert "postprocess+advantage" in capsys.readouterr().err
+    assert main(["k8s", "render", "--set", CHAINS, "--gpus", "-1"]) == 2
+    assert "--gpus" in capsys.readouterr().err
+    assert main(["k8s", "render", "--set", CHAINS, "--set", "stages.reference.autoscale.max=4"]) == 2
+    assert "stages.actor-logprob" in capsys.readouterr().err  # autoscale the chain by its first stage
+    files, _, _ = render(topo, RenderOptions(gpus=0))
+    assert "nvidia.com/gpu" not in json.dumps(files["stages.yaml"])

@@ -3,16 +3,19 @@
 
 What depends on the topology is written here, from the loaded :class:`Topology`, so that it cannot
 drift from what the processes do: one Strimzi ``KafkaTopic`` per topic of ``Topology.all_topics()``
-and its ``.dlq`` twin (plus ``policy`` with ``train.enabled``), one ``Deployment`` per enabled stage
-running ``expstream stage NAME``, a KEDA ``ScaledObject`` per autoscaled stage (reward always) on the
-stage's real consumer group (:func:`expstream.kafka.topics.stage_group`), the trainer ``Job`` with
+and its ``.dlq`` twin (plus ``policy`` with ``train.enabled``), one ``Deployment`` per process of the
+topology (``Topology.units()``: an enabled stage alone, running ``expstream stage NAME``, or a chain of
+``chains:``, running ``expstream stage a+b`` as the local launcher does; its inner stages get none, and
+the topics between them, which are never created, no KafkaTopic), a KEDA ``ScaledObject`` per
+autoscaled one (reward's always) on its real consumer group and input topic (the first stage's:
+:func:`expstream.kafka.topics.stage_group`), the trainer ``Job`` with
 ``train.enabled``, and the topology itself, which kustomize turns into a ConfigMap. What does not
 depend on it (Kafka, Redis, MinIO, the settings, the TriggerAuthentication) is static YAML in
 ``deploy/k8s/base/infra``.
 
 The written topology is the one the pods read: the input with the changes a cluster needs (SASL on
-the Kafka client, an ``autoscale`` block on every KEDA-scaled stage, so that its input topic gets a
-partition per replica it may run), and every URL credential redacted (they travel in the Secret's
+the Kafka client, an ``autoscale`` block on every KEDA-scaled stage, or a chain's first stage, so that
+its input topic gets a partition per replica it may run), and every URL credential redacted (they travel in the Secret's
 ``topology-secrets`` key, :data:`expstream.config.redaction.TOPOLOGY_SECRETS_ENV`).
 """
 
@@ -28,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from expstream.config.chains import Unit, unit_of
 from expstream.config.cli_args import Command
 from expstream.config.redaction import REDIS_URL_ENV, REWARD_TOKEN_ENV, TOPOLOGY_SECRETS_ENV, split_secrets
 from expstream.config.topology import AutoscaleConfig, Topology, build_topology
@@ -35,8 +39,8 @@ from expstream.errors import EXIT_OK, ConfigError
 from expstream.kafka.topics import DEFAULT_TOPIC_CONFIG, dlq_topic, loop_topics, stage_group
 from expstream.launch.supervisor import STOP_GRACE_S
 
-__all__ = ["RenderOptions", "MODEL_STAGES", "SECRET_NAME", "SETTINGS_NAME", "cluster_topology", "render",
-           "write_rendered", "K8S"]
+__all__ = ["RenderOptions", "MODEL_STAGES", "SECRET_NAME", "SETTINGS_NAME", "cluster_topology", "keda_units",
+           "render", "unit_uses_gpu", "uses_gpu", "write_rendered", "K8S"]
 
 #: Stages that run a model forward on every record (GPU); reward too when a reward source is a model.
 MODEL_STAGES = ("generate", "actor-logprob", "reference", "critic")
@@ -65,8 +69,8 @@ class RenderOptions:
     run_id: str = "prod"
     image: str = "expstream:latest"
     kafka_cluster: str = "expstream"  # the Strimzi Kafka's name: bootstrap <name>-kafka-bootstrap:9092
-    keda: tuple[str, ...] = ()  # stages scaled by KEDA besides reward and those with an autoscale block
-    gpus: int = 1  # nvidia.com/gpu per replica of a model stage (and the trainer)
+    keda: tuple[str, ...] = ()  # stages (or chains a+b) scaled by KEDA besides reward and autoscaled ones
+    gpus: int = 1  # nvidia.com/gpu per replica of a model stage or a chain holding one (and the trainer)
     kafka_sasl: bool = True  # the cluster's listener wants SCRAM-SHA-512 (deploy/k8s/base/infra/kafka.yaml)
 
     @property
@@ -91,25 +95,37 @@ def uses_gpu(topo: Topology, stage: str) -> bool:
     return any(src.kind == "model" for src in topo.rewards.sources.values())
 
 
-def keda_stages(topo: Topology, opts: RenderOptions) -> list[str]:
-    """The enabled stages KEDA scales: reward, every stage with an ``autoscale`` block, ``--keda`` ones."""
+def unit_uses_gpu(topo: Topology, unit: Unit) -> bool:
+    """Whether a process runs a model: a model stage alone, or a chain with one among its stages."""
+    return any(uses_gpu(topo, stage) for stage in unit.stages)
+
+
+def keda_units(topo: Topology, opts: RenderOptions) -> list[Unit]:
+    """The processes KEDA scales (a stage alone or a chain, ``Topology.units()``): the one running reward,
+    every one whose first stage has an ``autoscale`` block (only a chain's first stage may have one), and
+    those ``--keda`` names: a stage, a chain by its name ``a+b``, or a stage inside a chain (the chain
+    scales as one unit)."""
     enabled = {st.name for st in topo.enabled_stages()}
     for name in opts.keda:
-        if name not in topo.stages:
-            raise ConfigError(f"--keda {name}: no such stage", field="--keda",
-                              fix=f"name one of {', '.join(topo.stages)}")
-        if name not in enabled:
-            raise ConfigError(f"--keda {name}: the topology switches this stage off", field="--keda",
-                              fix="leave it out, or enable the stage")
+        if name in topo.stages:
+            if name not in enabled:
+                raise ConfigError(f"--keda {name}: the topology switches this stage off", field="--keda",
+                                  fix="leave it out, or enable the stage")
+        elif unit_of(topo, name) is None:
+            chained = [u.name for u in topo.units() if u.chained]
+            raise ConfigError(f"--keda {name}: no such stage{' or chain' if chained else ''}", field="--keda",
+                              fix=f"name one of {', '.join(topo.stages)}"
+                              + (f", or a chain of this topology: {', '.join(chained)}" if chained else ""))
     marked = {"reward", *opts.keda} | {st.name for st in topo.enabled_stages() if st.autoscale is not None}
-    return [st.name for st in topo.enabled_stages() if st.name in marked]
+    return [u for u in topo.units() if u.name in marked or marked.intersection(u.stages)]
 
 
 def cluster_topology(topo: Topology, opts: RenderOptions) -> tuple[dict[str, Any], list[str]]:
     """The topology the pods read, as topology.yaml's mapping, and the dotted keys whose credentials
     were redacted out of it (for the Secret's ``topology-secrets``)."""
     raw = topo.to_raw()
-    for name in keda_stages(topo, opts):
+    for unit in keda_units(topo, opts):  # a chain scales by its first stage's block (expstream/config/chains.py)
+        name = unit.head
         if raw["stages"][name].get("autoscale") is None:
             st = topo.stages[name]
             auto = AutoscaleConfig()
@@ -125,7 +141,8 @@ def cluster_topology(topo: Topology, opts: RenderOptions) -> tuple[dict[str, Any
 
 
 def kafka_topics(topo: Topology, opts: RenderOptions) -> list[dict[str, Any]]:
-    """One KafkaTopic per topic (partitions from ``all_topics``), its ``.dlq`` twin (1), ``policy``."""
+    """One KafkaTopic per topic (partitions from ``all_topics``), its ``.dlq`` twin (1), ``policy``: what
+    ``expstream run`` creates (expstream/launch/services.py), so not the topics inside a chain."""
     wanted: dict[str, int] = {}
     for name, parts in topo.all_topics().items():
         wanted[name] = parts
@@ -197,50 +214,55 @@ def _labels(component: str, gpu: bool) -> dict[str, str]:
             f"{LABEL}/accelerator": "gpu" if gpu else "cpu"}
 
 
-def stage_deployment(topo: Topology, name: str, opts: RenderOptions, keda: bool) -> dict[str, Any]:
-    """``expstream stage NAME``: readiness = its /metrics answers (served once the models are loaded)."""
-    gpu = uses_gpu(topo, name)
-    container = _container("stage", ["stage", name, *_common_args(opts)], opts, gpu)
+def stage_deployment(topo: Topology, unit: Unit, opts: RenderOptions, keda: bool) -> dict[str, Any]:
+    """``expstream stage NAME`` (a chain's ``NAME`` is ``a+b``, its objects' ``a-b``): readiness = its
+    /metrics answers (served once the models are loaded)."""
+    gpu, name = unit_uses_gpu(topo, unit), _name(unit.name)
+    container = _container("stage", ["stage", unit.name, *_common_args(opts)], opts, gpu)
     container["ports"] = [{"name": "metrics", "containerPort": METRICS_PORT}]
     container["readinessProbe"] = {"httpGet": {"path": "/metrics", "port": "metrics"},
                                    "periodSeconds": 10, "failureThreshold": 3}
     labels = {**_labels(name, gpu), f"{LABEL}/stage": name}
+    notes = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {"app.kubernetes.io/name": "expstream", f"{LABEL}/stage": name}},
         "template": {
-            "metadata": {"labels": labels,
-                         "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
-                                         "prometheus.io/path": "/metrics"}},
+            "metadata": {"labels": labels, "annotations": notes},
             "spec": _pod_spec(container, GRACE_S),
         },
     }
     if not keda:  # a KEDA-scaled Deployment leaves its count to the HPA (an apply would reset it)
-        spec = {"replicas": topo.stages[name].replicas, **spec}
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": f"expstream-{_name(name)}", "labels": labels}, "spec": spec}
+        spec = {"replicas": topo.stages[unit.head].replicas, **spec}
+    meta: dict[str, Any] = {"name": f"expstream-{name}", "labels": labels}
+    if unit.chained:  # label values cannot hold the `+` of the chain's name
+        meta["annotations"] = {f"{LABEL}/chain": unit.name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec}
 
 
-def scaled_object(topo: Topology, name: str, opts: RenderOptions) -> dict[str, Any]:
-    """KEDA's Kafka trigger on the stage's own group and input topic: replicas = ceil(lag / lagThreshold),
-    the in-process autoscaler's rule (expstream/launch/scale.py), capped by the input's partitions."""
-    st, auto = topo.stages[name], topo.stages[name].autoscale
+def scaled_object(topo: Topology, unit: Unit, opts: RenderOptions) -> dict[str, Any]:
+    """KEDA's Kafka trigger on the process's own group and input topic (a chain's: its first stage's, as
+    stages/chain.py runs it): replicas = ceil(lag / lagThreshold), the in-process autoscaler's rule
+    (expstream/launch/scale.py), capped by the input's partitions."""
+    name = _name(unit.name)
+    st = topo.stages[unit.head]
+    auto = st.autoscale
     assert auto is not None, "cluster_topology gives every KEDA-scaled stage an autoscale block"
     parts = topo.all_topics()[st.input]
     cooldown = int(math.ceil(auto.cooldown_s))
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
         # no accelerator label: the overlays' node patches select the pods' owners by it
-        "metadata": {"name": f"expstream-{_name(name)}",
+        "metadata": {"name": f"expstream-{name}",
                      "labels": {"app.kubernetes.io/name": "expstream", "app.kubernetes.io/component": name}},
         "spec": {
-            "scaleTargetRef": {"name": f"expstream-{_name(name)}"},
+            "scaleTargetRef": {"name": f"expstream-{name}"},
             "minReplicaCount": auto.min, "maxReplicaCount": min(auto.max, parts),
             "pollingInterval": 10, "cooldownPeriod": cooldown,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
                 "scaleDown": {"stabilizationWindowSeconds": cooldown}}}},
             "triggers": [{
                 "type": "kafka",
-                "metadata": {"bootstrapServers": opts.bootstrap, "consumerGroup": stage_group(opts.run_id, name),
+                "metadata": {"bootstrapServers": opts.bootstrap, "consumerGroup": stage_group(opts.run_id, unit.head),
                              "topic": st.input,
                              "lagThreshold": str(max(1, math.ceil(auto.target_lag_per_replica))),
                              "offsetResetPolicy": topo.kafka.auto_offset_reset},
@@ -264,18 +286,14 @@ def trainer_job(topo: Topology, opts: RenderOptions) -> dict[str, Any]:
 
 def render(topo: Topology, opts: RenderOptions) -> tuple[dict[str, list[dict[str, Any]]], str, list[str]]:
     """``({file name: objects}, topology.yaml text, redacted keys)`` of ``topo`` on a cluster."""
-    if topo.chains:
-        raise ConfigError("chains: `expstream k8s render` writes one Deployment per stage and does not chain stages yet",
-                          field="chains", fix="render a topology without `chains:` (chained stages run with "
-                          "`expstream run`; docs/deploy.md)")
     raw, redacted = cluster_topology(topo, opts)
     ctopo = build_topology(raw)
-    scaled = keda_stages(ctopo, opts)
+    scaled = keda_units(ctopo, opts)
     stages: list[dict[str, Any]] = []
-    for st in ctopo.enabled_stages():
-        stages.append(stage_deployment(ctopo, st.name, opts, st.name in scaled))
-        if st.name in scaled:
-            stages.append(scaled_object(ctopo, st.name, opts))
+    for unit in ctopo.units():  # one process per replica: a stage alone or a chain (as expstream run starts them)
+        stages.append(stage_deployment(ctopo, unit, opts, unit in scaled))
+        if unit in scaled:
+            stages.append(scaled_object(ctopo, unit, opts))
     files = {"topics.yaml": kafka_topics(ctopo, opts), "stages.yaml": stages}
     if ctopo.train.enabled:
         files["trainer.yaml"] = [trainer_job(ctopo, opts)]
@@ -334,15 +352,18 @@ def add_k8s_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--image", default="expstream:latest", help="the image of every stage and the trainer")
     r.add_argument("--kafka-cluster", default="expstream", help="the Strimzi Kafka's name")
     r.add_argument("--keda", action="append", default=[], metavar="STAGE",
-                   help="scale this stage with KEDA too (reward and stages with an autoscale block always are)")
-    r.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu per replica of a model stage")
+                   help="scale this stage with KEDA too (reward and stages with an autoscale block always are); "
+                        "a chain a+b, or a stage in it, scales the chain")
+    r.add_argument("--gpus", type=int, default=1,
+                   help="nvidia.com/gpu per replica of a model stage, or of a chain holding one")
     r.add_argument("--no-kafka-sasl", action="store_true",
                    help="the Kafka listener takes no SCRAM credentials (no TriggerAuthentication either)")
 
 
 def k8s_command(topo: Topology, args: argparse.Namespace) -> int:
     if args.gpus < 0:
-        raise ConfigError(f"--gpus: {args.gpus}", field="--gpus", fix="give 0 or more GPUs per replica")
+        raise ConfigError(f"--gpus: {args.gpus}", field="--gpus",
+                          fix="give 0 or more GPUs per replica of a model stage (or of a chain holding one)")
     opts = RenderOptions(run_id=args.run_id, image=args.image, kafka_cluster=args.kafka_cluster,
                          keda=tuple(args.keda), gpus=args.gpus, kafka_sasl=not args.no_kafka_sasl)
     files, topology_text, redacted = render(topo, opts)
