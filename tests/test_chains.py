@@ -51,6 +51,17 @@ def test_bad_chains_name_the_field(chains: str, field: str) -> None:
     assert err.value.field == field or str(err.value).startswith(f"{field}:"), str(err.value)
 
 
+def test_a_chain_across_the_environment_stage_is_refused_with_a_fix_that_loads() -> None:
+    """Multi-turn: generate also consumes the turns topic (a runner a chain does not have), so no chain may
+    span the environment stage; the fix given must itself be a topology that loads."""
+    env = "environment={fn: expstream.rewards.games:guess_digit}"
+    with pytest.raises(ConfigError, match=r"chains\[0\]: .*environment stage.*fix: start the chain after") as err:
+        load_topology(None, [env, "chains=[[generate, shard-preprocess]]"])
+    assert err.value.field == "chains[0]"
+    topo = load_topology(None, [env, "chains=[[shard-preprocess, actor-logprob]]"])
+    assert "shard-preprocess+actor-logprob" in [u.name for u in topo.units()]
+
+
 def test_a_chain_scales_as_one_unit() -> None:
     with pytest.raises(ConfigError, match=r"stages\.advantage\.replicas: 2.*fix: give it 1"):
         load_topology(None, [EXAMPLE, "stages.advantage.replicas=2"])

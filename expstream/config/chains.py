@@ -101,6 +101,10 @@ def check_chains(topo: Any) -> None:
         at = enabled.index(names[0])
         if enabled[at:at + len(names)] != names:
             between = [n for n in enabled[at:enabled.index(names[-1])] if n not in names]
+            if "environment" in between:  # multi-turn: generate also consumes the turns topic, as a unit of its own
+                raise ConfigError(f"{where}: {names} has the environment stage between its stages; the environment "
+                                  "stage and generate (which also consumes the turns topic) run unchained",
+                                  field=where, fix="start the chain after the environment stage, e.g. at shard-preprocess")
             raise ConfigError(f"{where}: {names} are not consecutive stages of this pipeline ({', '.join(between)} "
                               "runs between them)", field=where,
                               fix=f"add {', '.join(between)} to the chain, or split it where {between[0]} runs")
