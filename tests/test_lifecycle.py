@@ -37,12 +37,16 @@ def start_run(tmp_path: Path, cache: Path, prompts: int = 6) -> tuple[subprocess
 
 @pytest.mark.e2e
 def test_ctrl_c_stops_every_stage_cleanly(tmp_path, cache):
-    proc, run_dir = start_run(tmp_path, cache, prompts=200)
+    # far more work than the time to the signal: without the group joins a run of 200 prompts could finish
+    # before it (exit 0, not an interrupted run)
+    proc, run_dir = start_run(tmp_path, cache, prompts=3000)
+    recorded = run_dir.parent / "topics" / "experiences"
     deadline = time.monotonic() + 120
-    while not (run_dir / "pids.json").exists() or len(json.loads((run_dir / "pids.json").read_text())) < 7:
+    # stages up, and working: the first experiences recorded
+    while not (run_dir / "pids.json").exists() or len(json.loads((run_dir / "pids.json").read_text())) < 7 \
+            or not any(f.stat().st_size for f in recorded.glob("*.rec")):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.2)
-    time.sleep(3)  # stages are up and working
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]

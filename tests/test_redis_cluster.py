@@ -258,7 +258,7 @@ def test_preflight_names_uncovered_slots_and_a_refusing_primary(tmp_path, broker
         from tests.test_startup_errors import run_cli
 
         (tmp_path / "run").mkdir()
-        proc, _ = run_cli(tmp_path / "run", "--bootstrap-servers", broker, "--redis-url", url)
+        proc = run_cli(tmp_path / "run", "--bootstrap-servers", broker, "--redis-url", url)
         assert proc.returncode == 2, proc.stderr[-3000:]
         line = [x for x in proc.stderr.splitlines() if "configuration error" in x]
         assert len(line) == 1 and f"node 127.0.0.1:{small.ports[1]}" in line[0] and "fix" in line[0], proc.stderr
