@@ -276,7 +276,7 @@ class StageRunner:
                 polled = self.poller.poll(self._poll_timeout_ms())
                 if any(polled.values()):
                     self._handle_polled(polled)
-                else:  # nothing more came within the group's time: confirm and commit what is in hand
+                elif self.group.closes():  # the group's time is up: confirm and commit what is in hand
                     self.group.finish()
                 if self.max_records is not None and self.handled >= self.max_records:
                     break
@@ -373,7 +373,7 @@ class StageRunner:
     def _handle_polled(self, polled: dict) -> None:
         """Add the polled records to the open commit group one by one (see the module docstring, steps
         3-4); the group is confirmed and committed when it is full or old, on a stop, a rewind or a
-        rebalance, and when a poll finds nothing more (the run loop). Records left unhandled because
+        rebalance, and when its time is up with no record in hand (the run loop). Records left unhandled because
         the assignment moved get a resume point (stages/revocations.py)."""
         skip = self._seek_resume_points()  # a partition given back: its records here are past its resume point
         todo = [(tp, rec) for tp, records in polled.items() if tp not in skip for rec in records]
