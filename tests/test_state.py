@@ -190,6 +190,21 @@ def test_done_markers_are_dropped_after_dedupe_window_s(state_handles):
     assert state.group_done("old") and state.group_done("new")
 
 
+def test_park_groups_parks_a_records_groups_at_once_as_one_call_each_would(state):
+    """The advantage stage parks every group of a record in one call (one round trip on Redis): each group
+    completes, waits or is refused exactly as its own park_group call would, and a redelivery of the
+    completing record gets the same groups again."""
+    assert state.park_group("a", 2, "r0", {0: b"a0"}) is None  # a's other member came earlier
+    record = {"a": (2, {1: b"a1"}), "b": (2, {0: b"b0"}), "c": (2, {0: b"c0", 1: b"c1"})}
+    got = state.park_groups("r1", record)
+    assert got == {"a": [b"a0", b"a1"], "b": None, "c": [b"c0", b"c1"]}
+    assert [state.group_status(g) for g in "abc"] == [(2, 2, "r1"), (1, 2, None), (2, 2, "r1")]
+    assert state.park_groups("r1", record) == got
+    assert state.park_groups("r2", {"b": (2, {1: b"b1"})}) == {"b": [b"b0", b"b1"]}
+    with pytest.raises(PoisonRecordError, match="n=2"):
+        state.park_groups("r3", {"d": (2, {0: b"d0"}), "b": (3, {2: b"x"})})
+
+
 def test_park_group_rejects_inconsistent_records(state):
     with pytest.raises(PoisonRecordError, match="sample_index"):
         state.park_group("g", 2, "m0", {2: b"x"})

@@ -172,6 +172,11 @@ class MemoryState:
                 return None
             return [group.members[i] for i in range(n)]
 
+    def park_groups(self, batch_id: str, groups: Mapping[str, tuple[int, Mapping[int, bytes]]]
+                    ) -> dict[str, list[bytes] | None]:
+        """:meth:`park_group` for each ``group_id -> (n, members)`` of one record (RedisState: one round trip)."""
+        return {g: self.park_group(g, n, batch_id, members) for g, (n, members) in groups.items()}
+
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         with self._lock:
             group = self._groups.get(group_id)
