@@ -168,12 +168,15 @@ def committed(batches: list, ctx: StageContext) -> None:
     in ctx.state, which frees every group whose completing record and members' records are all committed."""
     if not ctx.topology.is_group_estimator:
         return
+    records = []
     for batch in batches:
         if isinstance(batch, SampleBatch):
             members: dict[str, list[int]] = {}
             for g, i in zip(batch.group_id, batch.sample_index, strict=True):
                 members.setdefault(g, []).append(int(i))
-            ctx.state.settle_groups(batch.batch_id, members)
+            records.append((batch.batch_id, members))
+    if records:
+        ctx.state.settle_records(records)  # the commit group's records in one round trip
 
 
 def _groups(batch: SampleBatch) -> dict[str, list[int]]:

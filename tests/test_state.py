@@ -140,6 +140,18 @@ def test_a_group_is_freed_once_its_completer_and_every_members_record_are_commit
     assert state.settle_groups("r0", {g: [0, 1]}) == []  # idempotent: nothing more to free
 
 
+def test_settle_records_settles_a_commit_groups_records_as_one_call_each_would(state):
+    """The advantage stage's committed hook settles every record of a commit group at once (one round trip
+    on Redis), in order: a group whose completer and members' records are all among them is freed."""
+    assert state.park_group("a", 2, "r0", {0: b"a0"}) is None
+    assert state.park_group("a", 2, "r1", {1: b"a1"}) == [b"a0", b"a1"]
+    assert state.park_group("b", 2, "r1", {0: b"b0"}) is None
+    assert state.settle_records([("r0", {"a": [0]}), ("r1", {"a": [1], "b": [0]})]) == ["a"]
+    assert state.group_done("a") and not state.group_done("b")
+    assert state.group_status("b") == (1, 2, None)
+    assert state.settle_records([("r0", {"a": [0]})]) == [] and state.settle_records([]) == []
+
+
 def test_a_group_waits_for_its_completing_record_itself_not_only_for_its_members(state):
     g = "prompt-10"
     state.park_group(g, 2, "r0", {0: b"a"})

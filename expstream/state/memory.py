@@ -209,6 +209,10 @@ class MemoryState:
                     del self._done[gid]
         return freed
 
+    def settle_records(self, records: Sequence[tuple[str, Mapping[str, Sequence[int]]]]) -> list[str]:
+        """:meth:`settle_groups` for each ``(batch_id, members)`` in order (RedisState: one round trip)."""
+        return [g for batch_id, members in records for g in self.settle_groups(batch_id, members)]
+
     def group_done(self, group_id: str) -> bool:
         """True while the "done" marker of a settled group is kept."""
         with self._lock:
