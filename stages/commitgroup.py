@@ -20,7 +20,7 @@ pay one flush, one statistics round trip and one commit per group instead of per
    expstream/state/durability.py). When they may be lost (their primary failed over first) or no
    replica acknowledged them in time, nothing is committed and the records are processed again.
 4. ``offset + 1`` of the group's last record of each partition is committed, only if this consumer
-   still owns the partition. Nothing is committed before every output of every record up to it is
+   still owns the partition; every partition of the group in one OffsetCommit request. Nothing is committed before every output of every record up to it is
    acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
    group at most (downstream is idempotent by batch id).
    Rebalance listeners run on kafka-python's IO thread, so they only record revocations
@@ -92,7 +92,9 @@ REBALANCED = tuple(
         "FencedMemberEpochError", "StaleMemberEpochError"))
     if isinstance(t, type)
 )  # fmt: skip
-CommitFn = Callable[[TopicPartition, int, str, "str | None"], bool]
+# a group's offsets to commit: partition -> (its last record's offset, topic[partition]@offset, batch id)
+Offsets = dict[TopicPartition, tuple[int, str, "str | None"]]
+CommitFn = Callable[[Offsets], set[TopicPartition]]
 
 
 @dataclasses.dataclass
@@ -151,7 +153,7 @@ class CommitGroup:
             dead_letters: the per-record way for a record whose sends failed.
             metrics: the replica's metrics, or None.
             slow: warns about a broker slow to acknowledge.
-            commit: commits one partition's offset (default :meth:`commit_offset`; the runner hands in
+            commit: commits the group's partitions, one request (default :meth:`commit_offsets`; the runner hands in
                 its own seam so a test can count or refuse commits).
             committed: the stage's hook after a commit (step 5), or None.
             stopping: true once the replica is asked to stop.
@@ -164,7 +166,7 @@ class CommitGroup:
         self.consumer, self.producer, self.tracker = clients.consumer, clients.producer, clients.tracker
         self.pausing, self.confirmer = clients.pausing, clients.confirmer
         self.metrics, self.slow, self.committed, self.stopping, self.fault = metrics, slow, committed, stopping, fault
-        self.commit = commit or self.commit_offset
+        self.commit = commit or self.commit_offsets
         self.stage_rows = stage_rows
         self.records: list[Pending] = []  # the open group: worked on, not yet confirmed
         # batches handled but not known committed yet, per partition (only kept with a hook)
@@ -209,7 +211,10 @@ class CommitGroup:
             last[p.tp] = p
             if self.committed is not None and p.batch is not None:
                 self.uncommitted.setdefault(p.tp, []).append(p.batch)
-        committed = [tp for tp, p in last.items() if self.commit(tp, p.record.offset, p.where, p.batch_id)]
+        # every partition of the group in one OffsetCommit request (records come round robin over the
+        # partitions: a request per partition was a request per record again)
+        done = self.commit({tp: (p.record.offset, p.where, p.batch_id) for tp, p in last.items()}) if last else set()
+        committed = [tp for tp in last if tp in done]
         self.fault("after_commit")
         if self.committed is not None:
             self.after_commit([b for tp in committed for b in self.uncommitted.pop(tp, [])], items[-1].where)
@@ -379,55 +384,60 @@ class CommitGroup:
             row = (batch.batch_id, flow, seconds if (outputs or not letters) else None, samples)
         return Done(p.batch_id, samples, len(outputs), len(letters), seconds), row
 
-    def commit_offset(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
-        """Step 4 for one partition: commit ``offset + 1`` if this consumer still owns ``tp`` (main thread).
+    def commit_offsets(self, offsets: Offsets) -> set[TopicPartition]:
+        """Step 4: commit ``offset + 1`` of each partition this consumer still owns, in one request (main thread).
 
         Args:
-            tp: the partition; offset: its group's last record; where, batch_id: for the log lines.
+            offsets: partition -> (its group's last record, topic[partition]@offset and batch id for the logs).
         Returns:
-            True when committed; False when revoked meanwhile, refused in a rebalance, or given up
-            after COMMIT_GIVE_UP_S (each counted in :attr:`commits_skipped`; the record is redelivered).
+            The partitions committed. One revoked meanwhile, refused in a rebalance or given up after
+            COMMIT_GIVE_UP_S is not (each counted in :attr:`commits_skipped`; its records are redelivered).
         """
         timeout_ms = self.ctx.topology.kafka.request_timeout_ms
         retries = [0]
+        todo = dict(offsets)
+        last_where, last_batch = next(reversed(todo.values()))[1:]
 
-        def commit() -> bool:
-            if not self.tracker.owns(tp):
+        def commit() -> set[TopicPartition]:
+            for tp in [tp for tp in todo if not self.tracker.owns(tp)]:
                 self.commits_skipped += 1
+                _, where, batch_id = todo.pop(tp)
                 self.log.warning("stage %s %s batch=%s: partition revoked meanwhile; not committing (the new owner "
                                  "re-processes it, idempotently)", self.stage, where, batch_id)
-                return False
+            if not todo:
+                return set()
             try:
-                with self.slow.watch(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
-                                   "%.0fs (broker unreachable or paused?)", self.stage, where, batch_id,
-                                   SLOW_SEND_WARN_S):
+                with self.slow.watch(self.log, "stage %s %s batch=%s: commit of %d partitions still waiting for the "
+                                     "broker after %.0fs (broker unreachable or paused?)", self.stage, last_where,
+                                     last_batch, len(todo), SLOW_SEND_WARN_S):
                     t0 = time.monotonic()
-                    self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
+                    self.consumer.commit({tp: OffsetAndMetadata(off + 1, "", -1) for tp, (off, _, _) in todo.items()},
+                                         timeout_ms=timeout_ms)
                     if self.metrics is not None:
                         self.metrics.commit_seconds.observe(time.monotonic() - t0)
             except REBALANCED as exc:
-                self.commits_skipped += 1
-                self.log.warning("stage %s %s batch=%s: commit refused, the group rebalanced (%s); the record is "
-                                 "redelivered to the partition's owner and re-processed idempotently",
-                                 self.stage, where, batch_id, type(exc).__name__)
-                return False
+                self.commits_skipped += len(todo)
+                self.log.warning("stage %s %s batch=%s: commit of %d partitions refused, the group rebalanced (%s); "
+                                 "their records are redelivered to the partitions' owners and re-processed "
+                                 "idempotently", self.stage, last_where, last_batch, len(todo), type(exc).__name__)
+                return set()
             if retries[0]:
-                self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage, where,
-                              batch_id, retries[0])
-            return True
+                self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage, last_where,
+                              last_batch, retries[0])
+            return set(todo)
 
         def on_retry(a: Attempt) -> None:
             retries[0] = a.number
             self.log.warning("stage %s %s batch=%s: commit failed (%s: %s; broker unreachable?); retry %d in "
-                             "%.1fs", self.stage, where, batch_id, type(a.exc).__name__, a.exc, a.number,
+                             "%.1fs", self.stage, last_where, last_batch, type(a.exc).__name__, a.exc, a.number,
                              a.delay_s)
 
-        def give_up(a: Attempt) -> bool:
-            self.commits_skipped += 1
+        def give_up(a: Attempt) -> set[TopicPartition]:
+            self.commits_skipped += len(todo)
             self.log.error("stage %s %s batch=%s: commit failed for %.0fs (%s: %s); giving up on it, the "
-                           "record is redelivered after the next rebalance or restart", self.stage,
-                           where, batch_id, a.waited_s, type(a.exc).__name__, a.exc)
-            return False
+                           "records are redelivered after the next rebalance or restart", self.stage,
+                           last_where, last_batch, a.waited_s, type(a.exc).__name__, a.exc)
+            return set()
 
         # the backoff is spent polling with paused partitions, so the consumer stays in its group
         return retry(commit, policy=COMMIT_RETRY, retriable=lambda exc: isinstance(exc, kafka_errors.KafkaError),

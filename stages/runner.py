@@ -458,6 +458,7 @@ class StageRunner:
             return None
 
     # -- commit (main thread) --------------------------------------------------------------------
-    def _commit(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
-        """Step 4 for one partition (stages/commitgroup.py); the seam a test overrides to count or refuse commits."""
-        return self.group.commit_offset(tp, offset, where, batch_id)
+    def _commit(self, offsets: dict[TopicPartition, tuple[int, str, str | None]]) -> set[TopicPartition]:
+        """Step 4 for a group's partitions, one request (stages/commitgroup.py); the seam a test overrides to
+        count or refuse commits. Returns the partitions committed."""
+        return self.group.commit_offsets(offsets)
