@@ -126,6 +126,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--demo-repeats", type=int, default=2,
                    help="runs of the README's demo command (examples/prompts.jsonl, defaults, report on) for "
                         "time to first experience, whole-command wall and memory (PSS); 0 skips them")
+    p.add_argument("--demo-only", action="store_true",
+                   help="only the demo rows (--demo-repeats runs): peak PSS summed over the run's processes and each "
+                        "process's share, nothing else measured")
+    p.add_argument("--demo-against", type=Path, metavar="CHECKOUT",
+                   help="with --demo-only: the same demo from another checkout (e.g. /work/main), interleaved, A/B")
+    p.add_argument("--demo-start", action="store_true",
+                   help="only the demo start-up: --demo-repeats pairs of the default and run.assign_partitions=false (every "
+                        "replica joins its consumer group), interleaved, with each run's start-up timeline "
+                        "(demo_start); writes bench/results/pipeline-demo.json")
     p.add_argument("--vl", action="store_true",
                    help="images through the pipeline instead: bytes per hop with and without the claim check, "
                         "samples/s of a mixed text/image run vs the same prompts without images (vl_cost)")
@@ -404,6 +413,7 @@ class TreeCPU:
         # with pss: the tree's summed proportional set size (shared pages split between sharers), peak
         self.pss_peak_kib = 0
         self.pss_peak_by: dict[str, int] = {}
+        self.pss_peak_procs: list[tuple[str, int, int]] = []  # (process, PSS KiB, private dirty KiB) at the peak
         self.tick = os.sysconf("SC_CLK_TCK")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -439,18 +449,20 @@ class TreeCPU:
             kids.setdefault(ppid, []).append(pid)
         todo = [self.root]
         pss: dict[str, int] = {}
+        each: list[tuple[str, int, int]] = []
         while todo:
             pid = todo.pop()
             if pid in procs:
                 _, comm, cpu, start = procs[pid]
                 self.cpu[(pid, start)] = (comm, cpu)
                 if self.pss:
-                    kib = _pss_kib(pid)
+                    kib, private = _pss_kib(pid)
                     if kib:
                         pss[comm] = pss.get(comm, 0) + kib
+                        each.append((process_label(pid, comm), kib, private))
             todo.extend(kids.get(pid, []))
         if self.pss and sum(pss.values()) > self.pss_peak_kib:
-            self.pss_peak_kib, self.pss_peak_by = sum(pss.values()), pss
+            self.pss_peak_kib, self.pss_peak_by, self.pss_peak_procs = sum(pss.values()), pss, each
 
     def totals(self, stage_pids: dict[int, str]) -> dict[str, Any]:
         """CPU s: total, cli (the `expstream run` process), broker, redis, per stage, other (fork server)."""
@@ -470,16 +482,34 @@ class TreeCPU:
         return out
 
 
-def _pss_kib(pid: int) -> int:
-    """``Pss`` of one process in KiB (/proc/<pid>/smaps_rollup), 0 when it is gone or unreadable."""
+def _pss_kib(pid: int) -> tuple[int, int]:
+    """``Pss`` and ``Private_Dirty`` of one process in KiB (/proc/<pid>/smaps_rollup), 0s when it is gone."""
+    found = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as fh:
             for line in fh:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
+                if line.startswith(("Pss:", "Private_Dirty:")):
+                    found[line.split(":")[0]] = int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return found.get("Pss", 0), found.get("Private_Dirty", 0)
+
+
+def process_label(pid: int, comm: str) -> str:
+    """What a process of the run is: its stage title (``stage generate[0]``), ``recorder``, ``fork server``,
+    ``resource tracker``, ``expstream run`` (the command itself), or its ``comm`` (broker, redis-server)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return comm
+    if cmd.startswith("expstream "):  # a titled process: "expstream stage generate[0] run=...", "expstream recorder run=..."
+        return cmd.split(" run=")[0].removeprefix("expstream ").strip()
+    for marker, label in (("multiprocessing.forkserver", "fork server"), ("resource_tracker", "resource tracker"),
+                          ("-m expstream run", "expstream run")):
+        if marker in cmd:
+            return label
+    return comm
 
 
 def stage_pids(log_dir: Path) -> dict[int, str]:
@@ -527,14 +557,17 @@ def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | 
             "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
 
 
-def demo_run(out: Path) -> dict[str, Any]:
+def demo_run(out: Path, checkout: Path = ROOT, sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """The README's demo as a user runs it (``expstream run --prompts examples/prompts.jsonl``, the embedded
     default topology, report on): whole-command wall, time to first experience (from the process start,
-    summary.json ``startup``; and from the run's own clock), and the peak summed PSS of its process tree."""
-    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(ROOT / "examples" / "prompts.jsonl"),
-           "--output", str(out), "--no-progress"]
+    summary.json ``startup``; and from the run's own clock), and the peak summed PSS of its process tree
+    (each process's PSS and private dirty memory at that peak). ``checkout``: whose code runs (A/B);
+    ``sets``: ``--set`` items added to the command (the --demo-start comparison)."""
+    cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(checkout / "examples" / "prompts.jsonl"),
+           "--output", str(out), "--no-progress", *(a for item in sets for a in ("--set", item))]
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     with TreeCPU(proc.pid, interval=0.1, pss=True) as tree:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     wall = time.perf_counter() - started
@@ -548,7 +581,41 @@ def demo_run(out: Path) -> dict[str, Any]:
             "timeline_s": startup.get("timeline_s"), "critical_path": startup.get("critical_path"),
             "pss_peak_mib": tree.pss_peak_kib / 1024,
             "pss_peak_by_mib": {k: round(v / 1024, 1) for k, v in sorted(tree.pss_peak_by.items(),
-                                                                          key=lambda kv: -kv[1])}}
+                                                                          key=lambda kv: -kv[1])},
+            "pss_peak_processes_mib": [(name, round(kib / 1024, 1), round(private / 1024, 1))
+                                       for name, kib, private in sorted(tree.pss_peak_procs, key=lambda p: p[0])]}
+
+
+def demo_start(repeats: int, work: Path) -> dict[str, Any]:
+    """``--demo-start``: the demo with partitions assigned by the run (the default) and with every replica
+    joining its group (``run.assign_partitions=false``), interleaved; per run the start-up figures
+    (seconds since the command's process started): ``fork_ready`` (the first stage process started:
+    the fork server's imports are done), ``first_experience``, ``after_fork`` (the one minus the
+    other: stage set-up, partitions, the hops), ``stopping`` to the command's end, and the load."""
+    sides = {"assigned": (), "group join": ("run.assign_partitions=false",)}
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+    for rep in range(max(repeats, 1)):
+        for name, sets in (sides.items() if rep % 2 == 0 else reversed(sides.items())):
+            load = os.getloadavg()[0]
+            out = work / f"demo-{name.replace(' ', '-')}-{rep}"
+            r = demo_run(out, sets=sets)
+            tl = r["timeline_s"] or {}
+            stages = json.loads((out / "summary.json").read_text()).get("startup", {}).get("stages", {})
+            fork_ready = min((m.get("process_start", float("nan")) for m in stages.values()), default=float("nan"))
+            fe = r["first_experience_s"] or float("nan")
+            row = {"first_experience_s": fe, "cmd_wall_s": r["cmd_wall_s"],
+                   "fork_started_s": tl.get("fork_server_started", float("nan")), "fork_ready_s": fork_ready,
+                   "after_fork_s": fe - fork_ready, "config_checked_s": tl.get("config_checked", float("nan")),
+                   "tail_s": r["cmd_wall_s"] - tl.get("stopping", float("nan")), "pss_peak_mib": r["pss_peak_mib"],
+                   "load_1m": load}
+            rows[name].append(row)
+            progress(f"demo {name} {rep + 1}/{repeats}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+    print("| demo (median) | first experience s | command s | fork server ready s | after it s | stop to end s "
+          "| PSS MiB |\n|---|---:|---:|---:|---:|---:|---:|")
+    for name, rs in rows.items():
+        print(f"| {name} | " + " | ".join(f"{median([r[k] for r in rs]):.2f}" for k in (
+            "first_experience_s", "cmd_wall_s", "fork_ready_s", "after_fork_s", "tail_s", "pss_peak_mib")) + " |")
+    return {"demo_start": rows}
 
 
 def codec_in_stage_env() -> dict[str, Any]:
@@ -569,45 +636,18 @@ def codec_in_stage_env() -> dict[str, Any]:
     return result
 
 
-def codec_vs_memcpy(target_bytes: int = 2_500_000, repeats: int = 30) -> dict[str, Any]:
+def codec_vs_memcpy(target_bytes: int = 2_500_000, repeats: int = 100) -> dict[str, Any]:
     """The codec's round trip (encode + decode) of one SampleBatch record of ~``target_bytes`` against a
-    memcpy of the same number of bytes: ratio = memcpy time / round-trip time (1.0 = as fast as a copy)."""
-    import numpy as np
+    memcpy of the same number of bytes: ratio = memcpy time / round-trip time (1.0 = as fast as a copy).
+    The writer's framing (version 6, framed) and the plain msgpack map (versions 1-5) in the same run
+    (bench/codec.py); the top-level figures are the framed ones."""
+    import codec
 
-    from schemas import Ragged, SampleBatch
-
-    b, width = 64, 0
-    per_token = 4 * 3 + 4 * 8 + 1  # bytes per token: 3 int32 id fields + 8 float32 action fields + the bool mask
-    width = max(1, target_bytes // (b * per_token))
-    rng = np.random.default_rng(0)
-    ids = Ragged.from_rows([rng.integers(0, 500, width, dtype=np.int32) for _ in range(b)], "int32")
-
-    def floats() -> Ragged:
-        return Ragged.from_rows([rng.standard_normal(width).astype(np.float32) for _ in range(b)], "float32")
-
-    batch = SampleBatch(batch_id="bench", policy_version=0, n_samples_per_prompt=4, eos_token_id=1, pad_token_id=0,
-                        prompt_id=[f"p{i // 4}" for i in range(b)], group_id=[f"p{i // 4}" for i in range(b)],
-                        sample_index=[i % 4 for i in range(b)], prompt=["q"] * b, label=[""] * b, reference=[""] * b,
-                        response=["r"] * b, prompt_ids=ids, response_ids=ids, layout="padded", action_ids=ids,
-                        action_mask=Ragged.from_rows([np.ones(width, bool) for _ in range(b)], "bool"),
-                        action_log_probs=floats(), base_action_log_probs=floats(), values=floats(),
-                        rollout_log_probs=floats(), kl=floats(), token_rewards=floats(), advantages=floats(),
-                        returns=floats(), rewards=rng.standard_normal(b).astype(np.float32))
-    raw = encode(batch)
-    src = np.frombuffer(raw, np.uint8)
-    dst = np.empty_like(src)
-    codec, copy = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        back = decode(encode(batch))
-        t1 = time.perf_counter()
-        np.copyto(dst, src)
-        t2 = time.perf_counter()
-        codec.append(t1 - t0)
-        copy.append(t2 - t1)
-    assert back.batch_id == batch.batch_id
-    return {"bytes": len(raw), "roundtrip_ms": 1000 * median(codec), "memcpy_ms": 1000 * median(copy),
-            "ratio": median(copy) / median(codec)}
+    result = codec.measure(target_bytes, repeats)
+    framed = result["framed"]
+    return {"bytes": result["bytes"], "memcpy_ms": result["memcpy_ms"], "encode_ms": framed["encode_ms"],
+            "decode_ms": framed["decode_ms"], "roundtrip_ms": framed["roundtrip_ms"], "ratio": framed["ratio"],
+            "plain_map": result["plain map"]}
 
 
 def cpu_medians(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -663,6 +703,15 @@ def main() -> int:
     sets = topology_sets(args, models)
     topo = load_topology(None, sets)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    if args.demo_start:
+        try:
+            result = demo_start(args.demo_repeats, work)
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(work, ignore_errors=True)
+        save("pipeline-demo", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+                               "end_loadavg": machine()["loadavg"], **result})
+        return 0
     prompt_files = {args.prompts: write_prompts(work / f"prompts-{args.prompts}.jsonl", args.prompts),
                     2 * args.prompts: write_prompts(work / f"prompts-{2 * args.prompts}.jsonl", 2 * args.prompts)}
     if args.vl:
@@ -673,6 +722,15 @@ def main() -> int:
                 shutil.rmtree(work, ignore_errors=True)
         save("pipeline-vl", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
                              "end_loadavg": machine()["loadavg"], **result})
+        return 0
+    if args.demo_only:
+        try:
+            result = demo_memory(args, work)
+        finally:
+            if not args.keep_runs:
+                shutil.rmtree(work, ignore_errors=True)
+        save("pipeline-demo", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+                               "end_loadavg": machine()["loadavg"], **result})
         return 0
     if args.record or args.metrics:
         try:
@@ -729,6 +787,43 @@ def main() -> int:
     summary["goals"] = goals_table(args, base, hops, stream, demos, codec, stream_chained)
     save(f"pipeline-{args.model_size}" if args.model_size != "tiny" else "pipeline", summary)
     return 0
+
+
+def demo_memory(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``--demo-only``: the demo ``--demo-repeats`` times (interleaved with ``--demo-against``'s checkout):
+    the median peak of the summed PSS, and at each run's peak every process's PSS and private dirty memory
+    (medians over the runs, per process name; the table of bench/README.md item 5)."""
+    sides = {"this": ROOT} if args.demo_against is None else {"this": ROOT, "against": args.demo_against.resolve()}
+    demos: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+    for rep in range(args.demo_repeats):
+        for side, checkout in (sides.items() if rep % 2 == 0 else reversed(sides.items())):
+            d = demo_run(work / f"demo-{side}-{rep}", checkout)
+            demos[side].append(d)
+            progress(f"demo {side} ({checkout}) {rep + 1}/{args.demo_repeats}: PSS peak {d['pss_peak_mib']:.0f} MiB, "
+                     f"command {d['cmd_wall_s']:.1f}s, load {machine()['loadavg']}")
+    per: dict[str, dict[str, dict[str, list[float]]]] = {}  # process -> side -> pss|private -> values
+    for side, runs in demos.items():
+        for d in runs:
+            for name, pss, private in d["pss_peak_processes_mib"]:
+                cell = per.setdefault(name, {}).setdefault(side, {"pss": [], "private": []})
+                cell["pss"].append(pss)
+                cell["private"].append(private)
+    rows = []
+    for name in sorted(per, key=lambda n: -median(per[n].get("this", {"pss": [0.0]})["pss"])):
+        row: list[Any] = [name]
+        for side in sides:
+            cell = per[name].get(side)
+            row += [median(cell["pss"]), median(cell["private"])] if cell else [float("nan"), float("nan")]
+        rows.append(row)
+    peaks = {side: median([d["pss_peak_mib"] for d in runs]) for side, runs in demos.items()}
+    rows.append(["sum at the peak (median of runs)", *[v for side in sides for v in (peaks[side], float("nan"))]])
+    headers = ["process"] + [f"{h} {side}" for side in sides for h in ("PSS", "private dirty")]
+    print(table(headers, rows, title=f"Demo memory at the peak of summed PSS (MiB), {args.demo_repeats} runs each; "
+                                     f"load avg {machine()['loadavg']}"))
+    if "against" in peaks:
+        print(f"  peak PSS this / against: {peaks['this'] / peaks['against']:.2f} "
+              f"({peaks['this']:.0f} vs {peaks['against']:.0f} MiB)")
+    return {"sides": {k: str(v) for k, v in sides.items()}, "peak_pss_mib": peaks, "demos": demos}
 
 
 def vl_prompts(work: Path, count: int) -> tuple[Path, Path]:
@@ -1109,7 +1204,7 @@ def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, 
         (f"codec round trip / memcpy, {codec['bytes'] / 1e6:.1f} MB record (stage malloc settings)", codec["ratio"],
          ">= 0.5",
          lambda v: v >= 0.5),
-        ("resident memory of the demo run, peak sum of PSS (MiB)", pss, "measured, then halved", lambda v: None),
+        ("resident memory of the demo run, peak sum of PSS (MiB)", pss, "<= 380 MiB", lambda v: v <= 380.0),
     ]
     out_rows = []
     for label, value, goal, ok in rows:
@@ -1122,10 +1217,12 @@ def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, 
         print(f"  demo start-up timeline (s since the process started): {d['timeline_s']}")
         print(f"  slowest replica to its first record: {d['critical_path']}")
         print(f"  PSS at the peak, by process name (MiB): {d['pss_peak_by_mib']}")
-    dm = codec["default_malloc"]
-    print(f"  codec: {codec['bytes']} bytes, round trip {codec['roundtrip_ms']:.2f} ms, memcpy {codec['memcpy_ms']:.2f} ms "
-          f"with the stages' malloc settings; {dm['roundtrip_ms']:.2f} / {dm['memcpy_ms']:.2f} ms "
-          f"(ratio {dm['ratio']:.2f}) with glibc's defaults")
+    dm, pm = codec["default_malloc"], codec["plain_map"]
+    print(f"  codec: {codec['bytes']} bytes, framed (version 6): encode {codec['encode_ms']:.3f} + decode "
+          f"{codec['decode_ms']:.3f} = round trip {codec['roundtrip_ms']:.3f} ms, memcpy {codec['memcpy_ms']:.3f} ms, "
+          f"ratio {codec['ratio']:.2f}; plain msgpack map (versions 1-5), same run: {pm['encode_ms']:.3f} + "
+          f"{pm['decode_ms']:.3f} = {pm['roundtrip_ms']:.3f} ms, ratio {pm['ratio']:.2f} (stages' malloc settings); "
+          f"framed with glibc's defaults {dm['roundtrip_ms']:.3f} / {dm['memcpy_ms']:.3f} ms (ratio {dm['ratio']:.2f})")
     return {"best_in_process_threads": best_threads, "rows": {r[0]: rounded(r[1]) for r in out_rows},
             "demos": demos, "codec": codec}
 

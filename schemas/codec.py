@@ -14,7 +14,9 @@ import dataclasses
 from typing import Any
 
 import msgpack
+import numpy as np
 
+from schemas import frame as framing
 from schemas.errors import DecodeError, SchemaError, UnknownSchemaError, ValidationError, VersionError
 from schemas.messages import (
     PROMPT_V2_FIELDS,
@@ -25,25 +27,29 @@ from schemas.messages import (
     PromptBatch,
     SampleBatch,
 )
-from schemas.tensors import Ragged, decode_tensor, encode_tensor
+from schemas.tensors import DTYPES, Ragged, decode_tensor
 
 __all__ = ["MESSAGE_TYPES", "READ_VERSIONS", "SCHEMA_VERSIONS", "Message", "decode", "encode", "peek_header", "write_version"]
 
 Message = PromptBatch | SampleBatch
 #: Schema name -> the version this writer writes (and the newest this reader reads).
-SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 2, "expstream.SampleBatch": 5}
+SCHEMA_VERSIONS: dict[str, int] = {"expstream.PromptBatch": 2, "expstream.SampleBatch": 6}
 #: Schema name -> every version this reader reads. SampleBatch version 1 has no V2_FIELDS; a
 #: version-1 record decodes with them absent (None / []).
 #: Version 3 of SampleBatch and 2 of PromptBatch add the visual fields (V3_FIELDS, PROMPT_V2_FIELDS);
 #: version 4 of SampleBatch adds the multi-turn fields (V4_FIELDS), version 5 the per-token policy
-#: versions (V5_FIELDS). A record is written at the lowest version that holds its fields.
-READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1, 2), "expstream.SampleBatch": (1, 2, 3, 4, 5)}
+#: versions (V5_FIELDS). A record is written at the lowest version that holds its fields, unless it is
+#: framed: version 6 holds every field of version 5, its tensors' bytes after a msgpack header
+#: (schemas/frame.py), and is written for a SampleBatch whose tensors hold >= FRAME_MIN_BYTES.
+READ_VERSIONS: dict[str, tuple[int, ...]] = {"expstream.PromptBatch": (1, 2),
+                                             "expstream.SampleBatch": (1, 2, 3, 4, 5, 6)}
 #: Schema name -> message class.
 MESSAGE_TYPES: dict[str, type[PromptBatch] | type[SampleBatch]] = {
     PromptBatch.SCHEMA: PromptBatch,
     SampleBatch.SCHEMA: SampleBatch,
 }
 _ENVELOPE = ("schema", "version")
+_RAGGED_KEYS = frozenset(("lengths", "values"))
 
 
 def write_version(msg: Message) -> int:
@@ -64,27 +70,46 @@ def write_version(msg: Message) -> int:
 
 
 def encode(msg: Message) -> bytes:
-    """The msgpack bytes of ``msg`` (validated first; raises ValidationError if it is invalid)."""
+    """The msgpack bytes of ``msg`` (validated first; raises ValidationError if it is invalid).
+
+    A SampleBatch whose tensors hold at least ``FRAME_MIN_BYTES`` is framed (version 6: the tensor
+    bytes after the header, schemas/frame.py); every other message is one plain msgpack map at the
+    lowest version that holds its fields (:func:`write_version`).
+    """
     if not isinstance(msg, (PromptBatch, SampleBatch)):
         raise TypeError(f"encode() takes a PromptBatch or SampleBatch, got {type(msg).__name__}")
     msg.validate()  # fields may have been assigned since construction
-    cls = type(msg).__name__
     out: dict[str, Any] = {"schema": msg.SCHEMA, "version": write_version(msg)}
+    nbytes = 0  # of the tensors
     for name, kind in msg.FIELDS.items():
         value = getattr(msg, name)
         if value is None or (kind in ("opt_ints", "opt_refs") and not value):
             continue
-        if kind == "ragged":  # tensors as memoryviews: packed right below, one copy (schemas/tensors.py)
-            value = value.to_dict(copy=False)
+        if kind == "ragged":
+            value = {"lengths": _tensor(value.lengths, "int32"), "values": _tensor(value.values, value.dtype)}
+            nbytes += value["lengths"]["data"].nbytes + value["values"]["data"].nbytes
         elif kind == "array":
-            value = encode_tensor(value, "float32", field=f"{cls}.{name}", copy=False)
+            value = _tensor(value, "float32")
+            nbytes += value["data"].nbytes
         elif kind == "arrays":
-            value = {
-                k: encode_tensor(value[k], "float32", field=f"{cls}.{name}[{k!r}]", copy=False)
-                for k in sorted(value)
-            }
+            value = {k: _tensor(value[k], "float32") for k in sorted(value)}
+            nbytes += sum(t["data"].nbytes for t in value.values())
         out[name] = value
+    if isinstance(msg, SampleBatch) and nbytes >= framing.FRAME_MIN_BYTES:
+        out["version"] = framing.FRAME_VERSION
+        return framing.frame(out)  # the tensors' bytes appended, one copy
+    for parent, key, t, _ in framing.tensor_maps(out):  # the tensors as bins of the map: packed right below, one copy
+        parent[key] = {"dtype": t["dtype"], "shape": t["shape"], "data": memoryview(t["data"].reshape(-1).view(np.uint8))}
     return msgpack.packb(out, use_bin_type=True)
+
+
+def _tensor(a: np.ndarray, name: str) -> dict[str, Any]:
+    """A validated field's array as ``{dtype, shape, data}``, ``data`` the array itself made C-contiguous
+    and little-endian (a copy only when it is not already)."""
+    target = DTYPES[name]
+    if a.dtype != target or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=target)
+    return {"dtype": name, "shape": list(a.shape), "data": a}
 
 
 def _unpack(data: Any) -> dict[str, Any]:
@@ -181,10 +206,30 @@ def _float_tensor(value: Any, path: str) -> Any:
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """The message in ``data``; tensors view the decoded bytes without copying (read-only).
 
-    Raises DecodeError (not one msgpack map), UnknownSchemaError, VersionError or
-    ValidationError (unknown/missing/ill-typed fields, failed message validation).
+    A framed record's (version 6) tensors view ``data`` itself (a bytearray or memoryview is copied
+    into bytes first, so that nothing can change under the views). Raises DecodeError (not one msgpack
+    map, or a corrupt frame), UnknownSchemaError, VersionError or ValidationError
+    (unknown/missing/ill-typed fields, failed message validation).
     """
+    if isinstance(data, (bytes, bytearray, memoryview)) and framing.is_framed(data):
+        record = data if isinstance(data, bytes) else bytes(data)
+        obj, start, length = framing.read_header(record)
+        area = framing.area_of(start, length, start)
+        fast = _decode_framed(obj, record, area)
+        if fast is not None:
+            return fast
+        obj = framing.read_header(record)[0]  # something failed a check: the whole way, for its precise error
+        return _decode_map(obj, (record, *area))
     obj = _unpack(data)
+    if obj.get("version") == framing.FRAME_VERSION and obj.get("schema") == SampleBatch.SCHEMA:
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        payload, record_start = framing.split(obj, size)  # another writer's key order: the payload was copied
+        return _decode_map(obj, (payload, *framing.area_of(0, len(payload), record_start)))
+    return _decode_map(obj, None)
+
+
+def _checked_envelope(obj: dict[str, Any]) -> tuple[type[PromptBatch] | type[SampleBatch], dict[str, str]]:
+    """The message class and the fields of the map's version; raises for an unknown field."""
     cls, version = _check_envelope(obj)
     fields = _fields_of(cls, version)
     unknown = [k for k in obj if k not in _ENVELOPE and k not in fields]
@@ -195,6 +240,57 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
             "the writer is newer than this reader (upgrade the reader) or misspelt the field",
             field=path,
         )
+    return cls, fields
+
+
+def _decode_framed(obj: dict[str, Any], record: bytes, area: tuple[int, int]) -> Message | None:
+    """A framed record's message, its tensors checked in bulk (one pass over every float, one check of
+    each distinct ragged ``lengths``) and viewed in ``record``; None when a tensor fails a check (the
+    caller then decodes the record the whole way, which names the field and the fix)."""
+    cls, fields = _checked_envelope(obj)
+    if not framing.attach(obj, record, *area, cls.__name__, views=True):
+        return None
+    kwargs: dict[str, Any] = {}
+    lengths: dict[bytes, tuple[np.ndarray, int]] = {}  # equal lengths arrays: checked once, one object
+    try:
+        for name, value in obj.items():
+            kind = fields.get(name)
+            if kind == "ragged" and value is not None:
+                if type(value) is not dict or value.keys() != _RAGGED_KEYS:
+                    return None
+                (lname, lens), (vname, values) = value["lengths"], value["values"]
+                if lname != "int32" or lens.ndim != 1 or values.ndim != 1:
+                    return None
+                seen = lengths.get(key := lens.tobytes())
+                if seen is None:
+                    if lens.size and int(lens.min()) < 0:
+                        return None
+                    seen = lengths[key] = (lens, int(lens.sum(dtype=np.int64)))
+                if seen[1] != values.shape[0] or (vname == "bool" and values.size and int(values.view(np.uint8).max()) > 1):
+                    return None
+                value = Ragged.checked(values, seen[0], vname)
+            elif kind == "array" and value is not None:
+                if value[0] != "float32":
+                    return None
+                value = value[1]
+            elif kind == "arrays" and value is not None:
+                if type(value) is not dict or any(v[0] != "float32" for v in value.values()):
+                    return None
+                value = {k: v[1] for k, v in value.items()}
+            if name not in _ENVELOPE:
+                kwargs[name] = value
+        return cls.with_checked_floats(kwargs)
+    except SchemaError:
+        raise  # the message's own validation: the same error the whole way gives
+    except Exception:  # a tensor where a list belongs, a missing field, ...: the whole way says which
+        return None
+
+
+def _decode_map(obj: dict[str, Any], framed: tuple[bytes, int, int] | None) -> Message:
+    """The message of an unpacked map; ``framed``: a version-6 record's bytes and its payload's area."""
+    cls, fields = _checked_envelope(obj)
+    if framed is not None:  # its tensor maps become {dtype, shape, data} views of the payload
+        framing.attach(obj, framed[0], framed[1], framed[2], cls.__name__, views=False)
     kwargs: dict[str, Any] = {}
     try:
         for f in dataclasses.fields(cls):

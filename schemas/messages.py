@@ -61,7 +61,26 @@ def _err(msg: Any, name: str, text: str) -> ValidationError:
     return ValidationError(f"{path}: {text}", field=path)
 
 
-def _ids_text(ids: list[str], rows: np.ndarray) -> str:
+class _LazyIds:
+    """A message's sample ids, built on first use (only error messages read them)."""
+
+    def __init__(self, msg: SampleBatch) -> None:
+        self._msg = msg
+        self._ids: list[str] | None = None
+
+    def _all(self) -> list[str]:
+        if self._ids is None:
+            self._ids = self._msg.sample_ids()
+        return self._ids
+
+    def __getitem__(self, i: int) -> str:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+def _ids_text(ids: Any, rows: np.ndarray) -> str:
     """Sample ids of ``rows`` for an error message (row numbers when ids are unavailable)."""
     return short_repr([ids[i] if i < len(ids) else f"row {i}" for i in rows.tolist()], limit=5)
 
@@ -78,6 +97,32 @@ class _Message:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def with_checked_floats(cls, fields: dict[str, Any]) -> Any:
+        """``cls(**fields)``, validated as usual but for the finiteness of its float arrays, which the
+        caller has checked (the framed decoder checks every float of a record in one pass)."""
+        msg = cls.__new__(cls)
+        msg.__dict__["_floats_checked"] = True
+        try:
+            msg.__init__(**fields)  # type: ignore[misc]
+        finally:
+            msg.__dict__.pop("_floats_checked", None)
+        return msg
+
+    def _finite(self, name: str, values: np.ndarray) -> bool:
+        """Whether every value of the float array ``values`` (field ``name``) is finite.
+
+        Checked once per array object: a message remembers the arrays it found finite, so ``encode``
+        after construction does not read them again, while a field assigned since (another object)
+        is checked. An array written *in place* after it was checked is not checked again here; the
+        reader's ``decode`` checks every value and dead-letters the record.
+        """
+        known = self.__dict__.setdefault("_finite_known", {})
+        if known.get(name) is values or self.__dict__.get("_floats_checked") or all_finite(values):
+            known[name] = values
+            return True
+        return False
 
     def validate(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -145,7 +190,7 @@ class _Message:
                                            "('sha256:' + 64 hex digits, written by the feeder's blob store)")
         setattr(self, name, v)
 
-    def _vector(self, name: str, value: Any, B: int, ids: list[str]) -> np.ndarray:
+    def _vector(self, name: str, value: Any, B: int, ids: Any) -> np.ndarray:
         """A float32 (B,) finite vector; Python lists are converted, other arrays rejected."""
         if not isinstance(value, np.ndarray):
             value = as_dtype(value, "float32", field=f"{type(self).__name__}.{name}")
@@ -153,8 +198,8 @@ class _Message:
             raise _err(self, name, f"has dtype {value.dtype}; cast it to float32 (arr.astype(np.float32))")
         if value.shape != (B,):
             raise _err(self, name, f"has shape {value.shape} but must be (B,) = ({B},), one value per sample")
-        bad = np.empty(0, np.int64) if all_finite(value) else np.flatnonzero(~np.isfinite(value))
-        if bad.size:
+        bad = None if self._finite(name, value) else np.flatnonzero(~np.isfinite(value))
+        if bad is not None and bad.size:
             raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, bad)}; "
                                    "fix or drop those samples upstream")  # fmt: skip
         return value
@@ -289,19 +334,25 @@ class SampleBatch(_Message):
         """``f"{group_id}#{sample_index}"`` for every sample."""
         return [sample_id(g, i) for g, i in zip(self.group_id, self.sample_index, strict=True)]
 
-    def _same_lengths(self, name: str, r: Ragged, ref_name: str, ids: list[str], missing: str, why: str) -> None:
+    def _same_lengths(self, name: str, r: Ragged, ref_name: str, ids: Any, missing: str, why: str) -> None:
         """``r``'s row lengths must equal ``ref_name``'s (a ragged field of this batch)."""
         ref_field = getattr(self, ref_name)
         if ref_field is None:
             raise _err(self, name, f"is set but {ref_name} is missing; {missing}")
         ref = ref_field.lengths
+        if r.lengths is ref or (r.lengths.shape == ref.shape and r.lengths.tobytes() == ref.tobytes()):
+            return  # the common case, cheaper than array_equal (both are int32: Ragged makes them so)
         if not np.array_equal(r.lengths, ref):
             row = int(np.flatnonzero(r.lengths != ref)[0])
             raise _err(self, name, f"ragged lengths {short_repr(r.lengths)} disagree with {ref_name} lengths "
                                    f"{short_repr(ref)} (first at sample {ids[row]}); {why}")  # fmt: skip
 
     def validate(self) -> None:
-        """Check every field against the contract (types, B, dtypes, lengths, finiteness)."""
+        """Check every field against the contract (types, B, dtypes, lengths, finiteness).
+
+        Every check runs each time, but the finiteness of a float array this message already found
+        finite (the same object: see ``_finite``); a field assigned since is checked whole.
+        """
         self._str("batch_id")
         for name in ("policy_version", "n_samples_per_prompt", "eos_token_id", "pad_token_id"):
             self._int(name)
@@ -315,12 +366,13 @@ class SampleBatch(_Message):
         self._list("sample_index", int, B)
         for name in ("rollout_version", "logprob_version"):
             self._versions(name, B)
-        bad = [i for i, s in enumerate(self.sample_index) if not 0 <= s < n]
+        si = self.sample_index
+        bad = [i for i, s in enumerate(si) if not 0 <= s < n] if si and (min(si) < 0 or max(si) >= n) else []
         if bad:
             raise _err(self, "sample_index", f"values {short_repr([self.sample_index[i] for i in bad], 5)} at rows "
                                              f"{short_repr(bad, 5)} are outside [0, n_samples_per_prompt={n}); "
                                              "sample_index must be 0..n-1 within its group")  # fmt: skip
-        ids = self.sample_ids()
+        ids: Any = _LazyIds(self)
         self._str("layout")
         if self.layout not in LAYOUTS:
             raise _err(self, "layout", f"unknown layout {self.layout!r}; use one of {list(LAYOUTS)}")
@@ -351,7 +403,7 @@ class SampleBatch(_Message):
         self._visual(B, ids)
         self._turns(ids)
 
-    def _turns(self, ids: list[str]) -> None:
+    def _turns(self, ids: Any) -> None:
         """turn_lengths covers response_ids exactly; one version per model turn, at most one reward each."""
         tl, tr, tv = self.turn_lengths, self.turn_rewards, self.turn_versions
         if tl is None:
@@ -372,7 +424,7 @@ class SampleBatch(_Message):
             if tr is None or len(tr.row(b)) not in (k - 1, k):
                 raise _err(self, "turn_rewards", f"sample {ids[b]}: give one reward per answered model turn")
 
-    def _visual(self, B: int, ids: list[str]) -> None:
+    def _visual(self, B: int, ids: Any) -> None:
         """images/videos references and their grids: 3 ints (t, h, w), all >= 1, per reference."""
         for refs, grid in (("images", "image_grid_thw"), ("videos", "video_grid_thw")):
             self._refs(refs, B)
@@ -396,12 +448,12 @@ class SampleBatch(_Message):
         if v and len(v) != B:
             raise _err(self, name, f"has {len(v)} entries but B={B} (len(prompt_id)); give one version per "
                                    "sample, or none at all")  # fmt: skip
-        bad = [i for i, x in enumerate(v) if x < 0]
+        bad = [i for i, x in enumerate(v) if x < 0] if v and min(v) < 0 else []
         if bad:
             raise _err(self, name, f"negative policy versions {short_repr([v[i] for i in bad], 5)} at rows "
                                    f"{short_repr(bad, 5)}; versions start at 0 (the initial weights)")  # fmt: skip
 
-    def _ragged(self, name: str, dtype: str, B: int, ids: list[str]) -> None:
+    def _ragged(self, name: str, dtype: str, B: int, ids: Any) -> None:
         r = getattr(self, name)
         if r is None:
             return
@@ -411,7 +463,7 @@ class SampleBatch(_Message):
         if r.dtype != dtype:
             raise _err(self, name, f"has dtype {r.dtype} but must be {dtype}; "
                                    f"cast it (Ragged.from_rows(r.rows(), {dtype!r}))")  # fmt: skip
-        if len(r) != B:
+        if r.lengths.shape[0] != B:
             raise _err(self, name, f"has {len(r)} rows but B={B} (len(prompt_id)); give one row per sample")
         if name in RESPONSE_LEVEL_BEFORE_ACTIONS and self.action_ids is None:
             self._same_lengths(name, r, "response_ids", ids,
@@ -421,8 +473,8 @@ class SampleBatch(_Message):
             self._same_lengths(name, r, "action_ids", ids,
                                "action-level fields need action_ids (set by shard-preprocess) to define the "
                                "action lengths", "every action-level field must have one value per action token")
-        if dtype == "float32":
-            bad = np.empty(0, np.int64) if all_finite(r.values) else np.flatnonzero(~np.isfinite(r.values))
+        if dtype == "float32" and not self._finite(name, r.values):
+            bad = np.flatnonzero(~np.isfinite(r.values))
             if bad.size:
                 rows = np.unique(np.searchsorted(r.offsets, bad, side="right") - 1)
                 raise _err(self, name, f"non-finite values (NaN or inf) for samples {_ids_text(ids, rows)}; "

@@ -266,6 +266,15 @@ class Ragged:
         self.values, self.lengths, self.dtype = values, lengths, name
 
     @classmethod
+    def checked(cls, values: np.ndarray, lengths: np.ndarray, dtype: str) -> Ragged:
+        """A Ragged of arrays the caller has checked, built without checking them again: ``values`` 1-D of
+        wire dtype ``dtype`` (its numpy dtype), ``lengths`` 1-D int32, non-negative, summing to
+        ``len(values)``. The framed decoder (schemas/codec.py) checks a record's tensors in bulk."""
+        r = cls.__new__(cls)
+        r.values, r.lengths, r.dtype = values, lengths, dtype
+        return r
+
+    @classmethod
     def from_rows(cls, rows: Iterable[Any], dtype: str | np.dtype | type) -> Ragged:
         """Ragged of ``rows`` (1-D arrays or lists) converted losslessly to ``dtype``."""
         name = dtype if isinstance(dtype, str) else dtype_name_of(dtype)

@@ -54,6 +54,7 @@ from expstream.observe.metrics import StageMetrics
 from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
 from expstream.retry import retry
+from stages.assigning import assign_share
 from stages.commitgroup import COMMIT_GROUP_MAX_S, Clients, CommitGroup, Pending
 from stages.context import StageContext
 from stages.deadletters import (
@@ -86,9 +87,12 @@ class StageRunner:
                  committed: CommittedFn | None = None,
                  stage_rows: Callable[[str, dict[str, int]], dict[str, tuple]] | None = None,
                  produced_by: str | None = None, label: str | None = None, *, group_suffix: str = "",
-                 metrics: bool = True, stop: threading.Event | None = None) -> None:
+                 metrics: bool = True, stop: threading.Event | None = None,
+                 assignment: tuple[int, int] | None = None) -> None:
         """``group_suffix``, ``metrics=False`` and ``stop`` (shared with another runner) are for a second
-        runner in one replica: generate's consumer of the turns topic (expstream/launch/replica.py)."""
+        runner in one replica: generate's consumer of the turns topic (expstream/launch/replica.py).
+        ``assignment`` ``(i, n)``: take the input partitions ``p % n == i`` by hand instead of joining the
+        group (stages/assigning.py; ``expstream stage --assign i/n``)."""
         self.ctx = ctx
         # a chain (stages/chain.py): its statistics per inner stage, and the last stage names the outputs
         self.stage_rows, self.produced_by = stage_rows, produced_by
@@ -103,6 +107,7 @@ class StageRunner:
         self.log = logging.getLogger(f"expstream.stage.{label or self.stage.name}")
         self.group_id = stage_group(ctx.run_id, self.stage.name) + group_suffix
         self.group_suffix = group_suffix  # also on its rewind acknowledgements (stages/rewinding.py)
+        self.assignment = assignment
         self.dlq_topic = dlq_topic(self.stage.input)
         self.fault = fault_plan(self.stage.name, RUNNER_POINTS)
         # counters (read by tests and the final log line)
@@ -195,7 +200,10 @@ class StageRunner:
 
     def _subscribe(self) -> None:
         self.tracker = RevocationTracker()
-        self.consumer.subscribe([self.stage.input], listener=self.tracker)
+        if self.assignment is None:
+            self.consumer.subscribe([self.stage.input], listener=self.tracker)
+        else:  # no group join: this replica's share of the partitions, given by the run (stages/assigning.py)
+            assign_share(self.consumer, self.tracker, self.stage.input, self.assignment, self.log)
         self.poller = Poller(self.consumer, self.tracker, self.log, stage=self.stage, group_id=self.group_id,
                              bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
         self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,

@@ -177,3 +177,20 @@ def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
     return f"s3://{s3_server.make_bucket()}"
+
+
+@pytest.fixture(scope="session")
+def tiny(model_cache: Path) -> dict[str, Path]:
+    """The tiny text models of the session's cache: ``{"tokenizer", "actor", "critic", "reward"} -> directory``
+    (a module that needs models of its own overrides it)."""
+    from expstream.models.tiny import build_tiny_models
+
+    return build_tiny_models(model_cache)
+
+
+@pytest.fixture(scope="session")
+def hf(tiny: dict[str, Path]):
+    """A transformers generator over the tiny actor: what the vLLM and SGLang engines are compared with."""
+    from expstream.models.hf import TransformersGenerator, load_causal_lm, load_tokenizer
+
+    return TransformersGenerator(load_causal_lm(tiny["actor"]), load_tokenizer(tiny["tokenizer"]))

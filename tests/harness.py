@@ -7,7 +7,9 @@ these are plain functions so that a module can call them with its own arguments.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -157,3 +159,39 @@ class S3Server:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` lives (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def port_open(hostport: str) -> bool:
+    """Whether something accepts connections at ``host:port``."""
+    host, _, port = hostport.rpartition(":")
+    with socket.socket() as s:
+        s.settimeout(0.3)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def leftovers(run_dir: Path, *, external_broker: bool = False, redis_port: bool = True) -> list[str]:
+    """What a run (its ``run/`` directory) left behind: stage processes of run/pids.json and the broker and
+    redis-server of run/services.json still alive, their ports still open (``external_broker``: the broker
+    was not the run's, its port is not checked; ``redis_port``: check the redis-server's port too)."""
+    pids = json.loads((run_dir / "pids.json").read_text()) if (run_dir / "pids.json").exists() else {}
+    services = json.loads((run_dir / "services.json").read_text())
+    found = [f"{label} pid {pid}" for label, pid in pids.items() if alive(pid)]
+    found += [f"{k} {services[k]}" for k in ("broker_pid", "redis_pid") if k in services and alive(services[k])]
+    if not external_broker:
+        found += [f"port {services['bootstrap_servers']}"] if port_open(services["bootstrap_servers"]) else []
+    if redis_port:
+        found += [f"port {services['redis_url']}"] if port_open(services["redis_url"].split("//")[1].split("/")[0]) else []
+    return found

@@ -36,3 +36,18 @@ def L(x):  # noqa: N802 - reads like a type tag in the tables
 
 def B(x):  # noqa: N802
     return torch.tensor(x, dtype=torch.bool)
+
+
+# tiny weights for the weight-store tests (tests/test_weights.py, tests/test_objstore.py): no model to load
+def small_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The state dict of :class:`Small`, seeded (a different ``seed``: different weights, same shapes)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"lin.weight": torch.randn(3, 4, generator=g), "lin.bias": torch.randn(3, generator=g)}
+
+
+class Small(torch.nn.Module):
+    """A Linear(4, 3): what a follower loads :func:`small_state_dict` into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)

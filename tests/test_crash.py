@@ -564,7 +564,10 @@ FAULTS = {
 def fault_points(tmp_path_factory: pytest.TempPathFactory, model_cache: Path):
     spec = ",".join(f"{s}:{p}:{k}" for s, (p, k) in FAULTS.items())
     run = PipelineRun(tmp_path_factory.mktemp("fault-points"), model_cache, n_prompts=48,
-                      sets=["algo.advantage_estimator=gae", "algo.reward_running_norm=true"],
+                      # partitions assigned by the run, as in the demo on the embedded broker (a run given
+                      # --bootstrap-servers joins the groups by default; external_kills covers that)
+                      sets=["algo.advantage_estimator=gae", "algo.reward_running_norm=true",
+                            "run.assign_partitions=true"],
                       env={"EXPSTREAM_FAULT": spec})
     try:
         run.start()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from expstream import read_experiences
-from tests.harness import PROMPTS, ROOT, chain_experiences, run_expstream
+from tests.harness import PROMPTS, ROOT, chain_experiences, leftovers, run_expstream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 N = 4
@@ -18,8 +18,10 @@ COMMON = [f"generate.n_samples_per_prompt={N}", "generate.max_new_tokens=8"]
 
 
 def run(tmp_path: Path, cache: Path, *sets: str, timeout: int = 400) -> tuple[dict, list]:
+    """One whole run; it finished and left no process and no open port (its stages, broker, redis-server)."""
     _, out = run_expstream(tmp_path, cache=cache, sets=[*COMMON, "run.timeout_s=120", *sets], timeout=timeout,
                            check=True)
+    assert leftovers(out / "run") == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["topology"] == str(ROOT / "topology.yaml"), "run from the checkout: ./topology.yaml is read"
     return summary, read_experiences(out / "experiences.msgpack")

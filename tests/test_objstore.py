@@ -31,17 +31,7 @@ from expstream.train.weights import (
     WeightStoreError,
     open_store,
 )
-
-
-def small_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"lin.weight": torch.randn(3, 4, generator=g), "lin.bias": torch.randn(3, generator=g)}
-
-
-class Small(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 3)
+from tests.tensors import Small, small_state_dict
 
 
 def s3_client(s3_server):

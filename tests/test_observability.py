@@ -202,7 +202,9 @@ def test_a_live_run_is_visible_in_metrics_status_headers_accounting_and_report(t
         for f in frames:
             p = read_provenance(f.headers)
             assert p is not None and p.producer == producer and p.policy_version == 0, (topic, f.headers)
-            assert started_ms <= p.produced_at_ms <= ended_ms and abs(p.produced_at_ms - f.timestamp) < 5000
+            # stamped when the record was built for sending: inside the run, and no later than the Kafka
+            # timestamp the producer client gave the record at send() (an order, not a closeness in seconds)
+            assert started_ms <= p.produced_at_ms <= f.timestamp <= ended_ms, (topic, p, f.timestamp)
     # the report, written at the end of the run
     html = (out / "report.html").read_text()
     pngs = re.findall(r"src='(report/[^']+\.png)'", html)

@@ -27,10 +27,12 @@ from expstream.errors import ConfigError
 from expstream.kafka.clients import read_topic
 from expstream.kafka.letters import sample_errors
 from expstream.tools.recording import (
+    PartitionReader,
     RecordFrame,
     RecordingWriter,
     iter_topic,
     partition_path,
+    recorded_partitions,
     recorded_topics,
 )
 from expstream.tools.replay import Filters, replay_run, republish, resolve_span
@@ -262,6 +264,8 @@ def _complete_groups(frames) -> set[str]:
 
 
 def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker, redis_url):
+    """A run SIGKILLed mid-way (its whole process group, the recorder with it) leaves a readable recording (what
+    tests/test_recorder.py checked on a killed run of its own), and replays from it."""
     prefix = f"rk{uuid.uuid4().hex[:6]}"
     out = tmp_path / "killed"
     proc = _start_run(out, cache, broker, redis_url, prefix, new_session=True)
@@ -277,6 +281,16 @@ def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker
         proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and not (out / "summary.json").exists()
     time.sleep(1.0)  # the recorder and the stages die with the run (PR_SET_PDEATHSIG)
+    # readable: in every partition whole frames at consecutive offsets, then at most a torn tail (never raises)
+    seen = 0
+    for topic in recorded_topics(out):
+        for part in recorded_partitions(out, topic):
+            frames = list(PartitionReader(partition_path(out, topic, part), topic, part))
+            assert [f.offset for f in frames] == list(range(len(frames))), (topic, part)
+            for f in frames:
+                assert decode(f.value) is not None
+            seen += len(frames)
+    assert seen >= 2 and {f"{prefix}-prompts", f"{prefix}-rollouts"} <= set(recorded_topics(out))
     complete = _complete_groups(iter_topic(out, rewarded))  # what the recorder had written (torn tail cut)
     assert complete
     summary = replay_run(out, rewarded, "postprocess..advantage", output=tmp_path / "r")

@@ -30,7 +30,7 @@ from expstream.rewards.http_client import (
     items_from_batch,
     score_url,
 )
-from expstream.rewards.server import FnScorer, ServerConfig, ServerThread
+from expstream.rewards.server import FnScorer, Scorer, ServerConfig, ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,23 +127,47 @@ def test_a_server_fault_is_retriable_not_poison(fn_server):
         src.close()
 
 
-def test_requests_in_flight_overlap(fn_server):
-    """8 requests against a 200 ms server: 8 in flight take about one latency, serial about eight."""
-    srv = fn_server(latency_ms=200)
-    batch = items(["x"] * 8)
-    took = {}
-    for n in (1, 8):
-        src = HttpRewardSource("judge", srv.url, batch_size=1, max_in_flight=n)
+class ArrivalScorer(Scorer):
+    """Scores 1.0 and notes, at each call, how many /score requests the server has received so far (its
+    /health counter, which the event loop serves while the call runs on the scoring thread). With
+    ``wait_for``, a call first waits until that many have arrived (a deadline on the wait only)."""
+
+    name, kind = "arrivals", "fn"
+
+    def __init__(self, wait_for: int = 0) -> None:
+        self.url, self.wait_for, self.seen = "", wait_for, []
+
+    def arrived(self) -> int:
+        with urllib.request.urlopen(self.url + "/health", timeout=30) as resp:
+            return json.loads(resp.read())["requests"]
+
+    def score(self, items: list[dict[str, str]]) -> list[float]:
+        deadline = time.monotonic() + 60
+        while (n := self.arrived()) < self.wait_for and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.seen.append(n)
+        return [1.0] * len(items)
+
+
+def test_requests_in_flight_overlap():
+    """8 requests of one item: with max_in_flight=8 all 8 are at the server before the first is answered;
+    with max_in_flight=1 each goes out only once the previous one was answered. The order of arrivals
+    and answers, not a speed-up, so it holds however loaded the machine is."""
+    seen = {}
+    for n, wait_for in ((1, 0), (8, 8)):
+        scorer = ArrivalScorer(wait_for)
+        srv = ServerThread(scorer)
+        scorer.url = srv.start()
+        src = HttpRewardSource("judge", srv.url, batch_size=1, max_in_flight=n, timeout_s=300)
         try:
-            src.score_items(batch[:1])  # connect first: the comparison is of scoring, not of connecting
-            start = time.perf_counter()
-            assert src.score_items(batch).tolist() == [1.0] * 8
-            took[n] = time.perf_counter() - start
+            assert src.score_items(items(["x"] * 8)).tolist() == [1.0] * 8
+            assert src.stats["requests"] == 8 and src.stats["retries"] == 0, src.stats  # no retry came to help
         finally:
             src.close()
-    ratio = took[1] / took[8]
-    print(f"8 requests, 200 ms each: serial {took[1]:.2f}s, 8 in flight {took[8]:.2f}s, speed-up {ratio:.1f}x")
-    assert ratio > 3
+            srv.stop()
+        seen[n] = scorer.seen
+    assert seen[1] == [1, 2, 3, 4, 5, 6, 7, 8], seen  # serial: request k+1 only after answer k
+    assert seen[8][0] == 8, seen  # overlapped: every request in flight before the first answer
 
 
 def test_breaker_transitions():

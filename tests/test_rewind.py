@@ -119,10 +119,42 @@ def _prompts(batch_id: str) -> bytes:
     return encode(PromptBatch(batch_id=batch_id, prompt_id=[batch_id], prompt=["q"], label=[""], reference=[""]))
 
 
-class Rig:
-    """A 2-partition input topic with 12 records (ts 1 s apart), two replicas of a copying stage."""
+class CopyingRunners:
+    """What the rigs share: copying stage runners on threads (``running``, with their ``states``) writing to
+    the topic ``dst``; ``settle_s``: how long :meth:`wait_outputs` waits on for outputs beyond the count."""
 
-    def __init__(self, broker: str, redis_url: str, tmp_path: Path, replicas: int = 2) -> None:
+    broker: str
+    dst: str
+    running: list[Running]
+    states: list[RedisState]
+    settle_s: float = 0.0
+
+    def outputs(self) -> list[str]:
+        return [peek_header(r.value)[2] for r in read_topic(self.broker, None, self.dst)]
+
+    def wait_outputs(self, n: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.outputs()) < n:
+            for r in self.running:
+                assert r.error is None, repr(r.error)
+            assert time.monotonic() < deadline, f"{len(self.outputs())} of {n} outputs after {timeout_s}s"
+            time.sleep(0.2)
+        time.sleep(self.settle_s)
+
+    def close(self) -> None:
+        for r in self.running:
+            r.runner.stop_requested = True
+        for r in self.running:
+            r.stop()
+        for s in self.states:
+            s.close()
+
+
+class Rig(CopyingRunners):
+    """A 2-partition input topic with 12 records (ts 1 s apart), two replicas of a copying stage
+    (``assigned``: each given its partitions as ``expstream run`` does, stages/assigning.py)."""
+
+    def __init__(self, broker: str, redis_url: str, tmp_path: Path, replicas: int = 2, assigned: bool = False) -> None:
         self.broker, self.redis_url = broker, redis_url
         self.src, self.dst = f"rin-{uuid.uuid4().hex[:8]}", f"rout-{uuid.uuid4().hex[:8]}"
         create_topics(broker, {self.src: 2, self.dst: 2}, with_dlq=True)
@@ -141,23 +173,13 @@ class Rig:
         producer.close()
         self.states = [RedisState(redis_url, self.run_id) for _ in range(replicas)]
         self.running = [Running(StageRunner(make_context(self.topo, "shard-preprocess", state=s, run_id=self.run_id,
-                                                         replica_id=str(i)), _copy, broker))
+                                                         replica_id=str(i)), _copy, broker,
+                                                assignment=(i, replicas) if assigned else None))
                         for i, s in enumerate(self.states)]
         self.wait_outputs(12)
         # a commit group is committed after its outputs are confirmed: the outputs show up first
         deadline = time.monotonic() + 30
         while sum(max(c, 0) for c in self.committed().values()) < 12 and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-    def outputs(self) -> list[str]:
-        return [peek_header(r.value)[2] for r in read_topic(self.broker, None, self.dst)]
-
-    def wait_outputs(self, n: int, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.outputs()) < n:
-            for r in self.running:
-                assert r.error is None, repr(r.error)
-            assert time.monotonic() < deadline, f"{len(self.outputs())} of {n} outputs after {timeout_s}s"
             time.sleep(0.2)
 
     def committed(self) -> dict[int, int]:
@@ -176,18 +198,11 @@ class Rig:
         return main(["rewind", "--stage", "shard-preprocess", "--bootstrap-servers", self.broker, "--redis-url",
                      self.redis_url, "--run-id", self.run_id, "--topology", str(self.topo_path), *extra])
 
-    def close(self) -> None:
-        for r in self.running:
-            r.runner.stop_requested = True
-        for r in self.running:
-            r.stop()
-        for s in self.states:
-            s.close()
-
 
 @pytest.fixture
 def rig(broker: str, redis_url: str, tmp_path: Path):
-    r = Rig(broker, redis_url, tmp_path)
+    """Two replicas with their partitions assigned by hand (the demo's way); rig1's one replica joins its group."""
+    r = Rig(broker, redis_url, tmp_path, assigned=True)
     try:
         yield r
     finally:
@@ -393,9 +408,11 @@ def test_turns_targets_move_back_to_the_moment_and_never_forward() -> None:
     assert turns_targets(None, view, {0: 10, 1: 4}, KafkaConfig()) == ({}, [])  # offsets: the turns group stays
 
 
-class TurnsRig:
+class TurnsRig(CopyingRunners):
     """A generate replica of a multi-turn run (its prompts runner and its turns runner, one process, copying
     stages) on one-partition topics: 6 prompt records p00.. (ts t0 + i s) and 6 turn records t00.. (+0.5 s)."""
+
+    settle_s = 1.5  # anything beyond the expected count would arrive meanwhile
 
     def __init__(self, broker: str, redis_url: str, tmp_path: Path) -> None:
         from expstream.launch.replica import turns_runner
@@ -415,23 +432,14 @@ class TurnsRig:
             producer.send(self.prompts, value=_prompts(f"p{i:02d}"), timestamp_ms=self.t0 + 1000 * i).get(10)
             producer.send(self.turns, value=_prompts(f"t{i:02d}"), timestamp_ms=self.t0 + 1000 * i + 500).get(10)
         producer.close()
-        self.state = RedisState(redis_url, self.run_id)
-        ctx = make_context(topo, "generate", state=self.state, run_id=self.run_id, replica_id="0")
+        self.states = [RedisState(redis_url, self.run_id)]
+        ctx = make_context(topo, "generate", state=self.states[0], run_id=self.run_id, replica_id="0")
         main_runner = StageRunner(ctx, _copy, broker)
         self.running = [Running(main_runner), Running(turns_runner(ctx, _copy, main_runner, broker))]
         self.wait_outputs(12)
 
-    def outputs(self) -> list[str]:
-        return [peek_header(r.value)[2] for r in read_topic(self.broker, None, self.dst)]
-
     def wait_outputs(self, n: int, timeout_s: float = 90) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.outputs()) < n:
-            for r in self.running:
-                assert r.error is None, repr(r.error)
-            assert time.monotonic() < deadline, f"{len(self.outputs())} of {n} outputs after {timeout_s}s"
-            time.sleep(0.2)
-        time.sleep(1.5)  # anything beyond the expected count would arrive now
+        super().wait_outputs(n, timeout_s)
 
     def again(self) -> Counter:
         return Counter({b: c - 1 for b, c in Counter(self.outputs()).items() if c > 1})
@@ -449,13 +457,6 @@ class TurnsRig:
     def rewind(self, *extra: str) -> int:
         return main(["rewind", "--stage", "generate", "--bootstrap-servers", self.broker, "--redis-url",
                      self.redis_url, "--run-id", self.run_id, "--topology", str(self.topo_path), "--yes", *extra])
-
-    def close(self) -> None:
-        for r in self.running:
-            r.runner.stop_requested = True
-        for r in self.running:
-            r.stop()
-        self.state.close()
 
 
 def test_rewind_of_generate_in_a_multi_turn_run_moves_the_turns_group_by_time_only(broker: str, redis_url: str,

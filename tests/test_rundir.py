@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,6 @@ from expstream.launch.localservers import LocalRedis
 from expstream.launch.rundir import LOCK_NAME, claim_run_dir, lock_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-# Why 30 s: a refused run exits before building models or starting servers (~1-2 s of imports on
-# a busy 2-core machine); the bound only catches a run that went ahead.
-REFUSE_WITHIN_S = 30.0
 
 
 def names(path: Path) -> set[str]:
@@ -69,14 +65,13 @@ def test_expstream_run_on_a_locked_dir_exits_2_at_once(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     with lock_run_dir(out):  # a run in progress on this directory (the lock is all the second one sees)
-        t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
                                "--force", "--no-progress", "--set", f"models.cache_dir={tmp_path / 'models'}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
-        took = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"run directory {out} is in use by pid {os.getpid()}" in proc.stderr
-    assert took < REFUSE_WITHIN_S, f"refused after {took:.1f}s"
+    # "at once": refused before anything slow started (the model cache below; no local server either)
+    assert " broker at " not in proc.stderr and " redis at " not in proc.stderr, proc.stderr[-3000:]
     assert names(out) == before, "the refused run wrote or deleted nothing"
     assert not (tmp_path / "models").exists(), "refused before building models"
 

@@ -111,5 +111,5 @@ def test_unknown_version_error_names_every_readable_version():
     m = msgpack.unpackb(encode(make_batch()), raw=False)
     m["version"] = 0
     with pytest.raises(VersionError, match=r"version 0 is not supported by this reader \(it reads version 1 or "
-                                           r"2 or 3 or 4 or 5\); upgrade the reader or have the writer emit version 5"):  # fmt: skip
+                                           r"2 or 3 or 4 or 5 or 6\); upgrade the reader or have the writer emit version 6"):  # fmt: skip
         decode(msgpack.packb(m, use_bin_type=True))

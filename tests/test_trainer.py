@@ -130,12 +130,11 @@ def test_kill_and_resume_trains_every_sample_exactly_once(broker, redis_url, run
 
 def test_train_without_redis_is_a_config_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "EXPSTREAM_REDIS_URL"}
-    started = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "expstream", "train", "--bootstrap-servers", "127.0.0.1:1",
-                          "--output", str(tmp_path / "o")], env=env, capture_output=True, text=True, timeout=120)
+                          "--output", str(tmp_path / "o")], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr
     assert "--redis-url" in res.stderr and "EXPSTREAM_REDIS_URL" in res.stderr
-    assert time.monotonic() - started < 120
+    assert not (tmp_path / "o").exists(), "refused only after the trainer had started on its output directory"
 
 
 @pytest.mark.integration

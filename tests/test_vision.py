@@ -143,11 +143,11 @@ def test_sample_batch_v3_fields_validate_select_and_concat():
 
 # -- the model stages ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+def vl(tmp_path_factory, model_cache):
     """Stage contexts over the tiny VL model, sharing one MemoryState and one blob store."""
     return vl_stage_contexts(tmp_path_factory.mktemp("vl"),
                              ["models.reward=null", "models.reward_fn=tests.rewardfns:image_count_and_width"],
-                             ("generate", "shard-preprocess", "actor-logprob", "reference", "reward"))
+                             ("generate", "shard-preprocess", "actor-logprob", "reference", "reward"), model_cache)
 
 
 def _through(vl, batch: PromptBatch) -> SampleBatch:
@@ -278,7 +278,7 @@ def dataclasses_replace_topo(topo, **generate):
 
 # -- end to end ------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead_lettered(tmp_path):
+def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead_lettered(tmp_path, model_cache):
     from expstream.rl.experience import read_experiences
 
     (tmp_path / "ok.png").write_bytes(png((80, 60)))
@@ -297,7 +297,7 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
                           "--no-progress", "--set", "models.actor=builtin:tiny-vl", "--set", "run.prompt_batch_size=4",
-                          "--set", "run.max_lost_group_share=0.5", "--set", f"models.cache_dir={tmp_path / 'models'}"],
+                          "--set", "run.max_lost_group_share=0.5", "--set", f"models.cache_dir={model_cache}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -325,7 +325,7 @@ def test_mixed_text_and_image_prompts_through_expstream_run_with_bad_images_dead
     # 3 frames of 80x60 px: padded to 4 frames = t 2; rounded to multiples of 28 px (84x56) = 4x6 patches of 14
     assert len(e.videos[i]) == 1 and e.video_grid_thw[i] == [(2, 4, 6)], (e.videos, e.video_grid_thw)
     assert all(torch.isfinite(e.advantages).all() for e in exps)
-    _image_log_probs_equal_a_direct_forward(out, tmp_path / "models")
+    _image_log_probs_equal_a_direct_forward(out, model_cache)
     assert len(list((out / "blobs").rglob("*.*"))) == 0 and any((out / "blobs").rglob("*"))  # the claim check
     # the blobs live in the run directory: a replay of the scoring stages reproduces the experiences,
     # also after the run directory was moved (its topology names the old absolute blob directory)

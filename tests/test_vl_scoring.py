@@ -20,10 +20,10 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+def vl(tmp_path_factory, model_cache):
     """Stage contexts over the tiny-vl family (VL actor, VL critic, VL reward model), one MemoryState."""
     return vl_stage_contexts(tmp_path_factory.mktemp("vlscore"), ["algo.advantage_estimator=gae"],
-                             ("generate", "shard-preprocess", "critic", "reward"))
+                             ("generate", "shard-preprocess", "critic", "reward"), model_cache)
 
 
 def _cut(vl, batch: PromptBatch) -> SampleBatch:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,20 +17,24 @@ import pytest
 import torch
 
 from expstream.models.vllm_generator import vllm_available
+from tests.engines import (
+    GenerateProcesses,
+    assert_a_published_version_is_served,
+    assert_every_sample_out_once,
+    children,
+    cli,
+    max_diff,
+    perturbed_actor,
+    prompts,
+    start_example_run,
+    stop_problems,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed: run `make setup-vllm`")]
 #: Why 1e-4: the issue's bound; float32 on both engines agrees to ~1e-6 here, a reused KV cache of
 #: stale weights is off by whole nats.
 TOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from expstream.models.tiny import build_tiny_models
-
-    return build_tiny_models(tmp_path_factory.mktemp("vllm-models"))
 
 
 @pytest.fixture(scope="session")
@@ -43,17 +45,6 @@ def engine(tiny):
     gen = VllmGenerator(tiny["actor"], load_tokenizer(tiny["tokenizer"]), seed=0, max_model_len=256)
     yield gen
     gen.close()
-
-
-@pytest.fixture(scope="session")
-def hf(tiny):
-    from expstream.models.hf import TransformersGenerator, load_causal_lm, load_tokenizer
-
-    return TransformersGenerator(load_causal_lm(tiny["actor"]), load_tokenizer(tiny["tokenizer"]))
-
-
-def prompts(tok) -> list[list[int]]:
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in ("def add(a, b):", "hello world", "x = [i for")]
 
 
 def recompute(model, rows: list[list[int]], outs: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
@@ -75,10 +66,6 @@ def recompute(model, rows: list[list[int]], outs: list[list[int]], temperature: 
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=seq, attention_mask=mask, position_ids=pos).logits[:, width - 1:-1].float()
     return torch.log_softmax(logits / temperature, -1).gather(-1, seq[:, width:, None])[..., 0].tolist()
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
 def test_greedy_tokens_equal_the_transformers_backend(engine, hf):
@@ -138,48 +125,19 @@ def test_a_published_version_reloads_in_place(engine, hf, tiny, tmp_path):
     A 200-token prompt is generated before and after the update: its first KV block is in the prefix
     cache under the old weights, so without the prefix-cache reset the second generation would reuse
     it and its log-probs would be off by whole nats."""
-    from expstream.models.hf import TransformersGenerator, load_causal_lm
     from expstream.models.vllm_generator import VllmWeights
-    from expstream.state import MemoryState
-    from expstream.train.weights import DirectoryWeightStore, PolicyFollower
 
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
     ps = [*prompts(hf.tokenizer), long_prompt(hf.tokenizer)]
     assert len(ps[-1]) > block, f"the long prompt must fill a KV block ({block} tokens) to be cached"
     assert len(ps[-1]) + 10 <= engine.llm.llm_engine.vllm_config.model_config.max_model_len
-    before, _ = engine.generate(ps, 1, temperature=0, max_new_tokens=10, ignore_eos=True, return_log_probs=True)
-    new = load_causal_lm(tiny["actor"])
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    store, state = DirectoryWeightStore(tmp_path / "store"), MemoryState()
-    store.publish("actor", 1, new.state_dict(), step=1, offsets={}, run_id="t")
-    state.set_policy_version(1)
-    follower = PolicyFollower(store, state, "actor", VllmWeights(engine, tiny["actor"]))
-    try:
-        assert follower.refresh() == 1 and engine.last_reload_s is not None
-        after, lp = engine.generate(ps, 1, temperature=0, max_new_tokens=10, ignore_eos=True, return_log_probs=True)
-        assert after != before, "the perturbed weights change the greedy tokens"
-        want, _ = TransformersGenerator(new, hf.tokenizer).generate(ps, 1, temperature=0, max_new_tokens=10,
-                                                                     ignore_eos=True, return_log_probs=True)
-        assert after == want
-        for row, out, row_lp in zip(ps, after, lp, strict=True):  # one at a time: no padding in the forward
+
+    def check_log_probs(new, outs, lp) -> None:
+        for row, out, row_lp in zip(ps, outs, lp, strict=True):  # one at a time: no padding in the forward
             assert max_diff([row_lp], recompute(new, [row], [out])) <= TOL, f"prompt of {len(row)} tokens"
-        # a version of another architecture is refused before anything is loaded
-        store.publish("actor", 2, {"model.embed_tokens.weight": torch.zeros(3, 3)}, step=2, offsets={}, run_id="t")
-        state.set_policy_version(2)
-        assert follower.refresh() == 1
-    finally:
-        engine.reload(state_dict=load_causal_lm(tiny["actor"]).state_dict())  # the session engine's weights back
-    restored, _ = engine.generate(ps, 1, temperature=0, max_new_tokens=10, ignore_eos=True, return_log_probs=True)
-    assert restored == before
 
-
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "expstream", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    assert_a_published_version_is_served(engine, hf, tiny["actor"], tmp_path / "store",
+                                         VllmWeights(engine, tiny["actor"]), ps, check_log_probs)
 
 
 def test_a_knob_vllm_cannot_honour_is_refused_at_start_up(tmp_path):
@@ -193,22 +151,6 @@ def test_a_knob_vllm_cannot_honour_is_refused_at_start_up(tmp_path):
     assert res.returncode == 2 and "generate.top_k" in res.stderr, res.stderr[-2000:]
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat fields after the command: [state, ppid, pgrp, session, ...] (None: no such process)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
-
-
-def _processes() -> dict[int, list[str]]:
-    return {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _stat(int(e))) is not None}
-
-
-def _children(pid: int) -> list[int]:
-    return [p for p, st in _processes().items() if int(st[1]) == pid]
-
-
 @pytest.mark.e2e
 def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine_process(tmp_path, tiny):
     """The example prompts through ``expstream run`` with generate.backend=vllm; generate[0] is SIGKILLed
@@ -217,72 +159,43 @@ def test_expstream_run_with_vllm_survives_a_killed_generate_and_leaves_no_engine
     stops every generate replica cleanly: each returns from its runner and shuts its engine down
     (never SIGKILLed after the grace), and nothing that a generate stage started outlives it."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cache = Path(tiny["actor"]).parents[1]
-    stderr_path = tmp_path / "stderr.log"
-    with stderr_path.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "expstream", "run", "--prompts", "examples/prompts.jsonl",
-                                 "--output", str(out), "--no-progress", "--set", "generate.backend=vllm",
-                                 "--set", f"models.cache_dir={cache}"],
-                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-    generate_pids: dict[int, str] = {}  # every generate process seen -> its label
-    started: set[int] = set()  # every process seen whose parent was a generate process
-
-    def watch() -> None:
-        try:
-            pids = json.loads((out / "run" / "pids.json").read_text())
-        except (OSError, ValueError):
-            return
-        generate_pids.update({pid: label for label, pid in pids.items() if label.startswith("generate[")})
-        started.update(p for p, st in _processes().items() if int(st[1]) in generate_pids)
-
+    proc, stderr_path = start_example_run(tmp_path, out, Path(tiny["actor"]).parents[1], "generate.backend=vllm")
+    gen_procs = GenerateProcesses(out)
     try:
         log = out / "run" / "logs" / "generate-0.log"
         deadline = time.monotonic() + 150
         while not (log.exists() and "vLLM engine" in log.read_text(errors="replace")):
             assert proc.poll() is None, stderr_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "generate[0] built no engine within 150 s"
-            watch()
+            gen_procs.watch()
             time.sleep(0.2)
         killed = json.loads((out / "run" / "pids.json").read_text())["generate[0]"]
-        assert _children(killed) == [], "the engine runs inside the stage process: no engine process to orphan"
+        assert children(killed) == [], "the engine runs inside the stage process: no engine process to orphan"
         os.kill(killed, signal.SIGKILL)
-        deadline = time.monotonic() + 240
-        while proc.poll() is None:
-            assert time.monotonic() < deadline, "the run did not finish within 240 s"
-            watch()
-            time.sleep(0.2)
+        gen_procs.wait_for_end(proc, 240)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     stderr = stderr_path.read_text(errors="replace")
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["groups_complete"] == 6 and summary["samples"] == 24, summary
+    summary = assert_every_sample_out_once(out)
     assert summary["stage_restarts"].get("generate[0]", 0) >= 1, summary["stage_restarts"]
-    from expstream.rl.experience import read_experiences
-
-    ids = [sid for e in read_experiences(out / "experiences.msgpack", dedupe=False) for sid in e.sample_ids]
-    assert len(ids) == len(set(ids)) == 24, "every sample out once"
 
     # The stop: no generate replica was SIGKILLed after the grace or exited with an error code (the
     # supervisor logs both: "did not stop within ...; killing it", "exited with code N on stop").
-    bad = [line for line in stderr.splitlines() if "generate[" in line and ("on stop" in line or "did not stop" in line)]
-    assert not bad, bad
+    assert not stop_problems(stderr), stop_problems(stderr)
     # Each replica alive at the stop returned from its runner (so exited 0) and shut its engine down;
     # its log lines carry its pid.
-    final = {pid: label for pid, label in generate_pids.items() if pid != killed}
-    assert sorted(final.values()) == sorted(set(generate_pids.values())), generate_pids  # one process per replica
+    final = {pid: label for pid, label in gen_procs.pids.items() if pid != killed}
+    assert sorted(final.values()) == sorted(set(gen_procs.pids.values())), gen_procs.pids  # one process per replica
     for pid, label in final.items():
         lines = (out / "run" / "logs" / f"generate-{label[9:-1]}.log").read_text(errors="replace")
         assert f"[{pid}]: stage generate replica {label[9:-1]}: stopped after" in lines, f"{label} pid {pid}"
         assert f"[{pid}]: generate: vLLM engine shut down" in lines, f"{label} pid {pid}"
     # Nothing a generate stage started survives: no child seen during the run, and no process in a
-    # generate stage's session (a stage is its session's leader: an orphaned engine would keep it).
-    alive = _processes()
-    assert not [p for p in [*generate_pids, *started] if p in alive], (generate_pids, started)
-    assert not [p for p, st in alive.items() if int(st[3]) in generate_pids], "a process of a generate session survives"
+    # generate stage's session.
+    gen_procs.assert_none_left()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "keep"])
@@ -296,11 +209,7 @@ def test_in_flight_update_between_engine_steps_changes_later_log_probs_only(engi
     from expstream.models.vllm_generator import VllmWeights
 
     swap_at, steps = 4, 10
-    new = load_causal_lm(tiny["actor"])
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    new = perturbed_actor(tiny["actor"], seed=5, scale=0.05)
     weights, calls = VllmWeights(engine, tiny["actor"]), {"n": 0, "v": 0}
 
     def poll() -> int:

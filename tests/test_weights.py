@@ -37,17 +37,7 @@ from expstream.train.weights import (
 from schemas import PromptBatch, Ragged, SampleBatch
 from stages import actor_logprob, critic, generate
 from stages.context import make_context
-
-
-def small_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"lin.weight": torch.randn(3, 4, generator=g), "lin.bias": torch.randn(3, generator=g)}
-
-
-class Small(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 3)
+from tests.tensors import Small, small_state_dict
 
 
 # --- the store -------------------------------------------------------------------------------------

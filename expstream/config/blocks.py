@@ -48,6 +48,11 @@ class RunConfig:
     torch_threads: int = 1
     max_restarts: int = 5
     spawn: str = "fork"
+    # `expstream run` gives each replica its input partitions by index (no consumer-group join) until the
+    # stage is first scaled (stages/assigning.py); false: every replica joins its group from the start;
+    # null: true when the run starts its own broker, false with --bootstrap-servers (replicas started on
+    # other machines may join the stages' groups there)
+    assign_partitions: bool | None = None
     target_groups: int | None = None
     max_lost_group_share: float = 0.0
     # The claim-check store of images and video frames (expstream/models/blobs.py); null = <output>/blobs
@@ -68,6 +73,8 @@ class RunConfig:
                f"got {self.spawn!r}; use fork (stages forked from a preloaded server) or exec")
         check_value(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
         check_value(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
+        check_value(self.assign_partitions in (None, True, False), "run.assign_partitions",
+                    f"got {self.assign_partitions!r}; give true, false or null (true with the run's own broker)")
         check_value(self.media_max_mb > 0, "run.media_max_mb", f"got {self.media_max_mb!r}; give a size in MiB > 0")
         if self.blob_store is not None:
             parse_store(self.blob_store, "run.blob_store")  # `s3:` is an error, not a directory named `s3:`

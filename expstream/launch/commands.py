@@ -51,6 +51,38 @@ def run_command(topo: Topology, args: argparse.Namespace) -> int:
     return run_pipeline(topo, args)
 
 
+def start_fork_server_early(argv: list[str]) -> bool:
+    """``expstream run ARGV``: start the fork server now, before the command line is imported and parsed
+    (expstream/__main__.py); True when started. Only ``--topology``, ``--set`` and ``--continuous`` are
+    read here, with logging off; anything unusual (no topology, a bad value, ``--help``, ``run.spawn:
+    exec``) leaves the start to :func:`run_command`, which reports errors as always. A run that then
+    stops at a configuration error has started the server for nothing (it dies with this process)."""
+    import logging
+
+    if any(a in ("-h", "--help") for a in argv):
+        return False
+    parser = argparse.ArgumentParser(add_help=False)
+    add_topology_args(parser)
+    parser.add_argument("--continuous", action="store_true")
+    logging.disable(logging.CRITICAL)  # load_topology's lines come once, from the real start
+    try:
+        args, _ = parser.parse_known_args(argv)
+        from expstream.config.topology import find_topology, load_topology
+
+        topo = load_topology(find_topology(args.topology),
+                             [*args.overrides, *(["train.enabled=true"] if args.continuous else [])])
+    except (Exception, SystemExit):  # noqa: BLE001 - reported by the real parse and load
+        return False
+    finally:
+        logging.disable(logging.NOTSET)
+    if topo.run.spawn != "fork":
+        return False
+    from expstream.launch.forkserver import warm_up_for
+
+    warm_up_for(topo)
+    return True
+
+
 def add_stage_arguments(stage: argparse.ArgumentParser) -> None:
     add_topology_args(stage)
     stage.add_argument("name", help="stage name, e.g. generate, or a chain of the topology's chains: (its stages "
@@ -58,6 +90,9 @@ def add_stage_arguments(stage: argparse.ArgumentParser) -> None:
     stage.add_argument("--run-id", default="prod")
     stage.add_argument("--replica-id", default=os.environ.get("EXPSTREAM_REPLICA_ID") or socket.gethostname(),
                        help="names this replica in heartbeats (default: $EXPSTREAM_REPLICA_ID or the host name)")
+    stage.add_argument("--assign", metavar="INDEX/COUNT",
+                       help="take the input partitions p with p %% COUNT == INDEX instead of joining the consumer "
+                            "group (what `expstream run` starts replicas with; stages/assigning.py)")
 
 
 def add_train_arguments(train: argparse.ArgumentParser) -> None:

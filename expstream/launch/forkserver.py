@@ -3,9 +3,10 @@
 Why: importing torch and transformers costs a stage process seconds of CPU before any work, and
 many stages starting at once on few cores paid it many times; the fork server imports them once
 and every stage (first start or restart) is a fork of it, still its own OS process, ready in
-milliseconds. The server only imports (no model, no thread pool), so forking is safe. Nothing
-outlives ``expstream run``: the server and every forked stage carry ``PDEATHSIG``, and a stage
-drops the server's "alive" pipe end. A preload that fails is reported, not fatal to the server.
+milliseconds. The server imports, and loads the tiny actor once with one thread
+(expstream/launch/forkwarm.py); it starts no thread pool, so forking is safe. Nothing outlives
+``expstream run``: the server and every forked stage carry ``PDEATHSIG``, and a stage drops the
+server's "alive" pipe end. A preload that fails is reported, not fatal to the server.
 The numbered lifetimes, the measured start-up cost and the preload rules: docs/ARCHITECTURE.md
 "The fork server".
 """
@@ -19,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,15 @@ PRELOAD = ["expstream.launch.forkserver", "torch", "transformers", "transformers
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
            "transformers.tokenization_utils_fast", "transformers.models.llama.modeling_llama",
            "expstream.models.hf", "expstream.models.passes", "expstream.rl.numerics", "expstream.state",
-           "expstream.kafka.clients", "stages", "stages.runner"]
+           "expstream.kafka.clients", "stages", "stages.runner",
+           # what every forked process imports after the fork otherwise (its command line, metrics endpoint, title):
+           # private pages in each child (~2-3 MiB apiece), shared when the server has them (bench/README.md item 5)
+           "expstream.cli", "expstream.launch.replica", "stages.chain", "expstream.tools.recorder", "prometheus_client",
+           "http.server", "wsgiref.simple_server", "setproctitle", "encodings.idna", "expstream.models.tiny"]
 #: glibc malloc settings of the fork server and so of every stage process (why: in start()).
 #: 32 MiB is the largest mmap threshold glibc accepts on 64-bit; larger values are ignored.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024)}
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024),
+              "MALLOC_ARENA_MAX": "2"}
 _CONTEXT: multiprocessing.context.BaseContext | None = None
 _PRELOADS: list[str] = []  # what the server imports after this module (set with _CONTEXT)
 #: Set (to the starting process's pid) only in the environment the fork server starts with.
@@ -42,6 +49,8 @@ PARENT_ENV = "EXPSTREAM_FORKSERVER_PARENT"
 PRELOAD_ENV = "EXPSTREAM_FORKSERVER_PRELOAD"
 #: In the fork server and its children: the server's pid (None elsewhere).
 SERVER_PID: int | None = None
+#: In the process that started the fork server: when (``time.time()``), for the start-up timeline.
+STARTED_AT: float | None = None
 
 
 class ForkServerError(RuntimeError):
@@ -79,22 +88,28 @@ def _context(extra: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext
     global _CONTEXT
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
-        # the server preloads the rest itself (_preload, named in PRELOAD_ENV by warm_up); expstream.launch.forkfreeze
-        # last: gc.freeze() once every import is done (shared pages stay shared)
-        ctx.set_forkserver_preload([PRELOAD[0], "expstream.launch.forkfreeze"])
+        # the server preloads the rest itself (_preload, named in PRELOAD_ENV by warm_up); then expstream.launch.forkwarm
+        # (one tiny model load, when warm_up named one); expstream.launch.forkfreeze last: gc.freeze() once every
+        # import is done (shared pages stay shared)
+        ctx.set_forkserver_preload([PRELOAD[0], "expstream.launch.forkwarm", "expstream.launch.forkfreeze"])
         _CONTEXT = ctx
         _PRELOADS.extend(PRELOAD[1:] + list(extra))
     return _CONTEXT
 
 
-def warm_up(extra: tuple[str, ...] = ()) -> None:
+def warm_up(extra: tuple[str, ...] = (), warm_model: str | None = None) -> None:
     """Start the fork server now (it imports PRELOAD, then ``extra``, in the background of the caller's work).
 
     Call from the main thread: the server dies when the thread that started it ends (PDEATHSIG).
-    Idempotent; :class:`ForkedProcess` calls it too. ``extra`` counts only for the first call.
+    Idempotent; :class:`ForkedProcess` calls it too. ``extra`` and ``warm_model`` (a causal LM directory the
+    server loads once, expstream/launch/forkwarm.py) count only for the first call.
     """
     from multiprocessing import forkserver
 
+    from expstream.launch.forkwarm import WARM_ENV
+
+    global STARTED_AT
+    STARTED_AT = STARTED_AT or time.time()
     _context(extra)
     # libgomp reads this once, when the server's torch import loads it, so it is set before the start.
     # Why PASSIVE: a waiting OpenMP thread that spins takes a core the other stage processes need;
@@ -103,6 +118,8 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ[PARENT_ENV] = str(os.getpid())
     os.environ[PRELOAD_ENV] = ",".join(_PRELOADS)
+    if warm_model:
+        os.environ[WARM_ENV] = warm_model
     # glibc reads these when a process starts (the fork server; its children inherit the settings).
     # Why: multi-MB records otherwise get fresh pages and a page fault per 4 KiB each time; the
     # settings and their measured effect: bench/README.md "Issue 15's goals", Settings.
@@ -113,14 +130,32 @@ def warm_up(extra: tuple[str, ...] = ()) -> None:
     finally:
         os.environ.pop(PARENT_ENV, None)
         os.environ.pop(PRELOAD_ENV, None)
+        os.environ.pop(WARM_ENV, None)
         for k in added:
             os.environ.pop(k, None)
 
 
+def server_context() -> multiprocessing.context.BaseContext:
+    """The fork server's multiprocessing context (the server started if it is not yet): its ``Process``
+    forks from the server, torch imported already. For work that needs torch only briefly, done apart from
+    the process that starts the run (expstream/launch/modelbuild.py)."""
+    warm_up()
+    return _context()
+
+
 def warm_up_for(topo: Any) -> None:
     """:func:`warm_up` with the extra preloads a topology needs: vllm when it generates with it (an
-    import only, 3-6 s per generate replica saved; its engine is built in the stage)."""
-    warm_up(("vllm",) if topo.generate.backend == "vllm" else ())
+    import only, 3-6 s per generate replica saved; its engine is built in the stage); and the built-in tiny
+    actor to load once, when the model cache has it and generate.backend is transformers
+    (expstream/launch/forkwarm.py)."""
+    from expstream.models.cache import is_complete, tiny_root
+
+    tiny = tiny_root(topo.models.cache_dir)
+    # not beside vLLM: its in-process engine deadlocks in a child of a process that ran torch multithreaded
+    # (docs/vllm.md); the warm-up runs one thread, but the vllm server stays one that only imports
+    warm = is_complete(tiny) and topo.generate.backend == "transformers"
+    warm_up(("vllm",) if topo.generate.backend == "vllm" else (),
+            warm_model=str((tiny / "actor").resolve()) if warm else None)
 
 
 def malloc_env() -> dict[str, str]:

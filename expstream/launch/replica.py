@@ -74,6 +74,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     import torch
 
     from stages import STAGES, teardown
+    from stages.assigning import parse_assignment
     from stages.chain import Chain
     from stages.context import StageContext
     from stages.runner import StageRunner
@@ -99,20 +100,22 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     stage = Chain.runner_stage(unit, topo) if unit.chained else topo.stages[unit.head]
     ctx = StageContext(topology=topo, stage=stage, state=state, log=logging.getLogger(f"expstream.stage.{unit.name}"),
                        run_id=args.run_id, replica_id=args.replica_id)
+    assignment = parse_assignment(args.assign) if getattr(args, "assign", None) else None
     if unit.chained:
         chain = Chain(unit, ctx)
         runner = StageRunner(ctx, chain.process, args.bootstrap_servers, committed=chain.committed,
-                             stage_rows=chain.rows, produced_by=unit.last, label=unit.name)
+                             stage_rows=chain.rows, produced_by=unit.last, label=unit.name, assignment=assignment)
         runner.fault = fault_plan(unit.name, RUNNER_POINTS)  # EXPSTREAM_FAULT names the chain, as the supervisor
         chain.bind(ctx)
         setup, close = chain.setup, chain.teardown
     else:
         module = STAGES[unit.head]
-        runner = StageRunner(ctx, module.process, args.bootstrap_servers, committed=getattr(module, "committed", None))
+        runner = StageRunner(ctx, module.process, args.bootstrap_servers, committed=getattr(module, "committed", None),
+                             assignment=assignment)
         setup, close = functools.partial(module.setup, ctx), functools.partial(teardown, ctx)
     ctx.should_stop = lambda: runner.stop_requested  # checked between generated tokens
     runner.install_signal_handlers()  # before the (slow) model load so SIGTERM is never lost
-    turns = None if unit.chained else turns_runner(ctx, module.process, runner, args.bootstrap_servers)
+    turns = None if unit.chained else turns_runner(ctx, module.process, runner, args.bootstrap_servers, assignment)
     started = time.monotonic()
     # setup inside the try/finally: what it built before a SIGTERM (the handler lets it finish) or an
     # error, such as a vLLM engine, is torn down too; every stage's teardown copes with a partial setup
@@ -136,11 +139,12 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
         close()  # the stage's own resources (HTTP sessions, thread pools, an engine), after the last commit
 
 
-def turns_runner(ctx: Any, process: Any, main: Any, bootstrap: str) -> Any:
+def turns_runner(ctx: Any, process: Any, main: Any, bootstrap: str, assignment: tuple[int, int] | None = None) -> Any:
     """generate of a multi-turn run (docs/multi_turn.md): a second runner in the replica, consuming the turns
     topic as the consumer group ``<generate's>.turns`` and sharing the models, so that an unfinished episode
     never waits behind a prompt record that admission control holds back (the episodes in flight are what
-    must finish for the trainer to step and admission to open again). None for any other stage."""
+    must finish for the trainer to step and admission to open again). None for any other stage.
+    ``assignment``: the replica's ``--assign``, applied to the turns topic's partitions alike."""
     if ctx.stage.name != "generate" or ctx.topology.environment is None:
         return None
     import dataclasses
@@ -149,7 +153,8 @@ def turns_runner(ctx: Any, process: Any, main: Any, bootstrap: str) -> Any:
     from stages.runner import StageRunner
 
     tctx = dataclasses.replace(ctx, stage=dataclasses.replace(ctx.stage, input=ctx.topology.environment.turns_topic))
-    return StageRunner(tctx, process, bootstrap, group_suffix=TURNS_GROUP_SUFFIX, metrics=False, stop=main.stop_event)
+    return StageRunner(tctx, process, bootstrap, group_suffix=TURNS_GROUP_SUFFIX, metrics=False, stop=main.stop_event,
+                       assignment=assignment)
 
 
 def run_both(runner: Any, turns: Any) -> int:

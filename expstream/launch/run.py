@@ -51,6 +51,7 @@ from expstream.launch.collect import (
     publish_end_of_input,
 )
 from expstream.launch.continuous import run_continuous
+from expstream.launch.modelbuild import build_models_apart
 from expstream.launch.outcome import ContinuousOutcome, RunOutcome
 from expstream.launch.preflight import check_output_dir, check_services, check_stores
 from expstream.launch.prompts import PromptRow, dead_letter_refused, has_media, read_prompts, store_media
@@ -58,7 +59,6 @@ from expstream.launch.rundir import claim_run_dir
 from expstream.launch.services import FORK_ENTRY, RunServices, stage_argv, stage_env, write_resolved_topology
 from expstream.launch.supervisor import SupervisorError
 from expstream.models.media import MIB
-from expstream.models.resolve import build_builtin_models
 from expstream.observe.timeline import Timeline
 
 log = logging.getLogger("expstream.run")
@@ -109,14 +109,14 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         stack.callback(claim_run_dir(out_dir, force=args.force, resume=args.resume).release)
         timeline.mark("config_checked")
         if topo.run.spawn == "fork":
-            from expstream.launch.forkserver import warm_up_for
+            from expstream.launch import forkserver
 
             # imports torch/transformers once, while the models are checked and the broker and redis start
-            # (the longest step before a stage can start); started already by `expstream run` (cli.py): a
-            # no-op then
-            warm_up_for(topo)
-            timeline.mark("fork_server_started")
-        build_builtin_models(topo)  # torch-free when the cache has them (expstream/models/cache.py)
+            # (the longest step before a stage can start); started already by `expstream run`
+            # (expstream/__main__.py, before the command line's imports): a no-op then
+            forkserver.warm_up_for(topo)
+            timeline.mark("fork_server_started", at=forkserver.STARTED_AT)
+        build_models_apart(topo)  # a child process builds them when the cache lacks them (torch stays out of here)
         timeline.mark("models_ready")
         resolve_run_paths(topo, out_dir, media=has_media(rows))  # the one place; the stages read topo.to_raw()
         (out_dir / "run").mkdir(parents=True, exist_ok=True)
@@ -124,10 +124,15 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         outcome = ContinuousOutcome if topo.train.enabled else RunOutcome
         out = outcome(topo=topo, run_id=run_id, out_dir=out_dir, rows=len(rows), started=time.monotonic(),
                       timeline=timeline)
+        report = not getattr(args, "no_report", False)
         with RunServices.start(topo, args, out_dir, out) as svc:
             store_run_media(svc, rows)
             run_loop(svc, rows, out, stop, progress_on=not args.no_progress)
-    return finish(out, report=not getattr(args, "no_report", False))
+            if report:  # the report's plotting imports overlap the stop of the stages and servers
+                from expstream.tools.report import import_plotting_in_background
+
+                import_plotting_in_background()
+    return finish(out, report=report)
 
 
 def run_loop(svc: RunServices, rows: list[PromptRow], out: RunOutcome, stop: dict[str, bool],

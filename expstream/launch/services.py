@@ -79,6 +79,14 @@ def stage_env(redis_url: str, topo: Topology | None = None) -> dict[str, str]:
             **({TOPOLOGY_SECRETS_ENV: json.dumps(secrets)} if secrets else {})}
 
 
+def assigns_partitions(topo: Topology, *, own_broker: bool) -> bool:
+    """Whether the run starts replicas with ``--assign`` (stages/assigning.py): ``run.assign_partitions``;
+    null: only with the run's own broker. On a shared one (``--bootstrap-servers``) replicas started
+    elsewhere may join a stage's group (docs/deploy.md "Adding machines"): membership is not known."""
+    assign = topo.run.assign_partitions
+    return bool(assign) if assign is not None else own_broker
+
+
 class RunServices:
     """What one run has started; built by :meth:`start` only (a context manager), read by the run loops."""
 
@@ -93,6 +101,9 @@ class RunServices:
         self.redis_url: str = args.redis_url or ""
         self.recording = topo.record.is_on(own_broker=self.own_broker)
         self.pids: dict[str, int | None] = {}
+        # unit -> the replica count it was started with, while its replicas take their partitions by hand
+        # (run.assign_partitions, stages/assigning.py); a unit leaves it at its first scale (regroup)
+        self.assigned: dict[str, int] = {}
         self.timeline = out.timeline if out.timeline is not None else Timeline()
         # set by start(), before the block is entered
         self.state: RedisState
@@ -177,6 +188,8 @@ class RunServices:
             # a replica gone for good leaves no metrics file behind (expstream/observe/metrics.py)
             on_gone=functools.partial(forget_replica, run_dir / "metrics"))
         serve_supervisor(sup, run_dir / "metrics")  # expstream_restarts_total (docs/observability.md)
+        if assigns_partitions(topo, own_broker=self.own_broker):
+            self.assigned = {u.name: topo.stages[u.head].replicas for u in topo.units()}
         for unit in topo.units():  # a chain is one process per replica (expstream/config/chains.py)
             for replica in range(topo.stages[unit.head].replicas):
                 sup.add(unit.name, replica, self.stage_argv(unit.name, replica))
@@ -190,13 +203,27 @@ class RunServices:
             log.info("run %s: recording %s into %s", self.run_id, ", ".join(topics), out_dir / TOPICS_DIR)
         # `expstream scale` requests and the autoscalers, answered from the run loops (expstream/launch/scale.py)
         self.scaler = self.out.scaler = Scaler(topo, sup, out_dir, self.stage_argv,
-                                               lag_reader(topo, self.bootstrap, self.run_id), started=self.out.started)
+                                               lag_reader(topo, self.bootstrap, self.run_id), started=self.out.started,
+                                               regroup=self.regroup)
         self.stack.callback(sup.stop)  # before the start: a start that fails half-way stops what it started
         # one status snapshot per STATUS_INTERVAL_S into <output>/status.jsonl (expstream status, report)
         self.sampler = StatusSampler(topo, self.bootstrap, self.redis_url, self.run_id, out_dir)
 
     def stage_argv(self, name: str, replica: int) -> list[str]:
-        return stage_argv(self.topo_path, name, replica, self.bootstrap, self.run_id)
+        """Replica ``replica`` of unit ``name``'s command line; ``--assign replica/n`` while the unit's
+        partitions are assigned by hand (stages/assigning.py)."""
+        argv = stage_argv(self.topo_path, name, replica, self.bootstrap, self.run_id)
+        count = self.assigned.get(name)
+        return argv if count is None else [*argv, "--assign", f"{replica}/{count}"]
+
+    def regroup(self, name: str) -> None:
+        """Before a unit's replica count changes: a unit whose partitions are assigned by hand has every
+        replica stopped and started again as a member of its consumer group (Supervisor.regroup), so
+        that the new count shares the partitions by the group's rebalances; a no-op after that."""
+        if self.assigned.pop(name, None) is not None:
+            log.info("run %s: %s is scaled: its replicas leave their assigned partitions and join the consumer "
+                     "group", self.run_id, name)
+            self.supervisor.regroup(name, lambda replica: self.stage_argv(name, replica))
 
     def launch(self) -> None:
         """Start every supervised process (one that cannot be started raises SupervisorError with its

@@ -230,6 +230,22 @@ class Supervisor:
         self._write_pids()
         return before
 
+    def regroup(self, name: str, argv_for: Callable[[int], list[str]]) -> None:
+        """Stop every replica of ``name`` (SIGTERM; each finishes and commits its micro-batch; SIGKILL after
+        ``STOP_GRACE_S``), and only once all have exited start each again with ``argv_for(replica)``.
+
+        Why all first: a stage whose replicas took their partitions by hand (stages/assigning.py) commits
+        without a group generation; none of them may still run when group members take the partitions
+        over. Blocks the caller (the run loop) for as long as the slowest replica takes to stop."""
+        mine = [c for c in self.children if c.name == name and not c.retired]
+        self._stop_wave(mine, STOP_GRACE_S)
+        for child in mine:
+            child.argv = argv_for(child.replica)
+            child.proc = None
+            child.added_live = True  # fault injection names the stage's first processes only
+            self._spawn(child)
+        log.info("%s: %d replicas started again as consumer-group members", name, len(mine))
+
     def _add_replica(self, name: str, argv_for: Callable[[int], list[str]], kind: str) -> None:
         mine = [c for c in self.children if c.name == name]
         busy = {c.replica for c in mine if not c.retired or c.proc is not None}

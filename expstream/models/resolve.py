@@ -24,7 +24,7 @@ from expstream.config.cli_args import Command, add_topology_args
 from expstream.config.topology import BUILTIN_TINY, BUILTIN_TINY_VL, RewardSourceConfig, Topology
 from expstream.errors import EXIT_OK, ConfigError
 
-__all__ = ["model_roles", "check_models", "build_builtin_models", "model_dir", "reward_fn", "import_function",
+__all__ = ["model_roles", "check_models", "builtin_models_missing", "build_builtin_models", "model_dir", "reward_fn", "import_function",
            "source_model_dir", "combine_fn"]
 
 
@@ -83,16 +83,30 @@ def _is_vl_actor(topo: Topology) -> bool:
     return actor == BUILTIN_TINY_VL or (actor != BUILTIN_TINY and is_vl_dir(actor))
 
 
-def build_builtin_models(topo: Topology) -> None:
-    """Build the built-in tiny models (once, into ``models.cache_dir``) for the roles that use them,
-    before any stage starts, so that stages load them instead of racing to build them."""
+def _builtin_roles(topo: Topology) -> tuple[list[str], set[str]]:
+    """The roles on a built-in tiny model, and the ``builtin:*`` values of the model reward sources."""
     roles = [role for role in model_roles(topo) if getattr(topo.models, role) in (BUILTIN_TINY, BUILTIN_TINY_VL)]
     sources = (topo.rewards.sources or {}).values()
     builtin_sources = {cfg.path for cfg in sources if cfg.kind == "model" and cfg.path in (BUILTIN_TINY, BUILTIN_TINY_VL)}
     if builtin_sources and "reward" not in roles:
         roles.append("reward")  # a model source on builtin:tiny(-vl) loads that family's tiny reward model
-    if _builtin_cached(topo, {getattr(topo.models, r) for r in roles if getattr(topo.models, r)} | builtin_sources):
+    return roles, builtin_sources
+
+
+def builtin_models_missing(topo: Topology) -> bool:
+    """Whether :func:`build_builtin_models` has anything to build (checked without importing torch)."""
+    roles, builtin_sources = _builtin_roles(topo)
+    return not _builtin_cached(topo, {getattr(topo.models, r) for r in roles if getattr(topo.models, r)} | builtin_sources)
+
+
+def build_builtin_models(topo: Topology) -> None:
+    """Build the built-in tiny models (once, into ``models.cache_dir``) for the roles that use them,
+    before any stage starts, so that stages load them instead of racing to build them. Imports torch
+    when there is something to build: ``expstream run`` calls it in a child process
+    (expstream/launch/modelbuild.py)."""
+    if not builtin_models_missing(topo):
         return  # nothing to build: torch and transformers stay out of this process
+    roles, builtin_sources = _builtin_roles(topo)
     for role in roles:
         try:
             if role == "reward" and topo.rewards.sources is not None:
