@@ -46,6 +46,9 @@ def parse_args() -> argparse.Namespace:
                    help="records arrive one at a time this far apart (the steady state of a pipeline, where a "
                         "stage is faster than generate) instead of as a backlog; the runner only, plus its idle CPU")
     p.add_argument("--idle-s", type=float, default=5.0, help="with --trickle-ms: seconds of idle CPU measured")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="with --trickle-ms: partitions of the input topic (the pipeline's topics have 8; the "
+                        "feeder spreads its records over them round robin)")
     return p.parse_args()
 
 
@@ -87,7 +90,7 @@ import sys, time
 from expstream.kafka.clients import make_producer, send_and_confirm
 from schemas import PromptBatch, encode
 boot, topic, n, gap = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]) / 1000
-producer = make_producer(boot)
+producer = make_producer(boot, spread=True)
 for i in range(n):
     send_and_confirm(producer, topic, encode(PromptBatch(batch_id=f"b{i}", prompt_id=[f"b{i}"], prompt=["x"],
                                                          label=[""], reference=[""])), f"b{i}".encode())
@@ -96,14 +99,15 @@ producer.close()
 """
 
 
-def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float) -> tuple[float, float, float]:
+def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
+                partitions: int = 1) -> tuple[float, float, float]:
     """A pass-through StageRunner fed one record every ``gap_ms`` by another process (not counted):
     (ms of CPU per record, ms of CPU per second idle before the records, seconds per record)."""
     import subprocess
     import sys
 
     src, dst = f"in-{uuid.uuid4().hex[:6]}", f"out-{uuid.uuid4().hex[:6]}"
-    create_topics(boot, {src: 1, dst: 1}, with_dlq=True)
+    create_topics(boot, {src: partitions, dst: 1}, with_dlq=True)
     topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}"])
     run_id = uuid.uuid4().hex[:6]
     runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
@@ -168,7 +172,7 @@ def main() -> int:
     boot, redis_url = broker.start(), redis.start()
     if args.trickle_ms:
         try:
-            got_t = [trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s)
+            got_t = [trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s, args.partitions)
                      for _ in range(args.repeats)]
         finally:
             broker.stop()
@@ -179,7 +183,7 @@ def main() -> int:
                     [["CPU ms per record, one at a time", median([g[0] for g in got_t]),
                       " ".join(fmt(g[0]) for g in got_t)],
                      ["idle CPU ms per second", median([g[1] for g in got_t]), " ".join(fmt(g[1]) for g in got_t)]],
-                    title=f"{args.records} records {args.trickle_ms:g} ms apart; load avg {start['loadavg']} -> "
+                    title=f"{args.records} records {args.trickle_ms:g} ms apart over {args.partitions} partitions; load avg {start['loadavg']} -> "
                           f"{machine()['loadavg']}"))
         save("runner_cpu_trickle", {"records": args.records, "gap_ms": args.trickle_ms,
                                     "runs": [list(g) for g in got_t]})
