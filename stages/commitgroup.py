@@ -1,10 +1,12 @@
 """The commit group of a stage replica: confirm the outputs of the records in hand, account, commit, release.
 
 Commit protocol, per input record (one record = one micro-batch; polled up to
-``kafka.max_poll_records`` at a time), with steps 3-4 done for a *commit group*: consecutive records,
-at most ``MAX_COMMIT_GROUP`` of them, closed once its first record has waited ``COMMIT_GROUP_MAX_S``
-(so a slow stage's records are each their own group, and a backlog, or records arriving one by one,
-pay one flush, one statistics round trip and one commit per group instead of per record):
+``kafka.max_poll_records`` at a time), with step 3 done for a *commit group*: consecutive records,
+at most ``MAX_COMMIT_GROUP`` of them, closed once its first record has waited ``CONFIRM_GROUP_MAX_S``
+or a poll finds nothing more (so a backlog pays one flush and one statistics round trip per group), and
+step 4 for every confirmed record at once when the oldest of them has waited ``COMMIT_GROUP_MAX_S``
+(0.5 s) or there are ``MAX_COMMIT_GROUP`` of them, or at a stop, a rewind or a rebalance (so records arriving one by one, the steady state, pay one
+commit per 0.5 s instead of one each):
 
 1. A record larger than ``max_record_bytes`` is dead-lettered without being decoded. Otherwise its
    bytes are decoded inside the stage (never in the fetcher), under try/except.
@@ -66,20 +68,21 @@ from stages.sending import RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_START_S, SLOW_SEND
 from stages.slowwatch import SlowWatch
 from stages.splitting import first_line
 
-__all__ = ["COMMIT_GIVE_UP_S", "COMMIT_GROUP_MAX_S", "MAX_COMMIT_GROUP", "CommitGroup", "Done", "Pending"]
+__all__ = ["COMMIT_GIVE_UP_S", "COMMIT_GROUP_MAX_S", "CONFIRM_GROUP_MAX_S", "MAX_COMMIT_GROUP", "CommitGroup", "Done", "Pending"]
 
-# Why 16 and 0.5 s: consecutive records are flushed, confirmed and committed together (one flush, one
-# statistics round trip, one commit per partition: the per-record broker and Redis round trips are what
-# a hop costs), and a group stays open until its first record has waited 0.5 s, also when no record
-# follows soon: in the steady state records arrive one by one (every stage is faster than generate), and
-# a group closed at every empty poll paid a commit per record. Each record's outputs are handed to the
-# producer as soon as it is done, so the group's time delays only the confirmation and the offset commit,
-# not the next stage. Measured with bench/runner_cpu.py --trickle-ms 50 (a pass-through replica, one
-# record every ~55 ms): 3.6 ms of CPU per record closing at every empty poll (the commit group of 50 ms),
-# 2.6 with 0.2 s, 2.1 with 0.5 s. A crash or a rebalance redoes at most the open group: ≤ 16 records or
-# 0.5 s of them (downstream is idempotent by batch id). A slow stage's record is still committed 0.5 s
-# after it is done, while its successor is in work (stages/runner.py).
+# Why 16 and 50 ms: consecutive records are flushed and confirmed together, their statistics written in one
+# round trip (the per-record round trips are what a hop costs), but a group closes after 16 records, once
+# its first record has waited 50 ms or when a poll finds nothing, so the run state (status, accounting)
+# hears of a record within ~50 ms of its outputs.
 MAX_COMMIT_GROUP = 16
+CONFIRM_GROUP_MAX_S = 0.05
+# Why 0.5 s: the offsets of confirmed records are committed once the oldest of them has waited 0.5 s (or at
+# a stop, a rewind, a rebalance), not at every group: in the steady state records arrive one by one (every
+# stage is faster than generate), and a commit per record was most of a hop's CPU. Measured with
+# bench/runner_cpu.py --trickle-ms 50 (a pass-through replica, one record every ~55 ms): 3.6 ms of CPU per
+# record committing each group, 2.6 with 0.2 s, 2.1 with 0.5 s. A crash or a rebalance redoes at most
+# 0.5 s of confirmed records (downstream is idempotent by batch id). A slow stage's record is still
+# committed 0.5 s after it is done, while its successor is in work (stages/runner.py).
 COMMIT_GROUP_MAX_S = 0.5
 # Why 60 s: a commit that cannot reach the broker for a minute is given up (logged); the record is
 # redelivered after the next rebalance, and a later commit on the partition covers it anyway.
@@ -169,6 +172,7 @@ class CommitGroup:
         self.commit = commit or self.commit_offsets
         self.stage_rows = stage_rows
         self.records: list[Pending] = []  # the open group: worked on, not yet confirmed
+        self.confirmed: list[tuple[Pending, Done]] = []  # confirmed, offsets not committed yet
         # batches handled but not known committed yet, per partition (only kept with a hook)
         self.uncommitted: dict[TopicPartition, list[Any]] = {}
         self.handled = 0
@@ -180,54 +184,66 @@ class CommitGroup:
         return time.monotonic() - self.records[0].started if self.records else 0.0
 
     def closes(self) -> bool:
-        """Whether the open group is full or old (MAX_COMMIT_GROUP, COMMIT_GROUP_MAX_S)."""
-        return len(self.records) >= MAX_COMMIT_GROUP or self.age_s() >= COMMIT_GROUP_MAX_S
+        """Whether the open group is full or old (MAX_COMMIT_GROUP, CONFIRM_GROUP_MAX_S)."""
+        return len(self.records) >= MAX_COMMIT_GROUP or self.age_s() >= CONFIRM_GROUP_MAX_S
 
-    def finish(self) -> None:
-        """Steps 3-5 for the records in hand (main thread): one flush, every future checked (a record
-        whose sends failed goes the per-record way: retries, then the dead-letter fallbacks), the
-        statistics, then one commit of the highest offset per partition, then the hook. Empties the group.
-        A stop request while confirming leaves the records uncommitted (they are redelivered)."""
-        if not self.records:
-            return
-        items = self.records[:]
-        self.records.clear()
-        fut = self.confirmer.submit(self.confirm, items)
-        self.pausing.wait(fut, items[-1].where)
-        try:
-            dones = fut.result()
-        except ShutdownRequested as exc:
-            self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage,
-                             items[0].where, exc, len(items))
-            return
-        except ExpstreamError as exc:  # the durability wait: the group's state writes are not known on a replica
-            self.redo(items, exc)
+    def commit_wait_s(self) -> float | None:
+        """How long until the confirmed records' offsets are due for their commit (None: nothing confirmed)."""
+        if not self.confirmed:
+            return None
+        return max(0.0, COMMIT_GROUP_MAX_S - (time.monotonic() - self.confirmed[0][0].started))
+
+    def finish(self, commit: bool = False) -> None:
+        """Step 3 for the records in hand (main thread): one flush, every future checked (a record whose
+        sends failed goes the per-record way: retries, then the dead-letter fallbacks), the statistics,
+        the durability wait. Then steps 4-5 (:meth:`commit_confirmed`) when ``commit`` or once the oldest
+        confirmed record has waited COMMIT_GROUP_MAX_S. A stop request while confirming leaves the
+        records uncommitted (they are redelivered)."""
+        if self.records:
+            items = self.records[:]
+            self.records.clear()
+            fut = self.confirmer.submit(self.confirm, items)
+            self.pausing.wait(fut, items[-1].where)
+            try:
+                dones = fut.result()
+            except ShutdownRequested as exc:
+                self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage,
+                                 items[0].where, exc, len(items))
+                dones = None
+            except ExpstreamError as exc:  # the durability wait: the group's state writes are not known on a replica
+                self.redo(items, exc)
+                dones = None
+            if dones is not None:
+                stale = self.stale_after_redo(items)
+                self.confirmed += [(p, d) for p, d in zip(items, dones, strict=True) if id(p) not in stale]
+        if self.confirmed and (commit or self.commit_wait_s() == 0.0 or len(self.confirmed) >= MAX_COMMIT_GROUP):
+            self.commit_confirmed()
+
+    def commit_confirmed(self) -> None:
+        """Steps 4-5 for every confirmed record: one commit of the highest offset per partition (all
+        partitions in one request), the hook, the per-record accounting and log line."""
+        items, self.confirmed = self.confirmed, []
+        if not items:
             return
         last: dict[TopicPartition, Pending] = {}
-        stale = self.stale_after_redo(items)
-        for p in items:  # offsets rise within a partition: the last one of each is the highest
-            if id(p) in stale:
-                continue
+        for p, _ in items:  # offsets rise within a partition: the last one of each is the highest
             last[p.tp] = p
             if self.committed is not None and p.batch is not None:
                 self.uncommitted.setdefault(p.tp, []).append(p.batch)
-        # every partition of the group in one OffsetCommit request (records come round robin over the
-        # partitions: a request per partition was a request per record again)
-        done = self.commit({tp: (p.record.offset, p.where, p.batch_id) for tp, p in last.items()}) if last else set()
+        # every partition in one OffsetCommit request (records come round robin over the partitions: a
+        # request per partition was a request per record again)
+        done = self.commit({tp: (p.record.offset, p.where, p.batch_id) for tp, p in last.items()})
         committed = [tp for tp in last if tp in done]
         self.fault("after_commit")
         if self.committed is not None:
-            self.after_commit([b for tp in committed for b in self.uncommitted.pop(tp, [])], items[-1].where)
-        for p, done in zip(items, dones, strict=True):
-            if id(p) in stale:
-                continue
+            self.after_commit([b for tp in committed for b in self.uncommitted.pop(tp, [])], items[-1][0].where)
+        for p, d in items:
             self.handled += 1
             if self.metrics is not None:
-                self.observe(done, p.tp)
-            if done.batch_id is not None:
+                self.observe(d, p.tp)
+            if d.batch_id is not None:
                 self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
-                              self.stage, p.where, done.batch_id, done.samples, done.outputs, done.letters,
-                              done.seconds)
+                              self.stage, p.where, d.batch_id, d.samples, d.outputs, d.letters, d.seconds)
 
     def redo(self, items: list[Pending], exc: ExpstreamError) -> None:
         """Step 3b failed: the state writes of ``items`` may be lost (their primary failed over before a
