@@ -321,7 +321,9 @@ class CommitGroup:
         failed), then each record's statistics."""
         started = time.monotonic()
         timeout_s = self.ctx.topology.kafka.produce_timeout_s
-        if any(p.sent for p in items):
+        # a flush only when an output is still unacknowledged (after linger_ms they usually all are: the
+        # flush then only woke the producer's thread)
+        if any(not fut.is_done for p in items if p.sent for _, fut in p.sent):
             with self.slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge the "
                                   "outputs of %d records after %.0fs (broker unreachable or paused?)",
                                   self.stage, items[0].where, len(items), SLOW_SEND_WARN_S):
