@@ -78,11 +78,12 @@ MAX_COMMIT_GROUP = 16
 CONFIRM_GROUP_MAX_S = 0.05
 # Why 0.5 s: the offsets of confirmed records are committed once the oldest of them has waited 0.5 s (or at
 # a stop, a rewind, a rebalance), not at every group: in the steady state records arrive one by one (every
-# stage is faster than generate), and a commit per record was most of a hop's CPU. Measured with
-# bench/runner_cpu.py --trickle-ms 50 (a pass-through replica, one record every ~55 ms): 3.6 ms of CPU per
-# record committing each group, 2.6 with 0.2 s, 2.1 with 0.5 s. A crash or a rebalance redoes at most
-# 0.5 s of confirmed records (downstream is idempotent by batch id). A slow stage's record is still
-# committed 0.5 s after it is done, while its successor is in work (stages/runner.py).
+# stage is faster than generate), and a commit per record was a third of a hop's CPU. Measured with
+# bench/runner_cpu.py --trickle-ms 50 --partitions 8 (a pass-through replica, one record every ~55 ms):
+# 2.95-3.00 ms of CPU per record committing each group, 2.47-2.59 committing per 0.5 s (bench/README.md).
+# A crash or a rebalance redoes at most 0.5 s of confirmed records (downstream is idempotent by batch id).
+# A slow stage's record is still committed 0.5 s after it is done, while its successor is in work
+# (stages/runner.py).
 COMMIT_GROUP_MAX_S = 0.5
 # Why 60 s: a commit that cannot reach the broker for a minute is given up (logged); the record is
 # redelivered after the next rebalance, and a later commit on the partition covers it anyway.
