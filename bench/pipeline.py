@@ -20,8 +20,10 @@ Streaming rates:
 * steady-state, two-point: (summary.json's own steady_samples_per_s is not used here) the fixed
   start-up cost is cancelled by running N and 2N prompts: (samples_2N - samples_N) /
   (wall_2N - wall_N) with the median walls;
-* steady-state, from logs (a cross-check inside each run): the advantage stage logs a
-  timestamped line per micro-batch; samples after the first line / (last - first timestamp).
+* steady-state, within each run: samples after the first experience record / (last - first record
+  timestamp), from the run's recording (the timestamps are set when advantage sends each record); the
+  advantage stage's timestamped log line per micro-batch when nothing was recorded (that line is written
+  at its commit group's commit, up to 0.5 s after the record was done).
 
 Baseline and streaming runs are interleaved (baseline 2t/1t, streaming N, 2N, repeat) so that the
 machine's noise hits both sides alike. CPU seconds are accounted too: the `expstream run` process
@@ -379,6 +381,24 @@ def log_steady_rate(log_dir: Path) -> float:
     return sum(s for _, s in events[1:]) / (events[-1][0] - events[0][0])
 
 
+def recorded_steady_rate(out: Path, topic: str = "experiences") -> float:
+    """Samples/s of the run's output topic between its first and last record, by the records' own
+    timestamps (set when advantage sent them) in the run's recording; NaN without a recording.
+
+    Preferred to the advantage log's: that line is written when the record's commit group is committed
+    (up to COMMIT_GROUP_MAX_S, 0.5 s, after the record was done), so its timestamps come in bursts."""
+    from expstream.tools.recording import RecordingError, iter_topic
+
+    try:
+        events = sorted((f.timestamp / 1000, len(decode(f.value))) for f in iter_topic(out, topic,
+                                                                                         strict=False) if f.value)
+    except RecordingError:
+        return float("nan")
+    if len(events) < 2 or events[-1][0] <= events[0][0]:
+        return float("nan")
+    return sum(n for _, n in events[1:]) / (events[-1][0] - events[0][0])
+
+
 class TreeCPU:
     """CPU seconds (user + system) of a process tree, sampled from /proc while it runs (Linux).
 
@@ -502,6 +522,12 @@ def stage_pids(log_dir: Path) -> dict[int, str]:
     return out
 
 
+def steady_of(out: Path) -> float:
+    """The run's steady rate: from the recorded experiences' timestamps, else the advantage log's."""
+    rate = recorded_steady_rate(out)
+    return rate if rate == rate else log_steady_rate(out / "run" / "logs")
+
+
 def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "expstream", "run", "--prompts", str(prompts), "--output", str(out),
            "--no-progress", "--no-report", "--set", "run.timeout_s=120"]
@@ -526,7 +552,7 @@ def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | 
         raise SystemExit(f"expstream run status {summary['status']}: {summary.get('error')}")
     return {"prompts": summary["prompts"], "samples": summary["samples"], "wall_s": summary["wall_s"],
             "cmd_wall_s": cmd_wall, "summary_samples_per_s": summary["samples_per_s"],
-            "log_steady_samples_per_s": log_steady_rate(out / "run" / "logs"), "stages": summary["stages"],
+            "log_steady_samples_per_s": steady_of(out), "stages": summary["stages"],
             "recording_bytes": (summary.get("recording") or {}).get("bytes"),
             "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
 

@@ -42,6 +42,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=400, help="records in each backlog")
     p.add_argument("--repeats", type=int, default=3, help="(runner, bare) pairs, alternating order")
+    p.add_argument("--trickle-ms", type=float, default=0.0,
+                   help="records arrive one at a time this far apart (the steady state of a pipeline, where a "
+                        "stage is faster than generate) instead of as a backlog; the runner only, plus its idle CPU")
+    p.add_argument("--idle-s", type=float, default=5.0, help="with --trickle-ms: seconds of idle CPU measured")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="with --trickle-ms: partitions of the input topic (the pipeline's topics have 8; the "
+                        "feeder spreads its records over them round robin)")
     return p.parse_args()
 
 
@@ -76,6 +83,55 @@ def runner_cpu(boot: str, redis_url: str, n: int) -> float:
     runner.stop_requested = True
     thread.join(30)
     return 1000 * cpu / (n - first)
+
+
+FEEDER = """
+import sys, time
+from expstream.kafka.clients import make_producer, send_and_confirm
+from schemas import PromptBatch, encode
+boot, topic, n, gap = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]) / 1000
+producer = make_producer(boot, spread=True)
+for i in range(n):
+    send_and_confirm(producer, topic, encode(PromptBatch(batch_id=f"b{i}", prompt_id=[f"b{i}"], prompt=["x"],
+                                                         label=[""], reference=[""])), f"b{i}".encode())
+    time.sleep(gap)
+producer.close()
+"""
+
+
+def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
+                partitions: int = 1) -> tuple[float, float, float]:
+    """A pass-through StageRunner fed one record every ``gap_ms`` by another process (not counted):
+    (ms of CPU per record, ms of CPU per second idle before the records, seconds per record)."""
+    import subprocess
+    import sys
+
+    src, dst = f"in-{uuid.uuid4().hex[:6]}", f"out-{uuid.uuid4().hex[:6]}"
+    create_topics(boot, {src: partitions, dst: 1}, with_dlq=True)
+    topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}"])
+    run_id = uuid.uuid4().hex[:6]
+    runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
+                         lambda batch, ctx: [batch], boot)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    while not (runner.pausing is not None and runner.tracker.assigned):
+        time.sleep(0.01)
+    time.sleep(1.0)
+    c0 = time.process_time() - time.thread_time()
+    time.sleep(idle_s)
+    idle = 1000 * (time.process_time() - time.thread_time() - c0) / idle_s
+    feeder = subprocess.Popen([sys.executable, "-c", FEEDER, boot, src, str(n), str(gap_ms)])
+    while runner.handled < 1:
+        time.sleep(0.002)
+    # the runner's threads only: this thread's own waiting (time.thread_time) is taken out
+    c0, w0, first = time.process_time() - time.thread_time(), time.monotonic(), runner.handled
+    while runner.handled < n:
+        time.sleep(0.01)
+    cpu, wall = time.process_time() - time.thread_time() - c0, time.monotonic() - w0
+    feeder.wait(30)
+    runner.stop_requested = True
+    thread.join(30)
+    return 1000 * cpu / (n - first), idle, wall / (n - first)
 
 
 def bare_cpu(boot: str, n: int, per_poll: int = 1) -> float:
@@ -114,6 +170,24 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-runner-"))
     broker, redis = LocalBroker(tmp / "broker"), LocalRedis(tmp / "redis")
     boot, redis_url = broker.start(), redis.start()
+    if args.trickle_ms:
+        try:
+            got_t = [trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s, args.partitions)
+                     for _ in range(args.repeats)]
+        finally:
+            broker.stop()
+            redis.stop()
+        for per, idle, gap in got_t:
+            progress(f"trickle: {per:.2f} ms CPU per record, idle {idle:.1f} ms CPU per s, {1000 * gap:.1f} ms apart")
+        print(table(["measure", "median", "runs"],
+                    [["CPU ms per record, one at a time", median([g[0] for g in got_t]),
+                      " ".join(fmt(g[0]) for g in got_t)],
+                     ["idle CPU ms per second", median([g[1] for g in got_t]), " ".join(fmt(g[1]) for g in got_t)]],
+                    title=f"{args.records} records {args.trickle_ms:g} ms apart over {args.partitions} partitions; load avg {start['loadavg']} -> "
+                          f"{machine()['loadavg']}"))
+        save("runner_cpu_trickle", {"records": args.records, "gap_ms": args.trickle_ms,
+                                    "runs": [list(g) for g in got_t]})
+        return 0
     sides = {"runner": lambda: runner_cpu(boot, redis_url, args.records),
              "bare": lambda: bare_cpu(boot, args.records),
              "bare16": lambda: bare_cpu(boot, args.records, per_poll=16)}

@@ -168,12 +168,15 @@ def committed(batches: list, ctx: StageContext) -> None:
     in ctx.state, which frees every group whose completing record and members' records are all committed."""
     if not ctx.topology.is_group_estimator:
         return
+    records = []
     for batch in batches:
         if isinstance(batch, SampleBatch):
             members: dict[str, list[int]] = {}
             for g, i in zip(batch.group_id, batch.sample_index, strict=True):
                 members.setdefault(g, []).append(int(i))
-            ctx.state.settle_groups(batch.batch_id, members)
+            records.append((batch.batch_id, members))
+    if records:
+        ctx.state.settle_records(records)  # the commit group's records in one round trip
 
 
 def _groups(batch: SampleBatch) -> dict[str, list[int]]:
@@ -190,22 +193,33 @@ def process(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
 def _advantages(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
     if not ctx.topology.is_group_estimator:
         return [compute(batch, ctx)]
-    out = []
     n = batch.n_samples_per_prompt
+    whole: dict[str, SampleBatch] = {}
+    parked: dict[str, tuple[int, dict[int, bytes]]] = {}
     for group_id, rows in _groups(batch).items():
         rows = sorted(rows, key=lambda i: int(batch.sample_index[i]))
-        if not ctx.state.shared and [int(batch.sample_index[i]) for i in rows] == list(range(n)):
-            # In one process (MemoryState) a group wholly inside this micro-batch has nothing to wait
-            # for and no other replica to meet: skip the buffer's encode/decode round trip. The same
-            # group as the buffer hands out (members in sample_index order, same id, same bytes).
-            group = batch.select(rows, batch_id=f"g/{group_id}")
+        if [int(batch.sample_index[i]) for i in rows] == list(range(n)):
+            # A group wholly inside this micro-batch: the same group as the buffer hands out (members in
+            # sample_index order, same id, same bytes), made here without decoding the members back. In
+            # one process (MemoryState) it has nothing to wait for and no other replica to meet: no
+            # buffer at all. On Redis it is still parked: the buffer names its completer (a redelivery, a
+            # sub-batch of a split) and keeps its "done" marker once settled.
+            whole[group_id] = batch.select(rows, batch_id=f"g/{group_id}")
+        if group_id not in whole or ctx.state.shared:
+            parked[group_id] = (n, {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
+                                    for i in rows})
+    # every group of the record parked in one round trip (RedisState: one pipeline of the park script)
+    taken = ctx.state.park_groups(batch.batch_id, parked) if parked else {}
+    out = []
+    for group_id in _groups(batch):  # the record's order of groups, as one park call per group gave
+        if group_id in parked and taken.get(group_id) is None:
+            continue  # waits for members in other records, or completed or settled by another record
+        if group_id in whole:
+            group = whole[group_id]
+        elif taken.get(group_id) is not None:
+            group = SampleBatch.concat([decode(p) for p in taken[group_id]], batch_id=f"g/{group_id}")
         else:
-            members = {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
-                       for i in rows}
-            payloads = ctx.state.park_group(group_id, n, batch.batch_id, members)
-            if payloads is None:
-                continue
-            group = SampleBatch.concat([decode(p) for p in payloads], batch_id=f"g/{group_id}")
+            continue
         emitted = complete_group(group, ctx)
         if emitted is not None:
             out.append(emitted)

@@ -1,10 +1,12 @@
 """The commit group of a stage replica: confirm the outputs of the records in hand, account, commit, release.
 
 Commit protocol, per input record (one record = one micro-batch; polled up to
-``kafka.max_poll_records`` at a time), with steps 3-4 done for a *commit group*: consecutive records,
-at most ``MAX_COMMIT_GROUP`` of them, closed once its first record has waited ``COMMIT_GROUP_MAX_S``
-or a poll finds nothing more (so a slow stage's records are each their own group, and a backlog pays
-one flush and one commit per group instead of per record):
+``kafka.max_poll_records`` at a time), with step 3 done for a *commit group*: consecutive records,
+at most ``MAX_COMMIT_GROUP`` of them, closed once its first record has waited ``CONFIRM_GROUP_MAX_S``
+or a poll finds nothing more (so a backlog pays one flush and one statistics round trip per group), and
+step 4 for every confirmed record at once when the oldest of them has waited ``COMMIT_GROUP_MAX_S``
+(0.5 s) or there are ``MAX_COMMIT_GROUP`` of them, or at a stop, a rewind or a rebalance (so records arriving one by one, the steady state, pay one
+commit per 0.5 s instead of one each):
 
 1. A record larger than ``max_record_bytes`` is dead-lettered without being decoded. Otherwise its
    bytes are decoded inside the stage (never in the fetcher), under try/except.
@@ -20,7 +22,7 @@ one flush and one commit per group instead of per record):
    expstream/state/durability.py). When they may be lost (their primary failed over first) or no
    replica acknowledged them in time, nothing is committed and the records are processed again.
 4. ``offset + 1`` of the group's last record of each partition is committed, only if this consumer
-   still owns the partition. Nothing is committed before every output of every record up to it is
+   still owns the partition; every partition of the group in one OffsetCommit request. Nothing is committed before every output of every record up to it is
    acknowledged: the same at-least-once guarantee as a commit per record; a crash redoes the
    group at most (downstream is idempotent by batch id).
    Rebalance listeners run on kafka-python's IO thread, so they only record revocations
@@ -66,14 +68,23 @@ from stages.sending import RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_START_S, SLOW_SEND
 from stages.slowwatch import SlowWatch
 from stages.splitting import first_line
 
-__all__ = ["COMMIT_GIVE_UP_S", "COMMIT_GROUP_MAX_S", "MAX_COMMIT_GROUP", "CommitGroup", "Done", "Pending"]
+__all__ = ["COMMIT_GIVE_UP_S", "COMMIT_GROUP_MAX_S", "CONFIRM_GROUP_MAX_S", "MAX_COMMIT_GROUP", "CommitGroup", "Done", "Pending"]
 
-# Why 16 and 50 ms: consecutive records are flushed, confirmed and committed together (one flush, one
-# commit per partition: the per-record broker round trips are what a hop costs), but a group closes
-# after 16 records or once its first record has waited 50 ms, so a slow stage's outputs are not held
-# back behind its next records, and a crash redoes at most that much work.
+# Why 16 and 50 ms: consecutive records are flushed and confirmed together, their statistics written in one
+# round trip (the per-record round trips are what a hop costs), but a group closes after 16 records, once
+# its first record has waited 50 ms or when a poll finds nothing, so the run state (status, accounting)
+# hears of a record within ~50 ms of its outputs.
 MAX_COMMIT_GROUP = 16
-COMMIT_GROUP_MAX_S = 0.05
+CONFIRM_GROUP_MAX_S = 0.05
+# Why 0.5 s: the offsets of confirmed records are committed once the oldest of them has waited 0.5 s (or at
+# a stop, a rewind, a rebalance), not at every group: in the steady state records arrive one by one (every
+# stage is faster than generate), and a commit per record was a third of a hop's CPU. Measured with
+# bench/runner_cpu.py --trickle-ms 50 --partitions 8 (a pass-through replica, one record every ~55 ms):
+# 2.95-3.00 ms of CPU per record committing each group, 2.47-2.59 committing per 0.5 s (bench/README.md).
+# A crash or a rebalance redoes at most 0.5 s of confirmed records (downstream is idempotent by batch id).
+# A slow stage's record is still committed 0.5 s after it is done, while its successor is in work
+# (stages/runner.py).
+COMMIT_GROUP_MAX_S = 0.5
 # Why 60 s: a commit that cannot reach the broker for a minute is given up (logged); the record is
 # redelivered after the next rebalance, and a later commit on the partition covers it anyway.
 COMMIT_GIVE_UP_S = 60.0
@@ -85,7 +96,9 @@ REBALANCED = tuple(
         "FencedMemberEpochError", "StaleMemberEpochError"))
     if isinstance(t, type)
 )  # fmt: skip
-CommitFn = Callable[[TopicPartition, int, str, "str | None"], bool]
+# a group's offsets to commit: partition -> (its last record's offset, topic[partition]@offset, batch id)
+Offsets = dict[TopicPartition, tuple[int, str, "str | None"]]
+CommitFn = Callable[[Offsets], set[TopicPartition]]
 
 
 @dataclasses.dataclass
@@ -144,7 +157,7 @@ class CommitGroup:
             dead_letters: the per-record way for a record whose sends failed.
             metrics: the replica's metrics, or None.
             slow: warns about a broker slow to acknowledge.
-            commit: commits one partition's offset (default :meth:`commit_offset`; the runner hands in
+            commit: commits the group's partitions, one request (default :meth:`commit_offsets`; the runner hands in
                 its own seam so a test can count or refuse commits).
             committed: the stage's hook after a commit (step 5), or None.
             stopping: true once the replica is asked to stop.
@@ -157,9 +170,10 @@ class CommitGroup:
         self.consumer, self.producer, self.tracker = clients.consumer, clients.producer, clients.tracker
         self.pausing, self.confirmer = clients.pausing, clients.confirmer
         self.metrics, self.slow, self.committed, self.stopping, self.fault = metrics, slow, committed, stopping, fault
-        self.commit = commit or self.commit_offset
+        self.commit = commit or self.commit_offsets
         self.stage_rows = stage_rows
         self.records: list[Pending] = []  # the open group: worked on, not yet confirmed
+        self.confirmed: list[tuple[Pending, Done]] = []  # confirmed, offsets not committed yet
         # batches handled but not known committed yet, per partition (only kept with a hook)
         self.uncommitted: dict[TopicPartition, list[Any]] = {}
         self.handled = 0
@@ -171,51 +185,66 @@ class CommitGroup:
         return time.monotonic() - self.records[0].started if self.records else 0.0
 
     def closes(self) -> bool:
-        """Whether the open group is full or old (MAX_COMMIT_GROUP, COMMIT_GROUP_MAX_S)."""
-        return len(self.records) >= MAX_COMMIT_GROUP or self.age_s() >= COMMIT_GROUP_MAX_S
+        """Whether the open group is full or old (MAX_COMMIT_GROUP, CONFIRM_GROUP_MAX_S)."""
+        return len(self.records) >= MAX_COMMIT_GROUP or self.age_s() >= CONFIRM_GROUP_MAX_S
 
-    def finish(self) -> None:
-        """Steps 3-5 for the records in hand (main thread): one flush, every future checked (a record
-        whose sends failed goes the per-record way: retries, then the dead-letter fallbacks), the
-        statistics, then one commit of the highest offset per partition, then the hook. Empties the group.
-        A stop request while confirming leaves the records uncommitted (they are redelivered)."""
-        if not self.records:
-            return
-        items = self.records[:]
-        self.records.clear()
-        fut = self.confirmer.submit(self.confirm, items)
-        self.pausing.wait(fut, items[-1].where)
-        try:
-            dones = fut.result()
-        except ShutdownRequested as exc:
-            self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage,
-                             items[0].where, exc, len(items))
-            return
-        except ExpstreamError as exc:  # the durability wait: the group's state writes are not known on a replica
-            self.redo(items, exc)
+    def commit_wait_s(self) -> float | None:
+        """How long until the confirmed records' offsets are due for their commit (None: nothing confirmed)."""
+        if not self.confirmed:
+            return None
+        return max(0.0, COMMIT_GROUP_MAX_S - (time.monotonic() - self.confirmed[0][0].started))
+
+    def finish(self, commit: bool = False) -> None:
+        """Step 3 for the records in hand (main thread): one flush, every future checked (a record whose
+        sends failed goes the per-record way: retries, then the dead-letter fallbacks), the statistics,
+        the durability wait. Then steps 4-5 (:meth:`commit_confirmed`) when ``commit`` or once the oldest
+        confirmed record has waited COMMIT_GROUP_MAX_S. A stop request while confirming leaves the
+        records uncommitted (they are redelivered)."""
+        if self.records:
+            items = self.records[:]
+            self.records.clear()
+            fut = self.confirmer.submit(self.confirm, items)
+            self.pausing.wait(fut, items[-1].where)
+            try:
+                dones = fut.result()
+            except ShutdownRequested as exc:
+                self.log.warning("stage %s %s: %s; not committing %d records (they are redelivered)", self.stage,
+                                 items[0].where, exc, len(items))
+                dones = None
+            except ExpstreamError as exc:  # the durability wait: the group's state writes are not known on a replica
+                self.redo(items, exc)
+                dones = None
+            if dones is not None:
+                stale = self.stale_after_redo(items)
+                self.confirmed += [(p, d) for p, d in zip(items, dones, strict=True) if id(p) not in stale]
+        if self.confirmed and (commit or self.commit_wait_s() == 0.0 or len(self.confirmed) >= MAX_COMMIT_GROUP):
+            self.commit_confirmed()
+
+    def commit_confirmed(self) -> None:
+        """Steps 4-5 for every confirmed record: one commit of the highest offset per partition (all
+        partitions in one request), the hook, the per-record accounting and log line."""
+        items, self.confirmed = self.confirmed, []
+        if not items:
             return
         last: dict[TopicPartition, Pending] = {}
-        stale = self.stale_after_redo(items)
-        for p in items:  # offsets rise within a partition: the last one of each is the highest
-            if id(p) in stale:
-                continue
+        for p, _ in items:  # offsets rise within a partition: the last one of each is the highest
             last[p.tp] = p
             if self.committed is not None and p.batch is not None:
                 self.uncommitted.setdefault(p.tp, []).append(p.batch)
-        committed = [tp for tp, p in last.items() if self.commit(tp, p.record.offset, p.where, p.batch_id)]
+        # every partition in one OffsetCommit request (records come round robin over the partitions: a
+        # request per partition was a request per record again)
+        done = self.commit({tp: (p.record.offset, p.where, p.batch_id) for tp, p in last.items()})
+        committed = [tp for tp in last if tp in done]
         self.fault("after_commit")
         if self.committed is not None:
-            self.after_commit([b for tp in committed for b in self.uncommitted.pop(tp, [])], items[-1].where)
-        for p, done in zip(items, dones, strict=True):
-            if id(p) in stale:
-                continue
+            self.after_commit([b for tp in committed for b in self.uncommitted.pop(tp, [])], items[-1][0].where)
+        for p, d in items:
             self.handled += 1
             if self.metrics is not None:
-                self.observe(done, p.tp)
-            if done.batch_id is not None:
+                self.observe(d, p.tp)
+            if d.batch_id is not None:
                 self.log.info("stage %s %s batch=%s: %d samples -> %d records, %d dead letters in %.3fs",
-                              self.stage, p.where, done.batch_id, done.samples, done.outputs, done.letters,
-                              done.seconds)
+                              self.stage, p.where, d.batch_id, d.samples, d.outputs, d.letters, d.seconds)
 
     def redo(self, items: list[Pending], exc: ExpstreamError) -> None:
         """Step 3b failed: the state writes of ``items`` may be lost (their primary failed over before a
@@ -293,7 +322,9 @@ class CommitGroup:
         failed), then each record's statistics."""
         started = time.monotonic()
         timeout_s = self.ctx.topology.kafka.produce_timeout_s
-        if any(p.sent for p in items):
+        # a flush only when an output is still unacknowledged (after linger_ms they usually all are: the
+        # flush then only woke the producer's thread)
+        if any(not fut.is_done for p in items if p.sent for _, fut in p.sent):
             with self.slow.watch(self.log, "stage %s %s: still waiting for the broker to acknowledge the "
                                   "outputs of %d records after %.0fs (broker unreachable or paused?)",
                                   self.stage, items[0].where, len(items), SLOW_SEND_WARN_S):
@@ -372,55 +403,60 @@ class CommitGroup:
             row = (batch.batch_id, flow, seconds if (outputs or not letters) else None, samples)
         return Done(p.batch_id, samples, len(outputs), len(letters), seconds), row
 
-    def commit_offset(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
-        """Step 4 for one partition: commit ``offset + 1`` if this consumer still owns ``tp`` (main thread).
+    def commit_offsets(self, offsets: Offsets) -> set[TopicPartition]:
+        """Step 4: commit ``offset + 1`` of each partition this consumer still owns, in one request (main thread).
 
         Args:
-            tp: the partition; offset: its group's last record; where, batch_id: for the log lines.
+            offsets: partition -> (its group's last record, topic[partition]@offset and batch id for the logs).
         Returns:
-            True when committed; False when revoked meanwhile, refused in a rebalance, or given up
-            after COMMIT_GIVE_UP_S (each counted in :attr:`commits_skipped`; the record is redelivered).
+            The partitions committed. One revoked meanwhile, refused in a rebalance or given up after
+            COMMIT_GIVE_UP_S is not (each counted in :attr:`commits_skipped`; its records are redelivered).
         """
         timeout_ms = self.ctx.topology.kafka.request_timeout_ms
         retries = [0]
+        todo = dict(offsets)
+        last_where, last_batch = next(reversed(todo.values()))[1:]
 
-        def commit() -> bool:
-            if not self.tracker.owns(tp):
+        def commit() -> set[TopicPartition]:
+            for tp in [tp for tp in todo if not self.tracker.owns(tp)]:
                 self.commits_skipped += 1
+                _, where, batch_id = todo.pop(tp)
                 self.log.warning("stage %s %s batch=%s: partition revoked meanwhile; not committing (the new owner "
                                  "re-processes it, idempotently)", self.stage, where, batch_id)
-                return False
+            if not todo:
+                return set()
             try:
-                with self.slow.watch(self.log, "stage %s %s batch=%s: commit still waiting for the broker after "
-                                   "%.0fs (broker unreachable or paused?)", self.stage, where, batch_id,
-                                   SLOW_SEND_WARN_S):
+                with self.slow.watch(self.log, "stage %s %s batch=%s: commit of %d partitions still waiting for the "
+                                     "broker after %.0fs (broker unreachable or paused?)", self.stage, last_where,
+                                     last_batch, len(todo), SLOW_SEND_WARN_S):
                     t0 = time.monotonic()
-                    self.consumer.commit({tp: OffsetAndMetadata(offset + 1, "", -1)}, timeout_ms=timeout_ms)
+                    self.consumer.commit({tp: OffsetAndMetadata(off + 1, "", -1) for tp, (off, _, _) in todo.items()},
+                                         timeout_ms=timeout_ms)
                     if self.metrics is not None:
                         self.metrics.commit_seconds.observe(time.monotonic() - t0)
             except REBALANCED as exc:
-                self.commits_skipped += 1
-                self.log.warning("stage %s %s batch=%s: commit refused, the group rebalanced (%s); the record is "
-                                 "redelivered to the partition's owner and re-processed idempotently",
-                                 self.stage, where, batch_id, type(exc).__name__)
-                return False
+                self.commits_skipped += len(todo)
+                self.log.warning("stage %s %s batch=%s: commit of %d partitions refused, the group rebalanced (%s); "
+                                 "their records are redelivered to the partitions' owners and re-processed "
+                                 "idempotently", self.stage, last_where, last_batch, len(todo), type(exc).__name__)
+                return set()
             if retries[0]:
-                self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage, where,
-                              batch_id, retries[0])
-            return True
+                self.log.info("stage %s %s batch=%s: committed after %d retries", self.stage, last_where,
+                              last_batch, retries[0])
+            return set(todo)
 
         def on_retry(a: Attempt) -> None:
             retries[0] = a.number
             self.log.warning("stage %s %s batch=%s: commit failed (%s: %s; broker unreachable?); retry %d in "
-                             "%.1fs", self.stage, where, batch_id, type(a.exc).__name__, a.exc, a.number,
+                             "%.1fs", self.stage, last_where, last_batch, type(a.exc).__name__, a.exc, a.number,
                              a.delay_s)
 
-        def give_up(a: Attempt) -> bool:
-            self.commits_skipped += 1
+        def give_up(a: Attempt) -> set[TopicPartition]:
+            self.commits_skipped += len(todo)
             self.log.error("stage %s %s batch=%s: commit failed for %.0fs (%s: %s); giving up on it, the "
-                           "record is redelivered after the next rebalance or restart", self.stage,
-                           where, batch_id, a.waited_s, type(a.exc).__name__, a.exc)
-            return False
+                           "records are redelivered after the next rebalance or restart", self.stage,
+                           last_where, last_batch, a.waited_s, type(a.exc).__name__, a.exc)
+            return set()
 
         # the backoff is spent polling with paused partitions, so the consumer stays in its group
         return retry(commit, policy=COMMIT_RETRY, retriable=lambda exc: isinstance(exc, kafka_errors.KafkaError),

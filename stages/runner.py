@@ -15,8 +15,8 @@ ProcessingContext):
   the rewind handshake.
 
 Long model work. Steps 1-3 run on a worker thread, a group's confirmation on a confirm thread (so
-that a group whose first record has waited ``COMMIT_GROUP_MAX_S`` is confirmed and committed while
-the next record is still in work); the main thread owns the consumer (which is not thread-safe).
+that a group whose first record has waited ``CONFIRM_GROUP_MAX_S`` is confirmed, and confirmed records
+waiting ``COMMIT_GROUP_MAX_S`` are committed, while the next record is still in work); the main thread owns the consumer (which is not thread-safe).
 When the worker takes longer than a short grace, the main thread pauses every assigned partition and
 keeps polling so that kafka-python does not drop the group membership after
 ``max_poll_interval_ms``; a partition assigned meanwhile is paused too and anything it returned is
@@ -55,7 +55,7 @@ from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
 from expstream.retry import retry
 from stages.assigning import assign_share
-from stages.commitgroup import COMMIT_GROUP_MAX_S, Clients, CommitGroup, Pending
+from stages.commitgroup import COMMIT_GROUP_MAX_S, CONFIRM_GROUP_MAX_S, Clients, CommitGroup, Pending  # noqa: F401 - COMMIT_GROUP_MAX_S re-exported (tests)
 from stages.context import StageContext
 from stages.deadletters import (
     DeadLetters,
@@ -276,19 +276,19 @@ class StageRunner:
         threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.stage.name}", daemon=True).start()
         try:
             while not self.stop_requested:
-                if self.group.records and self.rewinding.due():
-                    self.group.finish()  # a rewind starts with nothing in hand
+                if (self.group.records or self.group.confirmed) and self.rewinding.due():
+                    self.group.finish(commit=True)  # a rewind starts with nothing in hand
                 if self.rewinding.maybe_rewind():
                     continue
                 self._seek_resume_points()
                 polled = self.poller.poll(self._poll_timeout_ms())
                 if any(polled.values()):
                     self._handle_polled(polled)
-                else:  # nothing more came within the group's time: confirm and commit what is in hand
+                else:  # nothing more came: confirm what is in hand (and commit the confirmed once due)
                     self.group.finish()
                 if self.max_records is not None and self.handled >= self.max_records:
                     break
-            self.group.finish()  # a stop: the records in hand are done; confirm and commit them
+            self.group.finish(commit=True)  # a stop: the records in hand are done; confirm and commit them
         finally:
             self._closing.set()
             self._close()
@@ -373,15 +373,15 @@ class StageRunner:
 
     def _poll_timeout_ms(self) -> int:
         """How long a poll may wait: POLL_TIMEOUT_MS, or what is left of the open group's time."""
-        if not self.group.records:
-            return POLL_TIMEOUT_MS
-        left = COMMIT_GROUP_MAX_S - self.group.age_s()
-        return max(0, int(1000 * left))
+        if self.group.records:  # confirmed at CONFIRM_GROUP_MAX_S
+            return max(0, int(1000 * (CONFIRM_GROUP_MAX_S - self.group.age_s())))
+        due = self.group.commit_wait_s()  # the confirmed records' commit
+        return POLL_TIMEOUT_MS if due is None else min(POLL_TIMEOUT_MS, int(1000 * due))
 
     def _handle_polled(self, polled: dict) -> None:
         """Add the polled records to the open commit group one by one (see the module docstring, steps
         3-4); the group is confirmed and committed when it is full or old, on a stop, a rewind or a
-        rebalance, and when a poll finds nothing more (the run loop). Records left unhandled because
+        rebalance, and when its time is up with no record in hand (the run loop). Records left unhandled because
         the assignment moved get a resume point (stages/revocations.py)."""
         skip = self._seek_resume_points()  # a partition given back: its records here are past its resume point
         todo = [(tp, rec) for tp, records in polled.items() if tp not in skip for rec in records]
@@ -392,7 +392,7 @@ class StageRunner:
             if self.stop_requested:
                 break
             if self.rewinding.due():
-                self.group.finish()  # a rewind starts with nothing in hand
+                self.group.finish(commit=True)  # a rewind starts with nothing in hand
                 if self.rewinding.maybe_rewind(first_offsets(todo[i:])):
                     return
             if not self.tracker.owns(tp):
@@ -418,13 +418,13 @@ class StageRunner:
                     self.tracker.leave_unhandled(other, rec.offset, tenure[other])
                 moved = True
                 break
-            if self.max_records is not None and self.handled + len(group) >= self.max_records:
-                self.group.finish()
+            if self.max_records is not None and self.handled + len(self.group.confirmed) + len(group) >= self.max_records:
+                self.group.finish(commit=True)
                 return
             if self.group.closes():
                 self.group.finish()
         if moved or self.stop_requested:
-            self.group.finish()
+            self.group.finish(commit=True)
         self._seek_resume_points()
 
     def _seek_resume_points(self) -> set[TopicPartition]:
@@ -443,9 +443,10 @@ class StageRunner:
     def _start(self, tp: TopicPartition, record: Any, group: list[Pending]) -> Pending | None:
         """Steps 1-3 of one record on the worker (its outputs handed to the producer, not confirmed).
 
-        If this record's work outlasts what is left of the open ``group``'s COMMIT_GROUP_MAX_S, the
-        group is confirmed and committed meanwhile (on the confirm thread): a record must not wait
-        for its successor's work, which can take minutes (a generate blocked at the staleness bound).
+        If this record's work outlasts what is left of the open ``group``'s CONFIRM_GROUP_MAX_S, the
+        group is confirmed meanwhile (on the confirm thread), and the confirmed records are committed
+        once due (COMMIT_GROUP_MAX_S): a record must not wait for its successor's work, which can take
+        minutes (a generate blocked at the staleness bound).
         """
         where = f"{record.topic}[{record.partition}]@{record.offset}"
         if not self._first_marked:
@@ -453,9 +454,12 @@ class StageRunner:
             self._mark("first_record")
         fut = self._executor.submit(self.worker.work, tp, record, where)
         if group:
-            budget = COMMIT_GROUP_MAX_S - (time.monotonic() - group[0].started)
+            budget = CONFIRM_GROUP_MAX_S - (time.monotonic() - group[0].started)
             if not concurrent.futures.wait([fut], timeout=max(budget, 0.0)).done:
                 self.group.finish()
+        due = self.group.commit_wait_s()
+        if due is not None and not concurrent.futures.wait([fut], timeout=due).done:
+            self.group.commit_confirmed()
         busy = self.pausing.wait(fut, where)
         if busy is not None:
             self.longest_busy_s = max(self.longest_busy_s, busy)
@@ -466,6 +470,7 @@ class StageRunner:
             return None
 
     # -- commit (main thread) --------------------------------------------------------------------
-    def _commit(self, tp: TopicPartition, offset: int, where: str, batch_id: str | None) -> bool:
-        """Step 4 for one partition (stages/commitgroup.py); the seam a test overrides to count or refuse commits."""
-        return self.group.commit_offset(tp, offset, where, batch_id)
+    def _commit(self, offsets: dict[TopicPartition, tuple[int, str, str | None]]) -> set[TopicPartition]:
+        """Step 4 for a group's partitions, one request (stages/commitgroup.py); the seam a test overrides to
+        count or refuse commits. Returns the partitions committed."""
+        return self.group.commit_offsets(offsets)

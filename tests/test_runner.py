@@ -422,9 +422,14 @@ def test_slow_batch_keeps_membership_and_a_rebalance_meanwhile_loses_and_doubles
         busy = next(r for r in replicas.values() if TopicPartition(src, 0) in r.runner.tracker.assigned)
         other = next(r for r in replicas.values() if r is not busy)
         produce(broker, src, [record("slow-0"), record("fast-1a"), record("fast-1b")], partitions=[0, 1, 1])
-        other.wait(lambda: other.runner.handled == 2 and ("slow-0", busy.runner.ctx.replica_id) in seen, 30,
-                   "partition 1 done and the slow record in hand")
-        other.stop()  # leaves the group while the slow record is in hand: partition 1 moves to `busy`
+        mine = {("fast-1a", other.runner.ctx.replica_id), ("fast-1b", other.runner.ctx.replica_id),
+                ("slow-0", busy.runner.ctx.replica_id)}
+        other.wait(lambda: mine <= set(seen), 30, "partition 1 done and the slow record in hand")
+        # leaves the group while the slow record is in hand (committing its records as it stops, not up to
+        # a commit group's time later): partition 1 moves to `busy`, the rebalance done before the slow
+        # record is
+        other.stop()
+        assert other.runner.handled == 2
         produce(broker, src, [record("fast-1c"), record("fast-1d"), record("fast-0")], partitions=[1, 1, 0])
         busy.wait(lambda: busy.runner.handled == 4, 60, "the busy replica to take over partition 1")
         time.sleep(0.5)  # a second delivery would show up here
@@ -681,10 +686,12 @@ class CountingRunner(StageRunner):
     """A StageRunner that counts its commits (the broker is real; the commit is the runner's own)."""
 
     commits = 0
+    widest = 0  # the most partitions one commit request carried
 
-    def _commit(self, tp, offset, where, batch_id):  # noqa: ANN001, ANN202 - same signature
+    def _commit(self, offsets):  # noqa: ANN001, ANN202 - same signature
         self.commits += 1
-        return super()._commit(tp, offset, where, batch_id)
+        self.widest = max(self.widest, len(offsets))
+        return super()._commit(offsets)
 
 
 @pytest.mark.parametrize("slow", [False, True])
@@ -722,6 +729,26 @@ def test_a_backlog_is_committed_in_groups_and_a_slow_stage_commits_every_record(
         assert runner.commits <= n // 2, f"{runner.commits} commits for {n} records: not grouped"
 
 
+def test_a_groups_partitions_are_committed_in_one_request(broker):
+    """Records come round robin over the partitions: a commit group spans several, and committing each in a
+    request of its own was a request per record again. One request for all of a group's partitions,
+    every offset committed."""
+    topo = stage_topology(broker, "shard-preprocess", partitions=4)
+    src = topo.stages["shard-preprocess"].input
+    names = [f"b{i}" for i in range(16)]
+    produce(broker, src, [encode(PromptBatch(batch_id=b, prompt_id=[b], prompt=["x"], label=[""], reference=[""]))
+                          for b in names], partitions=[i % 4 for i in range(16)])
+    runner = CountingRunner(make_context(topo, "shard-preprocess", run_id=f"p{uuid.uuid4().hex[:6]}"),
+                            lambda batch, ctx: [batch], broker)
+    running = Running(runner)
+    try:
+        running.wait(lambda: runner.handled == 16, 60, "every record")
+    finally:
+        running.stop()
+    assert topic_lag(broker, topo.kafka, runner.group_id, src) == {p: 0 for p in range(4)}, "every offset committed"
+    assert runner.widest > 1, f"{runner.commits} commit requests for 16 records on 4 partitions, one partition each"
+
+
 def test_a_record_is_committed_while_its_successor_is_still_in_work(broker):
     """A quick record and a long one in the same poll: the quick one's group is confirmed and
     committed once it has waited COMMIT_GROUP_MAX_S, while the long one is still in hand (a
@@ -755,11 +782,12 @@ class FirstCommitRefused(StageRunner):
 
     refused = 0
 
-    def _commit(self, tp, offset, where, batch_id):  # noqa: ANN001, ANN202 - same signature
+    def _commit(self, offsets):  # noqa: ANN001, ANN202 - same signature
         if not self.refused:
+            (offset, _, _), = offsets.values()  # one partition
             self.refused = offset + 1
-            return False
-        return super()._commit(tp, offset, where, batch_id)
+            return set()
+        return super()._commit(offsets)
 
 
 def test_the_committed_hook_gets_each_record_once_and_only_after_its_offset_is_committed(broker):

@@ -142,6 +142,18 @@ def test_a_group_is_freed_once_its_completer_and_every_members_record_are_commit
     assert state.settle_groups("r0", {g: [0, 1]}) == []  # idempotent: nothing more to free
 
 
+def test_settle_records_settles_a_commit_groups_records_as_one_call_each_would(state):
+    """The advantage stage's committed hook settles every record of a commit group at once (one round trip
+    on Redis), in order: a group whose completer and members' records are all among them is freed."""
+    assert state.park_group("a", 2, "r0", {0: b"a0"}) is None
+    assert state.park_group("a", 2, "r1", {1: b"a1"}) == [b"a0", b"a1"]
+    assert state.park_group("b", 2, "r1", {0: b"b0"}) is None
+    assert state.settle_records([("r0", {"a": [0]}), ("r1", {"a": [1], "b": [0]})]) == ["a"]
+    assert state.group_done("a") and not state.group_done("b")
+    assert state.group_status("b") == (1, 2, None)
+    assert state.settle_records([("r0", {"a": [0]})]) == [] and state.settle_records([]) == []
+
+
 def test_a_group_waits_for_its_completing_record_itself_not_only_for_its_members(state):
     g = "prompt-10"
     state.park_group(g, 2, "r0", {0: b"a"})
@@ -190,6 +202,21 @@ def test_done_markers_are_dropped_after_dedupe_window_s(state_handles):
     state.settle_groups("r1", {"new": [0]})  # trims the expired marker of "old" (re-added as it settles again)
     assert state.settle_groups("r0", {"old": [0]}) == ["old"]
     assert state.group_done("old") and state.group_done("new")
+
+
+def test_park_groups_parks_a_records_groups_at_once_as_one_call_each_would(state):
+    """The advantage stage parks every group of a record in one call (one round trip on Redis): each group
+    completes, waits or is refused exactly as its own park_group call would, and a redelivery of the
+    completing record gets the same groups again."""
+    assert state.park_group("a", 2, "r0", {0: b"a0"}) is None  # a's other member came earlier
+    record = {"a": (2, {1: b"a1"}), "b": (2, {0: b"b0"}), "c": (2, {0: b"c0", 1: b"c1"})}
+    got = state.park_groups("r1", record)
+    assert got == {"a": [b"a0", b"a1"], "b": None, "c": [b"c0", b"c1"]}
+    assert [state.group_status(g) for g in "abc"] == [(2, 2, "r1"), (1, 2, None), (2, 2, "r1")]
+    assert state.park_groups("r1", record) == got
+    assert state.park_groups("r2", {"b": (2, {1: b"b1"})}) == {"b": [b"b0", b"b1"]}
+    with pytest.raises(PoisonRecordError, match="n=2"):
+        state.park_groups("r3", {"d": (2, {0: b"d0"}), "b": (3, {2: b"x"})})
 
 
 def test_park_group_rejects_inconsistent_records(state):

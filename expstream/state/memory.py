@@ -172,6 +172,11 @@ class MemoryState:
                 return None
             return [group.members[i] for i in range(n)]
 
+    def park_groups(self, batch_id: str, groups: Mapping[str, tuple[int, Mapping[int, bytes]]]
+                    ) -> dict[str, list[bytes] | None]:
+        """:meth:`park_group` for each ``group_id -> (n, members)`` of one record (RedisState: one round trip)."""
+        return {g: self.park_group(g, n, batch_id, members) for g, (n, members) in groups.items()}
+
     def group_status(self, group_id: str) -> tuple[int, int | None, str | None]:
         with self._lock:
             group = self._groups.get(group_id)
@@ -203,6 +208,10 @@ class MemoryState:
                 for gid in [g for g, t in self._done.items() if t < cutoff]:
                     del self._done[gid]
         return freed
+
+    def settle_records(self, records: Sequence[tuple[str, Mapping[str, Sequence[int]]]]) -> list[str]:
+        """:meth:`settle_groups` for each ``(batch_id, members)`` in order (RedisState: one round trip)."""
+        return [g for batch_id, members in records for g in self.settle_groups(batch_id, members)]
 
     def group_done(self, group_id: str) -> bool:
         """True while the "done" marker of a settled group is kept."""
