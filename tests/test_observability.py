@@ -133,7 +133,9 @@ def _wait(pred, timeout_s: float, what: str, proc=None):
 def test_a_live_run_is_visible_in_metrics_status_headers_accounting_and_report(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    n_prompts, n = 120, 2
+    # enough work that the run is still live while status scrapes it (120 prompts could end within the
+    # status command's own start-up since stages no longer wait for a group join)
+    n_prompts, n = 600, 2
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n"
                                for i in range(n_prompts)))
@@ -170,6 +172,7 @@ def test_a_live_run_is_visible_in_metrics_status_headers_accounting_and_report(t
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr[-2000:]
         snap = json.loads(res.stdout)
+        assert proc.poll() is None, "the run ended before status looked at it: give the test more work"
         assert list(snap["stages"])[:2] == ["generate", "shard-preprocess"] and snap["bottleneck"]["stage"]
         # the policy version each stage's replicas handled last (their gauges): 0, no trainer in this run
         assert snap["stages"]["generate"]["policy_version_seen"] == 0 and snap["policy_version"] == 0
