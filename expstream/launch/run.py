@@ -128,10 +128,6 @@ def run_pipeline(topo: Topology, args: argparse.Namespace) -> int:
         with RunServices.start(topo, args, out_dir, out) as svc:
             store_run_media(svc, rows)
             run_loop(svc, rows, out, stop, progress_on=not args.no_progress)
-            if report:  # the report's plotting imports overlap the stop of the stages and servers
-                from expstream.tools.report import import_plotting_in_background
-
-                import_plotting_in_background()
     return finish(out, report=report)
 
 

@@ -20,7 +20,6 @@ import argparse
 import html
 import json
 import logging
-import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -84,25 +83,6 @@ def read_train_steps(path: Path) -> list[dict]:
             obj["staleness_hist"] = {}
         steps.append(obj)
     return steps
-
-
-def import_plotting_in_background() -> threading.Thread:
-    """Import matplotlib (Agg) and pyplot on a daemon thread (0.4-1 s of imports): ``expstream run``
-    calls this once its work is done, so that the imports overlap the stop of its stages and servers
-    and :func:`write_report` finds them done (a thread blocked on the import lock waits for them)."""
-
-    def load() -> None:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot  # noqa: F401
-        except Exception:  # noqa: BLE001, S110 - write_report imports again and says what failed
-            pass
-
-    thread = threading.Thread(target=load, name="report-imports", daemon=True)
-    thread.start()
-    return thread
 
 
 def _fig(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
