@@ -248,7 +248,8 @@ class RedisState(RedisConnection):
     def settle_records(self, records: Sequence[tuple[str, Mapping[str, Sequence[int]]]]) -> list[str]:
         """:meth:`settle_groups` for each ``(batch_id, members)`` of a commit group, every script in one
         pipeline, in order (the same as one call each: each script is atomic and idempotent on its own).
-        Returns the group ids freed."""
+        Returns the group ids freed, for logs only: a pipeline sent again (a retried connection error, a
+        cluster redirect) re-runs scripts that already freed their groups, which then report nothing."""
         now_ms, window_ms = str(int(time.time() * 1000)), str(self.dedupe_window_s * 1000)
         groups: list[str] = []
         calls: list[tuple[list[str], list]] = []
