@@ -703,44 +703,30 @@ def main() -> int:
     sets = topology_sets(args, models)
     topo = load_topology(None, sets)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    if args.demo_start:
+
+    def single_mode(name: str, measure: Any) -> int:
+        """One of the modes that measure one thing instead of the whole table: ``measure()``, the work
+        directory removed (unless --keep-runs), the result saved as bench/results/<name>.json."""
         try:
-            result = demo_start(args.demo_repeats, work)
+            result = measure()
         finally:
             if not args.keep_runs:
                 shutil.rmtree(work, ignore_errors=True)
-        save("pipeline-demo", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
-                               "end_loadavg": machine()["loadavg"], **result})
+        save(name, {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
+                    "end_loadavg": machine()["loadavg"], **result})
         return 0
+
+    if args.demo_start:
+        return single_mode("pipeline-demo", lambda: demo_start(args.demo_repeats, work))
     prompt_files = {args.prompts: write_prompts(work / f"prompts-{args.prompts}.jsonl", args.prompts),
                     2 * args.prompts: write_prompts(work / f"prompts-{2 * args.prompts}.jsonl", 2 * args.prompts)}
     if args.vl:
-        try:
-            result = vl_cost(args, sets, work)
-        finally:
-            if not args.keep_runs:
-                shutil.rmtree(work, ignore_errors=True)
-        save("pipeline-vl", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
-                             "end_loadavg": machine()["loadavg"], **result})
-        return 0
+        return single_mode("pipeline-vl", lambda: vl_cost(args, sets, work))
     if args.demo_only:
-        try:
-            result = demo_memory(args, work)
-        finally:
-            if not args.keep_runs:
-                shutil.rmtree(work, ignore_errors=True)
-        save("pipeline-demo", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
-                               "end_loadavg": machine()["loadavg"], **result})
-        return 0
+        return single_mode("pipeline-demo", lambda: demo_memory(args, work))
     if args.record or args.metrics:
-        try:
-            result = record_cost(args, sets, prompt_files, work, "metrics" if args.metrics else "record")
-        finally:
-            if not args.keep_runs:
-                shutil.rmtree(work, ignore_errors=True)
-        save("pipeline-metrics" if args.metrics else "pipeline-record", {"date": machine()["date"], "start_loadavg": info_start["loadavg"],
-                                 "end_loadavg": machine()["loadavg"], **result})
-        return 0
+        kind = "metrics" if args.metrics else "record"
+        return single_mode(f"pipeline-{kind}", lambda: record_cost(args, sets, prompt_files, work, kind))
     try:
         baseline = Baseline(topo, prompt_files[args.prompts])
         runs: dict[int, list[dict[str, Any]]] = {k: [] for k in prompt_files}
