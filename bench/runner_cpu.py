@@ -65,15 +65,22 @@ def backlog(boot: str, n: int) -> tuple[str, str]:
     return src, dst
 
 
-def runner_cpu(boot: str, redis_url: str, n: int) -> float:
-    """ms of CPU per record of a pass-through StageRunner working through a backlog of ``n``."""
-    src, dst = backlog(boot, n)
+def passthrough(boot: str, redis_url: str, src: str, dst: str) -> tuple[StageRunner, threading.Thread]:
+    """A pass-through StageRunner (shard-preprocess, output = input) reading ``src``, writing ``dst``, running
+    on a daemon thread; stop it with ``stop_requested`` and join the thread."""
     topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}"])
     run_id = uuid.uuid4().hex[:6]
     runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
                          lambda batch, ctx: [batch], boot)
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
+    return runner, thread
+
+
+def runner_cpu(boot: str, redis_url: str, n: int) -> float:
+    """ms of CPU per record of a pass-through StageRunner working through a backlog of ``n``."""
+    src, dst = backlog(boot, n)
+    runner, thread = passthrough(boot, redis_url, src, dst)
     while runner.handled < 1:  # joined, first record done: the steady part starts here
         time.sleep(0.005)
     c0, first = time.process_time(), runner.handled
@@ -108,12 +115,7 @@ def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
 
     src, dst = f"in-{uuid.uuid4().hex[:6]}", f"out-{uuid.uuid4().hex[:6]}"
     create_topics(boot, {src: partitions, dst: 1}, with_dlq=True)
-    topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}"])
-    run_id = uuid.uuid4().hex[:6]
-    runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
-                         lambda batch, ctx: [batch], boot)
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
+    runner, thread = passthrough(boot, redis_url, src, dst)
     while not (runner.pausing is not None and runner.tracker.assigned):
         time.sleep(0.01)
     time.sleep(1.0)
