@@ -195,18 +195,7 @@ class RedisState(RedisConnection):
         that redeliveries stay answerable; a call for a group settled within ``dedupe_window_s`` parks
         nothing and gets None (a record read again after every record of the group was committed).
         """
-        args: list = [str(n), batch_id, str(self.group_ttl_s)]
-        for i, payload in check_group_members(group_id, n, members).items():
-            args += [str(i), payload]
-        try:
-            res = self._script("park", self._group_keys(group_id), args)
-        except redis.ResponseError as exc:
-            if "GROUPSIZE" in str(exc):
-                raise PoisonRecordError(f"group {group_id!r}: {exc}") from exc
-            raise
-        if int(res[0]) != 1:  # 0: not complete, or not this caller's; 2: settled already
-            return None
-        return list(res[1:])
+        return self.park_groups(batch_id, {group_id: (n, members)})[group_id]
 
     def park_groups(self, batch_id: str, groups: Mapping[str, tuple[int, Mapping[int, bytes]]]
                     ) -> dict[str, list[bytes] | None]:
@@ -214,21 +203,21 @@ class RedisState(RedisConnection):
         in one pipeline (one round trip per record instead of one per group; on a cluster each goes to
         its group's shard). Each script is atomic and idempotent on its own, as alone: a retry of the
         whole pipeline (a connection lost) parks nothing twice and names the same completer."""
-        if len(groups) == 1:
-            (g, (n, members)), = groups.items()
-            return {g: self.park_group(g, n, batch_id, members)}
         calls = []
         for g, (n, members) in groups.items():
             args: list = [str(n), batch_id, str(self.group_ttl_s)]
             for i, payload in check_group_members(g, n, members).items():
                 args += [str(i), payload]
             calls.append((self._group_keys(g), args))
-        try:
-            results = self._evalsha_many("park", calls)
+        try:  # one group: a plain script call, no pipeline
+            results = [self._script("park", *calls[0])] if len(calls) == 1 else self._evalsha_many("park", calls)
         except redis.ResponseError as exc:
             if "GROUPSIZE" in str(exc):
-                raise PoisonRecordError(f"a group of {batch_id!r}: {exc}") from exc
+                where = f"group {next(iter(groups))!r}" if len(groups) == 1 else f"a group of {batch_id!r}"
+                raise PoisonRecordError(f"{where}: {exc}") from exc
             raise
+        # 1: this caller completes the group (its payloads follow); 0: not complete, or not this caller's;
+        # 2: settled already
         return {g: list(res[1:]) if int(res[0]) == 1 else None for g, res in zip(groups, results, strict=True)}
 
     def settle_groups(self, batch_id: str, members: Mapping[str, Sequence[int]]) -> list[str]:
