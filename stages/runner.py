@@ -55,7 +55,7 @@ from expstream.observe.metrics import enabled as metrics_on
 from expstream.observe.timeline import mark_stage
 from expstream.retry import retry
 from stages.assigning import assign_share
-from stages.commitgroup import COMMIT_GROUP_MAX_S, CONFIRM_GROUP_MAX_S, Clients, CommitGroup, Pending  # noqa: F401 - COMMIT_GROUP_MAX_S re-exported (tests)
+from stages.commitgroup import CONFIRM_GROUP_MAX_S, Clients, CommitGroup, Pending
 from stages.context import StageContext
 from stages.deadletters import (
     DeadLetters,

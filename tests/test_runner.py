@@ -699,7 +699,7 @@ def test_a_backlog_is_committed_in_groups_and_a_slow_stage_commits_every_record(
     """A backlog of quick records: fewer commits than records (one per commit group), every record
     out once and every offset committed. Records slower than COMMIT_GROUP_MAX_S: one commit each,
     so a slow stage's outputs are confirmed and committed as they are made, not held for its next."""
-    from stages.runner import COMMIT_GROUP_MAX_S
+    from stages.commitgroup import COMMIT_GROUP_MAX_S
 
     topo = stage_topology(broker, "shard-preprocess", "kafka.max_poll_records=16")
     src, dst = topo.stages["shard-preprocess"].input, topo.stages["shard-preprocess"].output
