@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from expstream.config.environment import ENVIRONMENT_STAGE
 from expstream.errors import ConfigError
 
 # The Topology and StageConfig arguments are typed Any: expstream/config/topology.py imports this module.
@@ -101,7 +102,7 @@ def check_chains(topo: Any) -> None:
         at = enabled.index(names[0])
         if enabled[at:at + len(names)] != names:
             between = [n for n in enabled[at:enabled.index(names[-1])] if n not in names]
-            if "environment" in between:  # multi-turn: generate also consumes the turns topic, as a unit of its own
+            if ENVIRONMENT_STAGE in between:  # multi-turn: generate also consumes the turns topic, as a unit of its own
                 raise ConfigError(f"{where}: {names} has the environment stage between its stages; the environment "
                                   "stage and generate (which also consumes the turns topic) run unchained",
                                   field=where, fix="start the chain after the environment stage, e.g. at shard-preprocess")
