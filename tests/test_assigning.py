@@ -41,6 +41,22 @@ def test_a_bad_assign_is_a_config_error_naming_the_flag(text: str) -> None:
     assert err.value.field == "--assign" and text in str(err.value)
 
 
+def test_a_bad_assign_stops_the_stage_command_before_it_tries_redis() -> None:
+    """``expstream stage NAME --assign 3/2``: exit 2 naming the flag, with no retry of the (closed) Redis
+    port in between (the check once ran after the state client was made: 30 s of retries, then exit 1)."""
+    import subprocess
+
+    from expstream.launch.localservers import free_port
+
+    port = free_port()  # nothing listens there
+    proc = subprocess.run([sys.executable, "-m", "expstream", "stage", "shard-preprocess", "--assign", "3/2",
+                           "--bootstrap-servers", "127.0.0.1:1", "--redis-url", f"redis://127.0.0.1:{port}/0",
+                           "--run-id", "x"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--assign '3/2'" in proc.stderr and "unavailable" not in proc.stderr and "retry" not in proc.stderr
+
+
 def test_assigned_replicas_read_every_record_once_commit_under_the_group_and_resume_after_a_restart(broker):
     """Two replicas given 0/2 and 1/2 take disjoint halves of a 4-partition topic without joining the
     group, handle every record once and commit under the stage's group id (the autoscaler's lag reads

@@ -84,6 +84,7 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     unit = stage_unit(topo, args.name)
     if not args.bootstrap_servers:
         raise ConfigError("--bootstrap-servers: a stage process needs the broker address")
+    assignment = parse_assignment(args.assign) if getattr(args, "assign", None) else None  # before Redis is tried
     torch.set_num_threads(topo.run.torch_threads)
     from expstream.state import MemoryState, RedisState, State
 
@@ -100,7 +101,6 @@ def run_stage(topo: Topology, args: argparse.Namespace) -> int:
     stage = Chain.runner_stage(unit, topo) if unit.chained else topo.stages[unit.head]
     ctx = StageContext(topology=topo, stage=stage, state=state, log=logging.getLogger(f"expstream.stage.{unit.name}"),
                        run_id=args.run_id, replica_id=args.replica_id)
-    assignment = parse_assignment(args.assign) if getattr(args, "assign", None) else None
     if unit.chained:
         chain = Chain(unit, ctx)
         runner = StageRunner(ctx, chain.process, args.bootstrap_servers, committed=chain.committed,
