@@ -313,7 +313,7 @@ def test_a_primary_and_a_stage_sigkilled_mid_run_every_group_comes_out_once(tmp_
     primary is processed again), and every group comes out exactly once."""
     from tests.test_crash import PipelineRun, assert_exactly_once, finish
 
-    run = PipelineRun(tmp_path_factory.mktemp("cluster-failover"), model_cache, n_prompts=16,
+    run = PipelineRun(tmp_path_factory.mktemp("cluster-failover"), model_cache, n_prompts=48,
                       sets=["algo.advantage_estimator=group_norm"])
     # the URL names a replica, which survives (a restarted stage connects through it)
     seed = next(p for p in redis_cluster.ports if p not in redis_cluster.primary_ports())
