@@ -104,13 +104,17 @@ class PausedPolling:
             self.consumer.pause(*todo)
 
     def resume_all(self) -> None:
+        """Resume every paused partition and drop every partition's parked fetch data: also that of a
+        partition revoked while paused, whose entry would otherwise outlive it and keep it from ever
+        being fetched again when a later rebalance gives it back (found by test_scale's live scale-up
+        and down: two of three partitions never read again after the scale-down)."""
         paused = self.consumer.paused()
         if paused:
             self.consumer.resume(*paused)
-            dropped = drop_parked_records(self.consumer, paused)
-            if dropped:
-                self.log.debug("stage %s: dropped parked fetch data of %s (fetched again from the position)",
-                               self.name, dropped)
+        dropped = drop_parked_records(self.consumer)
+        if dropped:
+            self.log.debug("stage %s: dropped parked fetch data of %s (fetched again from the position)",
+                           self.name, dropped)
 
     def reposition(self, tp: TopicPartition, offset: int) -> None:
         """Set the fetch position of ``tp`` to ``offset`` if it is still ours (else nothing to do)."""
@@ -122,8 +126,9 @@ class PausedPolling:
             self.log.debug("stage %s: seek %s to %d skipped: %r", self.name, tp, offset, exc)
 
 
-def drop_parked_records(consumer: Any, partitions: Any) -> list[TopicPartition]:
-    """Work around a kafka-python 3.0.x fetcher bug; returns the partitions whose data was dropped.
+def drop_parked_records(consumer: Any) -> list[TopicPartition]:
+    """Work around a kafka-python 3.0.x fetcher bug: drop the parked fetch data of every partition that
+    is not paused now; returns the partitions whose data was dropped.
 
     Since dpkp/kafka-python#2981 (KAFKA-7548), records fetched for a partition that is paused while
     they are being drained are parked in ``Fetcher._paused_partition_records``. They are put back
@@ -132,9 +137,13 @@ def drop_parked_records(consumer: Any, partitions: Any) -> list[TopicPartition]:
     never fetched again. Measured here: pause one of two partitions, poll, resume -> the partition
     returns nothing, forever; with the parked entry dropped it resumes at its position. Dropping
     loses nothing: the data is fetched again from the partition's position (which the parked copy
-    never moved). A no-op when the attribute is missing (other versions).
+    never moved). A partition revoked while paused keeps its parked entry (kafka-python clears them only
+    at close); when a rebalance gives it back it has a fresh, unpaused state, and the entry alone keeps
+    it out of every fetch: dropped too, its position comes from the committed offset. A no-op when the
+    attribute is missing (other versions).
     """
     parked = getattr(getattr(consumer, "_fetcher", None), "_paused_partition_records", None)
     if not isinstance(parked, dict):
         return []
-    return [tp for tp in partitions if parked.pop(tp, None) is not None]
+    paused = consumer.paused()
+    return [tp for tp in list(parked) if tp not in paused and parked.pop(tp, None) is not None]
