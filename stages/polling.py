@@ -48,6 +48,9 @@ class Poller:
         self.backoff = Backoff(RETRY_BACKOFF_START_S, RETRY_BACKOFF_MAX_S)
         self.unassigned_since: float | None = None
         self.unassigned_logged = 0.0
+        # the tracker's ``changes`` when the assignment was last logged (a hand assignment logs its own)
+        self.seen_changes = tracker.changes
+        self.seen_partitions: list[int] | None = sorted(tp.partition for tp in tracker.assigned) or None
 
     def poll(self, timeout_ms: int) -> dict:
         """One poll of at most ``kafka.max_poll_records`` records.
@@ -81,6 +84,14 @@ class Poller:
     def note_assignment(self) -> None:
         """Log a replica without partitions every UNASSIGNED_LOG_INTERVAL_S, and when it has some again."""
         now = time.monotonic()
+        if self.tracker.changes != self.seen_changes:  # a rebalance moved it (group members only)
+            self.seen_changes = self.tracker.changes
+            parts = sorted(tp.partition for tp in self.tracker.assigned)
+            if parts != self.seen_partitions:
+                self.log.info("stage %s: %s partitions %s assigned by group %s (was %s)", self.stage.name,
+                              self.stage.input, parts, self.group_id,
+                              "none" if self.seen_partitions is None else self.seen_partitions)
+                self.seen_partitions = parts
         if self.tracker.assigned:
             self.on_assigned()
             if self.unassigned_since is not None and now - self.unassigned_since > UNASSIGNED_LOG_INTERVAL_S:
