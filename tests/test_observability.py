@@ -56,6 +56,31 @@ def _snap(**lags):
             "bottleneck": bottleneck(stages)}
 
 
+def test_a_finished_run_waits_for_the_last_statistics_before_its_final_accounting():
+    """The last experience can reach the run before its stage wrote the commit group's statistics: the
+    final snapshot and summary.json wait for every stage to balance, and give up after the timeout."""
+    import threading
+
+    from expstream.config.topology import load_topology
+    from expstream.state.memory import MemoryState
+    from expstream.tools.status import wait_balanced
+
+    topo = load_topology(None, [])
+    state = MemoryState()
+    for st in topo.enabled_stages():
+        state.record_batches(st.name, [("b0", {"in": 4, "out": 4}, 0.01, 4)])
+    last = topo.enabled_stages()[-1].name
+    state.record_batches(last, [("b1", {"in": 4}, 0.01, 4)])  # taken in, its output not yet recorded
+    assert not wait_balanced(state, topo, timeout_s=0.2)  # in flight stays in flight: no wait forever
+    late = threading.Timer(0.3, lambda: state.record_batches(last, [("b1-out", {"out": 4}, None, 0)]))
+    late.start()
+    try:
+        assert wait_balanced(state, topo, timeout_s=30)
+    finally:
+        late.cancel()
+    assert state.flows()[last] == {"in": 8, "out": 8}
+
+
 def test_the_bottleneck_is_the_stage_with_input_waiting_and_status_renders_it():
     from rich.console import Console
 

@@ -46,6 +46,11 @@ SCRAPE_TIMEOUT_S = 1.0
 STATUS_FILE = "status.jsonl"
 #: Why 2 s: Redis on loopback answers at once; a finished run's is gone, and status then shows its last snapshot.
 GONE_CHECK_S = 2.0
+#: how long a finished run waits for its stages' last statistics before the final snapshot and summary.json's
+#: accounting: a stage records a commit group's rows after the broker acknowledged its outputs, so the run can
+#: read the last experience up to a confirm group (<= 50 ms, stages/commitgroup.py) before they are in Redis
+SETTLE_TIMEOUT_S = 5.0
+SETTLE_POLL_S = 0.05
 
 
 def _last_line(path: Path) -> dict | None:
@@ -108,6 +113,24 @@ def accounting_block(state: Any, topo: Any, log_to: logging.Logger | None = None
                            "%d)", st.name, acc["samples_in"], acc["samples_out"], acc["samples_dead"],
                            acc["samples_dropped"], acc["in_flight"])
     return out
+
+
+def wait_balanced(state: Any, topo: Any, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Wait until every enabled stage's accounting balances (nothing in flight), at most ``timeout_s``.
+
+    Called once a finite run has every group it fed: the last experience can reach the run before the
+    stage that produced it has written its statistics (they follow the broker's acknowledgement).
+    Returns whether it balanced; a run that ends with samples in flight is reported as it is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if all(acc["balanced"] for acc in accounting_block(state, topo).values()):
+                return True
+        except Exception:  # noqa: BLE001 - observability never stops a run: the accounting says what it reads
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(SETTLE_POLL_S)
 
 
 def _scrape(url: str) -> dict[str, dict]:
