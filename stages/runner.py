@@ -61,7 +61,7 @@ from stages.deadletters import (
     DeadLetters,
 )
 from stages.pausing import PausedPolling
-from stages.polling import POLL_TIMEOUT_MS, Poller
+from stages.polling import POLL_TIMEOUT_MS, Poller, StuckGroupWatch, stuck_check_s
 from stages.revocations import RevocationTracker
 from stages.rewinding import ReplicaRewind
 from stages.sending import (
@@ -204,8 +204,10 @@ class StageRunner:
             self.consumer.subscribe([self.stage.input], listener=self.tracker)
         else:  # no group join: this replica's share of the partitions, given by the run (stages/assigning.py)
             assign_share(self.consumer, self.tracker, self.stage.input, self.assignment, self.log)
+        stuck = None if self.assignment is not None else StuckGroupWatch(
+            self.consumer, self.stage.input, stuck_check_s(self.ctx.topology.kafka.session_timeout_ms))
         self.poller = Poller(self.consumer, self.tracker, self.log, stage=self.stage, group_id=self.group_id,
-                             bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
+                             bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned, stuck=stuck)
         self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
         self.rewinding = ReplicaRewind(self.ctx, self.consumer, self.pausing, self.replica_key + self.group_suffix,
