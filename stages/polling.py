@@ -53,8 +53,16 @@ class StuckGroupWatch:
     in between, no member is reading it: :meth:`check` says so, and the caller rejoins the group.
     """
 
-    def __init__(self, consumer: Any, topic: str, interval_s: float) -> None:
-        self.consumer, self.topic, self.interval_s = consumer, topic, interval_s
+    def __init__(self, consumer: Any, topic: str, interval_s: float,
+                 ends: Callable[[list[TopicPartition]], dict[TopicPartition, int]]) -> None:
+        """
+        Args:
+            consumer: the group member's consumer (its group's committed offsets).
+            topic: the stage's input topic.
+            interval_s: between two readings (:func:`stuck_check_s`).
+            ends: the partitions' end offsets (expstream.kafka.clients.end_offsets: right on Tansu too).
+        """
+        self.consumer, self.topic, self.interval_s, self.ends = consumer, topic, interval_s, ends
         self.base_s = interval_s
         self.last: dict[Any, tuple[int | None, int]] | None = None
         self.due = time.monotonic()
@@ -78,7 +86,7 @@ class StuckGroupWatch:
         self.due = now + self.interval_s
         try:
             tps = [TopicPartition(self.topic, p) for p in sorted(self.consumer.partitions_for_topic(self.topic) or ())]
-            ends = self.consumer.end_offsets(tps)
+            ends = self.ends(tps)
             seen = {tp: (self.consumer.committed(tp), int(ends.get(tp, 0))) for tp in tps}
         except Exception:  # noqa: BLE001 - the broker is away: the poll's own retries report that
             return None

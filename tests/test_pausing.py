@@ -75,21 +75,22 @@ def test_the_stuck_group_watch_names_partitions_with_waiting_records_nobody_comm
     records waiting at two readings and its committed offset did not move in between."""
     from kafka.structs import OffsetAndMetadata
 
+    from expstream.kafka.clients import end_offsets
     from stages.polling import StuckGroupWatch
 
     topic, group = fresh_topic(2), f"g-{time.monotonic_ns()}"
     producer = make_producer(broker)
     for p in (0, 1):
-        for _ in range(3):  # one record per request, as the stages send them: Tansu 0.6 answers a partition's
-            producer.send(topic, value=b"x", partition=p)  # end offset as its last batch's base offset + 1
-            producer.flush()
+        for _ in range(3):
+            producer.send(topic, value=b"x", partition=p)
+    producer.flush()  # one batch per partition: Tansu's ListOffsets says 1, expstream's end_offsets 3
     producer.close()
     p0, p1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
     committer = make_consumer(broker, group)
     idle = make_consumer(broker, group)  # the group member with no partition (its offsets are the group's)
     try:
         committer.commit({p0: OffsetAndMetadata(1, "", -1)})
-        watch = StuckGroupWatch(idle, topic, interval_s=0.0)
+        watch = StuckGroupWatch(idle, topic, 0.0, lambda tps: end_offsets(broker, None, tps))
         assert watch.check(time.monotonic()) is None  # the first reading only
         assert watch.check(time.monotonic()) == [0, 1]  # both had records waiting, neither commit moved
         committer.commit({p0: OffsetAndMetadata(3, "", -1), p1: OffsetAndMetadata(1, "", -1)})
