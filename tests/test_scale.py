@@ -167,6 +167,20 @@ def test_supervisor_adds_and_retires_replicas(tmp_path: Path) -> None:
         sup.stop(grace_s=5)
 
 
+def test_a_replica_still_leaving_when_the_run_stops_is_reported_as_left(tmp_path: Path, caplog) -> None:
+    """A scale-down's replica finishing its last micro-batch when the run ends (its exit not yet reaped
+    by the run loop) is reported as having left after the scale-down, not lost from the log."""
+    sup = Supervisor(tmp_path / "logs")
+    for i in range(2):
+        sup.add("s", i, SLEEPER)
+    sup.start()
+    with caplog.at_level("INFO", logger="expstream.supervisor"):
+        assert sup.scale_to("s", 1, lambda replica: SLEEPER) == 2  # s[1] gets SIGTERM; nobody polls
+        sup.stop(grace_s=5)
+    left = [r.getMessage() for r in caplog.records if "left after scale-down" in r.getMessage()]
+    assert len(left) == 1 and "s[1]" in left[0], [r.getMessage() for r in caplog.records]
+
+
 def test_scale_command_is_answered_by_the_run_loop(tmp_path: Path) -> None:
     out = fake_run_dir(tmp_path, "topics.partitions=3")
     topo = load_topology(out / "run" / "topology.yaml")

@@ -302,6 +302,8 @@ class Supervisor:
         for last in (False, True):
             self._stop_wave([c for c in self.children if c.stop_last == last], grace_s)
         for child in self.children:
+            if child.retired and child.proc is not None:  # still finishing its last micro-batch when the run ended
+                log.info("%s %s left after scale-down (exit code %s)", child.kind, child.label, child.proc.returncode)
             if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
                 log.warning("%s %s exited with code %s on stop", child.kind, child.label, child.proc.returncode)
             self._gone(child)
