@@ -1,6 +1,6 @@
 """Partitions assigned by the run instead of a group join (stages/assigning.py, ``run.assign_partitions``):
-the shares, the replicas that read them against the real broker, and the switch to group membership
-at a stage's first scale (Supervisor.regroup, the Scaler's hook)."""
+the shares, the replicas that read them against the real broker, and the new shares at a scale
+(Supervisor.reassign, the Scaler's hook)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
 
 
-def test_regroup_stops_every_replica_before_it_starts_them_again_with_the_new_command(tmp_path: Path) -> None:
+def test_reassign_stops_every_replica_before_it_starts_the_new_count_with_their_new_shares(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path / "logs")
     for r in range(2):
         sup.add("reward", r, [*SLEEPER, f"--assign={r}/2"])
@@ -124,18 +124,41 @@ def test_regroup_stops_every_replica_before_it_starts_them_again_with_the_new_co
     sup.start()
     try:
         old = {c.label: c.proc.pid for c in sup.children}
-        sup.regroup("reward", lambda replica: [*SLEEPER, f"group-{replica}"])
+
+        def started(n: int) -> bool:
+            sup.poll()
+            return sup.replicas("reward") == n and sum(1 for label in sup.pids() if label.startswith("reward")) == n
+
+        assert sup.reassign("reward", 3, lambda replica: [*SLEEPER, f"--assign={replica}/3"]) == 2
+        assert sup.replicas("reward") == 3  # the count wanted, while the old replicas finish
+        deadline = time.monotonic() + 30
+        while not started(3):
+            assert time.monotonic() < deadline, "the new replicas never started"
+            newer = [pid for label, pid in sup.pids().items() if label.startswith("reward") and pid not in old.values()]
+            if newer:  # none starts before every old one is gone
+                assert all(not alive(old[label]) for label in ("reward[0]", "reward[1]")), "two shares at once"
+            time.sleep(0.05)
         new = sup.pids()
-        assert not any(alive(old[label]) for label in ("reward[0]", "reward[1]")), "an assigned replica still runs"
+        assert not any(alive(old[label]) for label in ("reward[0]", "reward[1]")), "an old share's replica still runs"
         assert new["generate[0]"] == old["generate[0]"], "another stage was touched"
         assert {new["reward[0]"], new["reward[1]"]}.isdisjoint({old["reward[0]"], old["reward[1]"]})
-        assert [c.argv[-1] for c in sup.children if c.name == "reward"] == ["group-0", "group-1"]
-        assert sup.total_restarts == 0, "a regroup is not a failure"
+        assert sorted(c.argv[-1] for c in sup.children if c.name == "reward" and not c.retired) == [
+            "--assign=0/3", "--assign=1/3", "--assign=2/3"]
+        three = sup.pids()
+        assert sup.reassign("reward", 1, lambda replica: [*SLEEPER, f"--assign={replica}/1"]) == 3
+        deadline = time.monotonic() + 30
+        while not started(1):
+            assert time.monotonic() < deadline, "the new replica never started"
+            time.sleep(0.05)
+        assert not any(alive(three[f"reward[{r}]"]) for r in range(3))
+        assert [c.argv[-1] for c in sup.children if c.name == "reward" and not c.retired] == ["--assign=0/1"]
+        assert sorted(sup.pids()) == ["generate[0]", "reward[0]"]
+        assert sup.total_restarts == 0, "a reassignment is not a failure"
     finally:
         sup.stop(grace_s=5)
 
 
-def test_the_scaler_regroups_a_stage_once_before_its_count_first_changes(tmp_path: Path) -> None:
+def test_the_scaler_reassigns_a_hand_assigned_stage_and_scales_a_grouped_one(tmp_path: Path) -> None:
     from expstream.config.topology import load_topology
 
     topo = load_topology(overrides=["topics.partitions=3"])
@@ -143,27 +166,34 @@ def test_the_scaler_regroups_a_stage_once_before_its_count_first_changes(tmp_pat
     class CountingSupervisor:
         def __init__(self) -> None:
             self.counts = {u.name: 1 for u in topo.units()}
+            self.scaled: list[tuple[str, int]] = []
 
         def replicas(self, name: str) -> int:
             return self.counts[name]
 
         def scale_to(self, name: str, count: int, argv_for) -> int:  # noqa: ANN001
             before, self.counts[name] = self.counts[name], count
+            self.scaled.append((name, count))
             return before
 
-    calls: list[str] = []
-    assigned = {"reward"}
+    sup = CountingSupervisor()
+    calls: list[tuple[str, int]] = []
 
-    def regroup(name: str) -> None:
-        if name in assigned:  # what RunServices.regroup does: once per stage
-            assigned.discard(name)
-            calls.append(name)
+    def reassign(name: str, count: int) -> int | None:
+        if name != "reward":  # what RunServices.reassign does for a unit of group members
+            return None
+        calls.append((name, count))
+        before, sup.counts[name] = sup.counts[name], count
+        return before
 
-    scaler = Scaler(topo, CountingSupervisor(), tmp_path, lambda name, replica: SLEEPER, regroup=regroup)
-    assert scaler.apply("reward", 1, MANUAL, None) is None and calls == [], "no change, no regroup"
-    scaler.apply("reward", 3, MANUAL, None)
-    scaler.apply("reward", 2, MANUAL, None)
-    assert calls == ["reward"]
+    scaler = Scaler(topo, sup, tmp_path, lambda name, replica: SLEEPER, reassign=reassign)
+    assert scaler.apply("reward", 1, MANUAL, None) is None and calls == [], "no change, no restart"
+    sup.scaled.clear()
+    assert scaler.apply("reward", 3, MANUAL, None)["from"] == 1
+    assert scaler.apply("reward", 2, MANUAL, None)["from"] == 3
+    assert calls == [("reward", 3), ("reward", 2)] and sup.scaled == []
+    assert scaler.apply("generate", 2, MANUAL, None)["to"] == 2
+    assert sup.scaled == [("generate", 2)]
 
 
 def test_a_generation_less_commit_is_refused_while_the_group_has_members(broker, fresh_topic):

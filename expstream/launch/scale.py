@@ -158,14 +158,16 @@ class Scaler:
 
     ``argv_for(stage, replica)`` is a new replica's command line; ``lag_of(stage)`` returns the
     total consumer lag of the stage's input (records), or raises (logged, the tick is skipped);
-    ``regroup(stage)`` is called before a stage's count changes (the run switches a stage whose
-    partitions are assigned by hand to group membership: expstream/launch/services.py).
+    ``reassign(stage, count)`` changes the count of a stage whose partitions are assigned by hand
+    (every replica restarted with its new share; returns the count before), or returns None for a
+    stage of consumer-group members, which is scaled by starting or retiring replicas
+    (expstream/launch/services.py).
     """
 
     def __init__(self, topo: Topology, sup: Any, out_dir: Path, argv_for: Callable[[str, int], list[str]],
                  lag_of: Callable[[str], int] | None = None, started: float | None = None,
-                 regroup: Callable[[str], None] | None = None) -> None:
-        self.topo, self.sup, self.argv_for, self.lag_of, self.regroup = topo, sup, argv_for, lag_of, regroup
+                 reassign: Callable[[str, int], int | None] | None = None) -> None:
+        self.topo, self.sup, self.argv_for, self.lag_of, self.reassign = topo, sup, argv_for, lag_of, reassign
         self.dir = scale_dir(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic() if started is None else started
@@ -199,9 +201,11 @@ class Scaler:
 
     def apply(self, name: str, count: int, reason: str, lag: int | None) -> dict[str, Any] | None:
         """Scale ``name`` to ``count``; the event (logged and kept for summary.json), None when unchanged."""
-        if self.regroup is not None and count != self.sup.replicas(name):
-            self.regroup(name)
-        before = self.sup.scale_to(name, count, lambda replica: self.argv_for(name, replica))
+        before = None
+        if self.reassign is not None and count != self.sup.replicas(name):
+            before = self.reassign(name, count)
+        if before is None:
+            before = self.sup.scale_to(name, count, lambda replica: self.argv_for(name, replica))
         if before == count:
             return None
         if reason == MANUAL and name in self.memory:  # the autoscaler's cooldown counts a hand change too

@@ -102,7 +102,7 @@ class RunServices:
         self.recording = topo.record.is_on(own_broker=self.own_broker)
         self.pids: dict[str, int | None] = {}
         # unit -> the replica count it was started with, while its replicas take their partitions by hand
-        # (run.assign_partitions, stages/assigning.py); a unit leaves it at its first scale (regroup)
+        # (run.assign_partitions, stages/assigning.py); a scale restarts the unit with the new count (reassign)
         self.assigned: dict[str, int] = {}
         self.timeline = out.timeline if out.timeline is not None else Timeline()
         # set by start(), before the block is entered
@@ -204,7 +204,7 @@ class RunServices:
         # `expstream scale` requests and the autoscalers, answered from the run loops (expstream/launch/scale.py)
         self.scaler = self.out.scaler = Scaler(topo, sup, out_dir, self.stage_argv,
                                                lag_reader(topo, self.bootstrap, self.run_id), started=self.out.started,
-                                               regroup=self.regroup)
+                                               reassign=self.reassign)
         self.stack.callback(sup.stop)  # before the start: a start that fails half-way stops what it started
         # one status snapshot per STATUS_INTERVAL_S into <output>/status.jsonl (expstream status, report)
         self.sampler = StatusSampler(topo, self.bootstrap, self.redis_url, self.run_id, out_dir)
@@ -216,14 +216,17 @@ class RunServices:
         count = self.assigned.get(name)
         return argv if count is None else [*argv, "--assign", f"{replica}/{count}"]
 
-    def regroup(self, name: str) -> None:
-        """Before a unit's replica count changes: a unit whose partitions are assigned by hand has every
-        replica stopped and started again as a member of its consumer group (Supervisor.regroup), so
-        that the new count shares the partitions by the group's rebalances; a no-op after that."""
-        if self.assigned.pop(name, None) is not None:
-            log.info("run %s: %s is scaled: its replicas leave their assigned partitions and join the consumer "
-                     "group", self.run_id, name)
-            self.supervisor.regroup(name, lambda replica: self.stage_argv(name, replica))
+    def reassign(self, name: str, count: int) -> int | None:
+        """A change of unit ``name``'s replica count while its partitions are assigned by hand: every
+        replica is stopped and ``count`` start again, each with its new share (Supervisor.reassign).
+        Returns the count before, or None for a unit whose replicas are consumer-group members (the
+        caller scales it the group's way: started or retired, the group's rebalances share the partitions)."""
+        if name not in self.assigned:
+            return None
+        log.info("run %s: %s is scaled to %d replicas: each takes its new share of the partitions", self.run_id,
+                 name, count)
+        self.assigned[name] = count  # before the start: stage_argv reads it
+        return self.supervisor.reassign(name, count, lambda replica: self.stage_argv(name, replica))
 
     def launch(self) -> None:
         """Start every supervised process (one that cannot be started raises SupervisorError with its

@@ -76,6 +76,7 @@ class Child:
     retired: bool = False  # scaled down: SIGTERM sent (or gone); never restarted, its exit is no failure
     retire_deadline: float = 0.0  # SIGKILL after this (monotonic), while a retiring process lives on
     added_live: bool = False  # started by a scale-up: no fault injection (it names the stage's first processes)
+    restarting: bool = False  # retired by a reassignment to start again with its new share (not "left")
 
     @property
     def label(self) -> str:
@@ -111,6 +112,8 @@ class Supervisor:
         self.children: list[Child] = []
         self.stopping = False
         self.on_gone = on_gone
+        # unit -> (count, argv_for) of a reassignment waiting for the old replicas to exit (:meth:`reassign`)
+        self.reassigning: dict[str, tuple[int, Callable[[int], list[str]]]] = {}
 
     def add(self, name: str, replica: int, argv: list[str], *, one_shot: bool = False,
             stop_last: bool = False) -> Child:
@@ -173,6 +176,8 @@ class Supervisor:
         if self.stopping:
             return
         now = time.monotonic()
+        for name in list(self.reassigning):
+            self._start_reassigned(name)
         for child in self.children:
             if child.retired:
                 self._reap_retired(child, now)
@@ -209,8 +214,10 @@ class Supervisor:
 
     # ---- live scaling --------------------------------------------------------------------------
     def replicas(self, name: str) -> int:
-        """Replicas of ``name`` that are supervised now (running or waiting for a restart), retiring ones not counted."""
-        return sum(1 for c in self.children if c.name == name and not c.retired)
+        """Replicas of ``name`` that are supervised now (running or waiting for a restart, or a reassignment's
+        still to start), retiring ones not counted."""
+        waiting = self.reassigning[name][0] if name in self.reassigning else 0  # a reassignment's, still to start
+        return sum(1 for c in self.children if c.name == name and not c.retired) + waiting
 
     def scale_to(self, name: str, count: int, argv_for: Callable[[int], list[str]]) -> int:
         """Run ``count`` replicas of stage ``name``; returns the count before. ``argv_for(replica)`` is a
@@ -230,21 +237,39 @@ class Supervisor:
         self._write_pids()
         return before
 
-    def regroup(self, name: str, argv_for: Callable[[int], list[str]]) -> None:
-        """Stop every replica of ``name`` (SIGTERM; each finishes and commits its micro-batch; SIGKILL after
-        ``STOP_GRACE_S``), and only once all have exited start each again with ``argv_for(replica)``.
+    def reassign(self, name: str, count: int, argv_for: Callable[[int], list[str]]) -> int:
+        """Run ``count`` replicas of ``name`` that take their partitions by hand: every replica is
+        retired (SIGTERM; each finishes and commits its micro-batch; SIGKILL after ``STOP_GRACE_S``),
+        and once all have exited (:meth:`poll`) replicas ``0..count-1`` start with
+        ``argv_for(replica)``, which names the new share (``--assign replica/count``). Returns the count
+        before, at once: the run loop goes on collecting while the old replicas finish.
 
-        Why all first: a stage whose replicas took their partitions by hand (stages/assigning.py) commits
-        without a group generation; none of them may still run when group members take the partitions
-        over. Blocks the caller (the run loop) for as long as the slowest replica takes to stop."""
+        Why all first: hand-assigned replicas commit without a group generation (stages/assigning.py);
+        no two may hold one partition, and the share of every replica changes with the count."""
+        if count < 1:
+            raise ValueError(f"{name}: {count} replicas; a stage needs at least 1")
+        before = self.replicas(name)
         mine = [c for c in self.children if c.name == name and not c.retired]
-        self._stop_wave(mine, STOP_GRACE_S)
+        if not mine and name not in self.reassigning:
+            raise ValueError(f"{name}: no such supervised stage")
         for child in mine:
-            child.argv = argv_for(child.replica)
-            child.proc = None
-            child.added_live = True  # fault injection names the stage's first processes only
-            self._spawn(child)
-        log.info("%s: %d replicas started again as consumer-group members", name, len(mine))
+            child.restarting = child.replica < count
+            self._retire(child)
+        self.reassigning[name] = (count, argv_for)
+        self._write_pids()
+        self._start_reassigned(name)  # at once when none was running
+        return before
+
+    def _start_reassigned(self, name: str) -> None:
+        """The new replicas of a reassignment, once no old replica of ``name`` runs."""
+        if any(c.name == name and c.retired and c.proc is not None for c in self.children):
+            return
+        count, argv_for = self.reassigning.pop(name)
+        kind = next(c.kind for c in self.children if c.name == name)
+        for _ in range(count):
+            self._add_replica(name, argv_for, kind=kind)
+        self._write_pids()
+        log.info("%s: %d replicas started, each with its share of the partitions", name, count)
 
     def _add_replica(self, name: str, argv_for: Callable[[int], list[str]], kind: str) -> None:
         mine = [c for c in self.children if c.name == name]
@@ -254,7 +279,8 @@ class Supervisor:
         if child is None:
             child = self.add(name, replica, argv_for(replica))
             child.kind = kind
-        child.retired, child.failures_in_a_row, child.added_live = False, 0, True
+        child.argv = argv_for(replica)
+        child.retired, child.failures_in_a_row, child.added_live, child.restarting = False, 0, True, False
         self._spawn(child)
 
     def _retire(self, child: Child) -> None:
@@ -264,8 +290,9 @@ class Supervisor:
             child.proc = None
             log.info("%s %s retired (was not running)", child.kind, child.label)
             return
-        log.info("%s %s retiring: SIGTERM to pid %d (finishes its micro-batch, commits, leaves)", child.kind,
-                 child.label, child.proc.pid)
+        log.info("%s %s %s: SIGTERM to pid %d (finishes its micro-batch, commits, %s)", child.kind, child.label,
+                 "stopping" if child.restarting else "retiring", child.proc.pid,
+                 "starts again with its new share" if child.restarting else "leaves")
         try:
             child.proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
@@ -281,10 +308,14 @@ class Supervisor:
                             STOP_GRACE_S)
                 child.proc.kill()
             return
-        log.info("%s %s left after scale-down (exit code %s)", child.kind, child.label, code)
+        log.info("%s %s %s (exit code %s)", child.kind, child.label, self._left(child), code)
         child.proc = None
         self._write_pids()
         self._gone(child)
+
+    @staticmethod
+    def _left(child: Child) -> str:
+        return "stopped, to start again with its new share" if child.restarting else "left after scale-down"
 
     def _gone(self, child: Child) -> None:
         if self.on_gone is not None:
@@ -303,7 +334,7 @@ class Supervisor:
             self._stop_wave([c for c in self.children if c.stop_last == last], grace_s)
         for child in self.children:
             if child.retired and child.proc is not None:  # still finishing its last micro-batch when the run ended
-                log.info("%s %s left after scale-down (exit code %s)", child.kind, child.label, child.proc.returncode)
+                log.info("%s %s %s (exit code %s)", child.kind, child.label, self._left(child), child.proc.returncode)
             if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
                 log.warning("%s %s exited with code %s on stop", child.kind, child.label, child.proc.returncode)
             self._gone(child)
