@@ -9,7 +9,10 @@ train every buffered sample with ``v <= u - k`` plus the oldest others, up to ``
 trained sample has staleness > ``k = async.max_staleness`` and steps stay about ``B``.
 
 The proof, idempotence per root batch id, rewinds and the crash cases that break the counts:
-docs/async.md, "Staleness is bounded by backpressure".
+docs/async.md, "Staleness is bounded by backpressure". The ledger stays bounded (same page, "The
+ledger stays bounded"): the trainer folds the versions below its checkpoint's step - k into one
+total (``State.fold_admission``, the key ``-1`` of ``admission_counts``), which the gate never waits
+for, and delivered records are kept for a horizon of windows of ``redis.dedupe_window_s``.
 """
 
 from __future__ import annotations
