@@ -439,6 +439,7 @@ def test_rewinding_generate_on_a_continuous_run_keeps_the_trainer_stepping(tmp_p
         reprocessed = sum(int(x) for x in re.findall(r"(\d+) record\(s\) reprocessed", rewind.stdout.split("rewound")[-1]))
         assert reprocessed >= 6, rewind.stdout  # at least the records of the first steps are read again
         assert "not admitted again" in rewind.stdout  # the plan says what a rewind of generate means here
+        assert "horizon, 2 x redis.dedupe_window_s" in rewind.stdout  # ... and how far back that holds (issue 28)
         _, err = proc.communicate(timeout=360)
     finally:
         if proc.poll() is None:
