@@ -92,6 +92,7 @@ class Sim:
     n: int  # group size
     seed: int
     dup_crash: float = 0.0  # share of records produced, then crashed before the commit (redelivered)
+    fold: bool = False  # after each step fold the versions below step - k (the trainer's checkpoint, every step)
     generators: int = 3
     records: int = 60
     state: MemoryState = field(default_factory=MemoryState)
@@ -101,6 +102,7 @@ class Sim:
     steps: list[int] = field(default_factory=list)  # samples per step
     duplicates: int = 0  # copies of a sample id that arrived again (redelivered records)
     timeouts: int = 0  # steps taken after async.straggler_timeout_s (stragglers given up on)
+    ledger_sizes: list[int] = field(default_factory=list)  # versions in admission_counts after each fold
 
     def run(self) -> None:
         st, rng = self.state, random.Random(self.seed)
@@ -188,6 +190,10 @@ class Sim:
             self.steps.append(len(self.trained) - sum(self.steps))
             step += 1
             st.set_policy_version(step)
+            if self.fold and step - self.k > 0:
+                st.fold_admission(step - self.k)
+                gate.forget_below(step - self.k)
+                self.ledger_sizes.append(sum(map(len, st.admission_counts())))
             return True
 
         actions = [lambda g=g: refresh(g) for g in range(self.generators)]
@@ -216,11 +222,14 @@ def _check_trained(sim: Sim, k: int) -> None:
     assert worst <= k, f"a sample trained with staleness {worst} > k={k}"
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
 @pytest.mark.parametrize(("batch_size", "record", "n"), [(8, 8, 4), (16, 4, 2), (12, 6, 3)])
-def test_simulated_loop_never_trains_stale_loses_nothing_and_never_deadlocks(k, batch_size, record, n):
+def test_simulated_loop_never_trains_stale_loses_nothing_and_never_deadlocks(k, batch_size, record, n, fold):
+    """``fold``: the trainer folds the versions below its step - k after every step (issue 28 item 6): the
+    same guarantees with a ledger of about k + 2 versions, however many steps."""
     for seed in range(6):
-        sim = Sim(k, batch_size, record, n, 1000 * k + 10 * batch_size + seed)
+        sim = Sim(k, batch_size, record, n, 1000 * k + 10 * batch_size + seed, fold=fold)
         sim.run()  # raises on a deadlock (no event can happen and the run is not over)
         _check_trained(sim, k)
         # every produced sample that was not lost is trained exactly once (dict keys: once)
@@ -229,17 +238,20 @@ def test_simulated_loop_never_trains_stale_loses_nothing_and_never_deadlocks(k, 
         assert all(sid in sim.trained for sid, _ in sim.dropped_late)
         # admission keeps steps near B: the mandatory set exceeds B only after out-of-order stragglers
         assert max(sim.steps) <= (k + 1) * batch_size + record, sim.steps
+        if fold:  # the versions >= step - k (at most k + 1 published, one loaded ahead) plus the folded total
+            assert sim.ledger_sizes and max(sim.ledger_sizes) <= 2 * (k + 3), sim.ledger_sizes
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("k", [0, 2])
-def test_simulated_duplicates_from_crashes_after_produce_are_never_trained_stale(k):
+def test_simulated_duplicates_from_crashes_after_produce_are_never_trained_stale(k, fold):
     """A record produced, then crashed before its commit and regenerated under newer weights breaks the
     counts (its old copies arrive as extra pairs, its admission moved): the trainer may wait for
     stragglers that never come, until async.straggler_timeout_s. Still nothing is trained stale or twice,
     and every sample id is either trained or (a late copy) dropped, never silently missing."""
     duplicates = 0
     for seed in range(8):
-        sim = Sim(k, 8, 4, 2, 7000 + 100 * k + seed, dup_crash=0.15)
+        sim = Sim(k, 8, 4, 2, 7000 + 100 * k + seed, dup_crash=0.15, fold=fold)
         sim.run()
         _check_trained(sim, k)
         missing = sim.admitted_ids - sim.lost_ids - set(sim.trained)

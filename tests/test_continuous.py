@@ -343,7 +343,9 @@ def growth_sample(out: Path, run_id: str) -> dict:
         keys = [k.decode() for pattern in (prefix + "*", f"expstream:{{{run_id}{{*") for k in
                 client.scan_iter(match=pattern, count=1000)]
         groups = [k for k in keys if k.endswith((":group", ":group:meta"))]
+        ledger = {k[len(prefix):]: int(client.hlen(k)) for k in keys if k.startswith(prefix + "admission:")}
         return {"keys": len(keys), "group_keys": len(groups), "used_memory": int(client.info("memory")["used_memory"]),
+                "admission": ledger,
                 "group_bytes": sum(int(client.memory_usage(k, samples=0) or 0) for k in groups),
                 "versions": sorted(p.name for p in (out / "weights").iterdir() if p.name.startswith("v")),
                 "store_bytes": store_bytes(out / "weights")}
@@ -406,6 +408,14 @@ def test_a_long_continuous_run_keeps_redis_and_the_weight_store_bounded(tmp_path
     assert at_2n["keys"] - at_n["keys"] < 60, (at_n, at_2n)
     # memory: ids of counted records and freed groups are kept for redis.dedupe_window_s (3 s here): flat
     assert at_2n["used_memory"] - at_n["used_memory"] < 200 * 1024, (at_n, at_2n)
+    # the admission ledger (issue 28 item 6; before: one field per admitted record and per version, for
+    # the run): the records in flight (the bound lets k + 1 = 3 steps of 2 records be outstanding, plus a
+    # commit group's), the trainer's unfolded versions (k + 1, the folded total, one more between a publish
+    # and its fold) and the hashes of the last windows of delivered records
+    for sample in (at_n, at_2n):
+        ledger = sample["admission"]
+        assert ledger.get("admission:admitted", 0) <= 2 + 3 and ledger.get("admission:of", 0) <= 8, sample
+        assert sum(1 for name in ledger if name.count(":") == 2) <= 2 * 4, sample  # delivered / lost_of windows
 
 
 @pytest.mark.e2e
@@ -429,6 +439,7 @@ def test_rewinding_generate_on_a_continuous_run_keeps_the_trainer_stepping(tmp_p
         reprocessed = sum(int(x) for x in re.findall(r"(\d+) record\(s\) reprocessed", rewind.stdout.split("rewound")[-1]))
         assert reprocessed >= 6, rewind.stdout  # at least the records of the first steps are read again
         assert "not admitted again" in rewind.stdout  # the plan says what a rewind of generate means here
+        assert "horizon, 2 x redis.dedupe_window_s" in rewind.stdout  # ... and how far back that holds (issue 28)
         _, err = proc.communicate(timeout=360)
     finally:
         if proc.poll() is None:

@@ -493,6 +493,111 @@ def test_lost_samples_free_room_once_per_batch_id(state):
     assert state.admission_counts() == ({0: 12}, {0: 8})
 
 
+def _ledger_fields(state) -> int:
+    """Fields of the admission ledger's hashes but the per-window ones (Redis: bounded by time, see the next
+    test), or the versions in admission_counts (memory)."""
+    if not hasattr(state, "client"):
+        return sum(map(len, state.admission_counts()))
+    return sum(state.client.hlen(state.key("admission", name)) for name in ("of", "admitted", "lost", "totals"))
+
+
+def test_the_admission_ledger_folds_old_versions_and_keeps_its_counts_exact(state_handles):
+    """Issue 28 item 6: the ledger kept every admitted record and one count per version for the whole run
+    (and the trainer read all of it every poll). Versions below the fold point are summed into one
+    total (FOLDED, -1) and delivered records leave ``admission:of``: over 120 versions the ledger keeps a
+    handful of fields, and its counts equal a plain unfolded ledger kept here, version by version."""
+    state, other = state_handles(), state_handles()  # two clients, as generate and the trainer
+    k, n_versions = 2, 120
+    ref_admitted: dict[int, int] = {}
+    ref_lost: dict[int, int] = {}
+    undelivered: dict[str, int] = {}  # record -> the version its count is under now
+    sizes, fold = [], 0
+
+    def expected() -> tuple[dict[int, int], dict[int, int]]:
+        out = []
+        for ref in (ref_admitted, ref_lost):
+            kept = {v: n for v, n in sorted(ref.items()) if v >= fold and n}
+            below = sum(n for v, n in ref.items() if v < fold)
+            out.append({-1: below, **kept} if below else kept)
+        return out[0], out[1]
+
+    def admit(rid: str, samples: int, v: int) -> None:
+        assert state.admit(rid, samples, v, 10**9) is True
+        old = undelivered.get(rid)
+        if old is None:
+            ref_admitted[v] = ref_admitted.get(v, 0) + samples
+        elif v != old:
+            ref_admitted[old] -= samples
+            ref_admitted[v] = ref_admitted.get(v, 0) + samples
+        undelivered[rid] = v
+
+    for v in range(n_versions):
+        admit(f"r{v}a", 4, v)
+        admit(f"r{v}b", 4, v)
+        if v:
+            admit(f"r{v - 1}b", 4, v)  # redelivered after a crash, regenerated under newer weights: moves
+            assert state.mark_delivered([f"r{v - 1}a", f"r{v - 1}b"]) == 2
+            undelivered.pop(f"r{v - 1}a"), undelivered.pop(f"r{v - 1}b")
+        if v >= 5 and v % 4 == 0:  # a replica still on old weights (folded already): counts in the total
+            admit(f"old{v}", 2, v - 5)
+            assert state.mark_delivered([f"old{v}"]) == 1
+            undelivered.pop(f"old{v}")
+        lost_v = max(0, v - 1 - v % 4)  # losses of recent and of folded versions, each counted once
+        assert state.record_lost(f"l{v}", lost_v, 1 + v % 3) is True
+        assert other.record_lost(f"l{v}", lost_v, 1 + v % 3) is False
+        ref_lost[lost_v] = ref_lost.get(lost_v, 0) + 1 + v % 3
+        if v - k > 0:
+            fold = v - k
+            assert other.fold_admission(fold) == fold
+            assert state.fold_admission(fold - 1) == fold  # monotone: an older fold point changes nothing
+            assert other.fold_admission(fold) == fold  # a retry folds nothing more
+        assert state.admission_counts() == other.admission_counts() == expected(), v
+        sizes.append(_ledger_fields(state))
+    # the totals behind the bound stay exact: outstanding = admitted - lost over every version
+    outstanding = sum(ref_admitted.values()) - sum(ref_lost.values())
+    assert state.admit("edge", 1, n_versions, outstanding) is False
+    assert state.admit("edge", 1, n_versions, outstanding + 1) is True
+    assert max(sizes) <= 20 and max(sizes[60:]) <= max(sizes[:60]), sizes
+    if hasattr(state, "client"):  # of: the records in flight only; the delivered ones wait in a window hash
+        assert state.client.hlen(state.key("admission", "of")) == 3  # r119a, r119b, edge
+        assert state.client.hlen(state.key("admission", "admitted")) <= k + 3
+        windows = [k for k in state.client.scan_iter(match=state.key("admission", "*", "*"))]
+        assert 1 <= len(windows) <= 6 and all(state.client.ttl(k) > 0 for k in windows), windows
+
+
+def test_a_rewind_within_the_ledger_windows_counts_nothing_and_beyond_them_counts_new_work(state_handles):
+    """Delivered records and lost ids are known for ADMISSION_WINDOWS windows of dedupe_window_s (at least
+    two; the groups' "done" markers, one). A rewind of generate within that regenerates a delivered
+    record without counting it (its copies are dropped downstream as duplicates of settled groups);
+    further back the record is new work, counted under the current version (its groups are forgotten
+    too: the copies reach the trainer, whose gate counts them as arrivals), never half of each."""
+    from expstream.state.base import ADMISSION_WINDOWS
+
+    state = state_handles()
+    state.dedupe_window_s = 1
+    time.sleep(1 - time.time() % 1 + 0.05)  # at the start of a window
+    assert state.admit("p0", 8, 0, 16) is True
+    assert state.admit("p1", 8, 0, 16) is True
+    assert state.mark_delivered(["p0"]) == 1
+    assert state.record_lost("g/p0-1", 0, 4) is True
+    time.sleep(ADMISSION_WINDOWS - 2 + 0.3)  # the next but one window: still within the horizon
+    assert state.admit("p0", 8, 3, 0) is True  # a rewind: granted, nothing counted or moved
+    assert state.admitted_version("p0") == 0
+    assert state.record_lost("g/p0-1", 0, 4) is False
+    assert state.admission_counts() == ({0: 16}, {0: 4})
+    time.sleep(2)  # now ADMISSION_WINDOWS windows after the delivery: forgotten
+    assert state.admitted_version("p0") is None
+    assert state.admit("p0", 8, 3, 16) is False  # new work: under the bound like any record (16 - 4 + 8 > 16)
+    assert state.admit("p0", 8, 3, 20) is True
+    assert state.admission_counts() == ({0: 16, 3: 8}, {0: 4})
+    assert state.admitted_version("p0") == 3
+    assert state.admit("p1", 8, 3, 0) is True  # never delivered (in flight): still moves, as ever
+    assert state.admission_counts() == ({0: 8, 3: 16}, {0: 4})
+    if hasattr(state, "client"):  # only the hashes of the last windows exist, each with a TTL
+        keys = [k for k in state.client.scan_iter(match=state.key("admission", "*", "*"))]
+        assert all(0 < state.client.ttl(k) <= ADMISSION_WINDOWS for k in keys), keys
+
+
 def test_admission_rejects_bad_arguments_naming_them(state):
     with pytest.raises(ValueError, match="samples"):
         state.admit("p0", 0, 0, 8)
@@ -557,9 +662,12 @@ LUA_SHA1 = {
     "incr": "4373e0b393e79d769e4a2d79b6e303a1e3807dd5",
     "park_window": "4b5d2d8497882ced9a742f9de06e661d901b6f06",
     "flush_window": "54961717dd31bb6475da2a065a52b77161574377",
-    "admit": "d73b8cf49ab91489ac3f801a12b6172404e81249",
-    "mark_delivered": "680203d071592a79c45d05d4bd7b161a8ce0e99a",
-    "record_lost": "693d0bc5e580acd508f47998133a83fd943d0dc8",
+    # issue 28 item 6: the ledger stays bounded: delivered records and lost ids live in windows of
+    # dedupe_window_s, the versions no step can train are folded into one total
+    "admit": "59e398b28d59c47254cc32574ef181465fc04bbc",
+    "mark_delivered": "47c1d5bb4fae8c527c795a32c6d7e4d15bf16cd5",
+    "record_lost": "55dfdf7071f73836ad544e4f3e9785a2438994b9",
+    "fold_admission": "b23a04616bf8149784af780fab4f13b09ddd8721",
 }
 
 
@@ -621,7 +729,7 @@ def test_moments_dataclass():
 
 def _script(seed):
     """A random mix of every stateful call, with redeliveries (repeated ids)."""
-    rng = np.random.default_rng(seed)
+    rng, ledger = np.random.default_rng(seed), np.random.default_rng(seed + 1000)
     ops = []
     for _ in range(60):
         kind = rng.integers(0, 7)
@@ -644,6 +752,11 @@ def _script(seed):
         elif kind == 5:
             v = int(rng.integers(0, 4))
             ops.append(("admit", (bid, 4 * int(rng.integers(1, 3)), v, (v + 2) * 8), {}))
+            # the ledger's delivery marks and folds (issue 28), drawn apart so the mix above stays as it was
+            if ledger.random() < 0.3:
+                ops.append(("mark_delivered", ([bid],), {}))
+            if ledger.random() < 0.3:
+                ops.append(("fold_admission", (int(ledger.integers(0, 4)),), {}))
         else:
             ops.append(("record_lost", (f"l{bid}", int(rng.integers(0, 4)), int(rng.integers(1, 5))), {}))
     return ops

@@ -9,7 +9,10 @@ train every buffered sample with ``v <= u - k`` plus the oldest others, up to ``
 trained sample has staleness > ``k = async.max_staleness`` and steps stay about ``B``.
 
 The proof, idempotence per root batch id, rewinds and the crash cases that break the counts:
-docs/async.md, "Staleness is bounded by backpressure".
+docs/async.md, "Staleness is bounded by backpressure". The ledger stays bounded (same page, "The
+ledger stays bounded"): the trainer folds the versions below its checkpoint's step - k into one
+total (``State.fold_admission``, the key ``-1`` of ``admission_counts``), which the gate never waits
+for, and delivered records are kept for a horizon of windows of ``redis.dedupe_window_s``.
 """
 
 from __future__ import annotations
@@ -135,9 +138,15 @@ class StalenessGate:
 
     def wait_for(self, step: int, admitted: dict[int, int], lost: dict[int, int]) -> list[int]:
         """Versions ``v <= step - k`` with samples admitted and neither received nor lost: the
-        stragglers to wait for before ``step`` (ascending)."""
-        return [v for v in sorted(admitted) if v <= step - self.k
+        stragglers to wait for before ``step`` (ascending). Negative keys (the total of the versions
+        folded away, ``State.fold_admission``: no step can train them any more) are never waited for."""
+        return [v for v in sorted(admitted) if 0 <= v <= step - self.k
                 and admitted[v] > self.received.get(v, 0) + lost.get(v, 0)]
+
+    def forget_below(self, version: int) -> None:
+        """Drop what the gate keeps of versions ``< version`` (folded in the run state: never waited for)."""
+        self.received = {v: n for v, n in self.received.items() if v >= version}
+        self._seen = {key for key in self._seen if key[1] >= version}
 
     def select(self, buffer_versions: list[int], step: int) -> list[int]:
         """Indices into the buffer to train at ``step``: every sample with ``v <= step - k`` (mandatory,
@@ -152,8 +161,9 @@ class StalenessGate:
         return int(step) - int(version) <= self.k
 
     def in_flight(self, admitted: dict[int, int], lost: dict[int, int]) -> int:
-        """Samples admitted and neither received nor lost, over every version."""
-        return sum(max(0, n - self.received.get(v, 0) - lost.get(v, 0)) for v, n in admitted.items())
+        """Samples admitted and neither received nor lost, over every version not folded away (a sample of
+        a folded version would be stale on arrival)."""
+        return sum(max(0, n - self.received.get(v, 0) - lost.get(v, 0)) for v, n in admitted.items() if v >= 0)
 
     def starved(self, step: int, admitted: dict[int, int], lost: dict[int, int], record_samples: int) -> bool:
         """True when no more samples can arrive before step ``step`` publishes: nothing admitted is in flight

@@ -41,6 +41,8 @@ __all__ = [
     "check_group_members",
     "check_settle",
     "check_admission",
+    "ADMISSION_WINDOWS",
+    "FOLDED",
 ]
 
 # Why 24 h: a group buffer is needed until its last sample arrives (seconds to minutes); the TTL
@@ -53,6 +55,18 @@ DEFAULT_GROUP_TTL_S = 86400
 # after 300 s and is restarted). What that keeps in Redis (measured) and what a rewind further back
 # does: docs/async.md "What a long run keeps".
 DEFAULT_DEDUPE_WINDOW_S = 600
+
+# Why 3: a delivered prompt record (and a lost id) is kept in the admission ledger for the current
+# and the two previous windows of ``dedupe_window_s``: at least two windows, so longer than the "done"
+# markers of its groups (one window after they settle, which follows generate's commit within seconds).
+# A rewind of generate within that horizon regenerates the record without counting it (its copies
+# are dropped downstream as duplicates); further back both are forgotten together, the record is
+# admitted as new work and its copies reach the trainer, which counts them as arrivals: the counts
+# stay exact either way (docs/async.md "What the admission ledger keeps").
+ADMISSION_WINDOWS = 3
+#: The key of ``State.admission_counts()`` under which the versions folded away are summed
+#: (``State.fold_admission``): never a real version (versions are >= 0), never waited for.
+FOLDED = -1
 
 #: ``(window_id, member payloads)`` handed to the call that closed a normalisation window.
 WindowTaken = tuple[str, list[bytes]]
@@ -154,6 +168,7 @@ class State(Protocol):
     def admission_counts(self) -> tuple[dict[int, int], dict[int, int]]: ...
     def admitted_version(self, batch_id: str) -> int | None: ...
     def mark_delivered(self, batch_ids: Sequence[str]) -> int: ...
+    def fold_admission(self, below: int) -> int: ...
 
     # the rewind handshake (expstream/tools/rewind.py): a request per stage, acknowledged per replica;
     # both expire after ttl_s unless refreshed, so a tool that dies never leaves replicas waiting

@@ -30,6 +30,7 @@ __all__ = [
     "ADMIT",
     "MARK_DELIVERED",
     "RECORD_LOST",
+    "FOLD_ADMISSION",
     "SCRIPTS",
 ]
 
@@ -275,49 +276,94 @@ redis.call('SET', KEYS[1], tostring(tonumber(k) + 1))
 return {1, k, unpack(redis.call('HVALS', prefix .. k .. ':members'))}
 """
 
+# The admission ledger (expstream/rl/admission.py; docs/async.md "What the admission ledger keeps").
+# Counts by version: ``admission:admitted`` / ``admission:lost`` (version -> samples) and the sums in
+# ``admission:totals`` (admitted, lost, and ``folded``: the versions below it are summed under the
+# field '-1', FOLD_ADMISSION). Records: ``admission:of`` holds the records admitted and not yet
+# delivered ("version samples"); MARK_DELIVERED moves a record to the delivered hash of its window
+# (``admission:delivered:<w>``, w = unix time // dedupe_window_s) and lost ids go to
+# ``admission:lost_of:<w>``; each such hash is read for three windows (the caller passes the keys of
+# w, w-1, w-2) and expires after them. So a delivered record read again by a rewind is known for at
+# least two windows (beyond its groups' "done" markers, one window), then it is new work again.
+
 ADMIT = """
--- KEYS[1] admission:of, KEYS[2] admission:admitted, KEYS[3] admission:totals
--- ARGV batch_id, samples, version, bound
+-- KEYS[1] admission:of, KEYS[2] admission:admitted, KEYS[3] admission:totals,
+-- KEYS[4..6] admission:delivered:<w>, <w-1>, <w-2>; ARGV batch_id, samples, version, bound
+for i = 4, 6 do
+  if redis.call('HEXISTS', KEYS[i], ARGV[1]) == 1 then return 1 end  -- delivered: a rewind, counted once
+end
+local t = redis.call('HMGET', KEYS[3], 'admitted', 'lost', 'folded')
+local folded = tonumber(t[3] or '0')
+local function bucket(v) if tonumber(v) < folded then return '-1' end return v end
 local prev = redis.call('HGET', KEYS[1], ARGV[1])
 if prev then
   local pv, pn, delivered = string.match(prev, '^(%d+) (%d+)( ?d?)$')
-  if delivered == ' d' then return 1 end  -- read again after its commit (a rewind): counted once already
+  if delivered == ' d' then return 1 end  -- marked by a version that kept delivered records here
   if tonumber(ARGV[3]) < tonumber(pv) then return 0 end
   if pv ~= ARGV[3] then
-    redis.call('HINCRBY', KEYS[2], pv, -tonumber(pn))
-    redis.call('HINCRBY', KEYS[2], ARGV[3], pn)
+    redis.call('HINCRBY', KEYS[2], bucket(pv), -tonumber(pn))
+    redis.call('HINCRBY', KEYS[2], bucket(ARGV[3]), pn)
     redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. pn)
   end
   return 1
 end
-local t = redis.call('HMGET', KEYS[3], 'admitted', 'lost')
 local outstanding = tonumber(t[1] or '0') - tonumber(t[2] or '0')
 if outstanding + tonumber(ARGV[2]) > tonumber(ARGV[4]) then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. ARGV[2])
-redis.call('HINCRBY', KEYS[2], ARGV[3], ARGV[2])
+redis.call('HINCRBY', KEYS[2], bucket(ARGV[3]), ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'admitted', ARGV[2])
 return 1
 """
 
 MARK_DELIVERED = """
--- KEYS[1] admission:of; ARGV batch ids whose generate record is committed. Returns how many were new.
+-- KEYS[1] admission:of, KEYS[2] admission:delivered:<w>; ARGV ttl, then the batch ids whose generate
+-- record is committed. Each admitted one moves to this window's delivered hash. Returns how many moved.
 local new = 0
-for i = 1, #ARGV do
+for i = 2, #ARGV do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
-  if v and string.sub(v, -2) ~= ' d' then
-    redis.call('HSET', KEYS[1], ARGV[i], v .. ' d')
+  if v then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    redis.call('HSET', KEYS[2], ARGV[i], v)
     new = new + 1
   end
 end
+if new > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
 return new
 """
 
 RECORD_LOST = """
--- KEYS[1] admission:lost_of, KEYS[2] admission:lost, KEYS[3] admission:totals; ARGV batch_id, version, samples
+-- KEYS[1..3] admission:lost_of:<w>, <w-1>, <w-2>, KEYS[4] admission:lost, KEYS[5] admission:totals
+-- ARGV batch_id, version, samples, ttl
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. ARGV[3]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'lost', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+local folded = tonumber(redis.call('HGET', KEYS[5], 'folded') or '0')
+redis.call('HINCRBY', KEYS[4], tonumber(ARGV[2]) < folded and '-1' or ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[5], 'lost', ARGV[3])
 return 1
+"""
+
+FOLD_ADMISSION = """
+-- KEYS[1] admission:admitted, KEYS[2] admission:lost, KEYS[3] admission:totals; ARGV below
+-- Sums the counts of every version < below into the field '-1' of each hash and raises 'folded' to
+-- below. Monotone, so a retry or a repeat folds nothing more. Returns the fold point in effect.
+local below = tonumber(ARGV[1])
+local cur = tonumber(redis.call('HGET', KEYS[3], 'folded') or '0')
+if below <= cur then return cur end
+for i = 1, 2 do
+  local flat = redis.call('HGETALL', KEYS[i])
+  local sum = 0
+  for j = 1, #flat, 2 do
+    local v = tonumber(flat[j])
+    if v >= 0 and v < below then
+      sum = sum + tonumber(flat[j + 1])
+      redis.call('HDEL', KEYS[i], flat[j])
+    end
+  end
+  if sum ~= 0 then redis.call('HINCRBY', KEYS[i], '-1', sum) end
+end
+redis.call('HSET', KEYS[3], 'folded', ARGV[1])
+return below
 """
 
 #: Every script by the name :class:`RedisState` registers and calls it under.
@@ -337,4 +383,5 @@ SCRIPTS: dict[str, str] = {
     "mark_delivered": MARK_DELIVERED,
     "settle": SETTLE_GROUP,
     "record_lost": RECORD_LOST,
+    "fold_admission": FOLD_ADMISSION,
 }

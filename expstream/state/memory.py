@@ -23,8 +23,10 @@ import numpy as np
 
 from expstream.rl.moments import adaptive_kl_update, batch_moments, check_kl_update, merge_batch_moments
 from expstream.state.base import (
+    ADMISSION_WINDOWS,
     DEFAULT_DEDUPE_WINDOW_S,
     DEFAULT_GROUP_TTL_S,
+    FOLDED,
     RECENT_BATCHES,
     Moments,
     WindowTaken,
@@ -111,11 +113,13 @@ class MemoryState:
         self._once: dict[str, set[str]] = {}
         self._counters: dict[str, float] = {}
         self._counter_applied: dict[str, _Applied] = {}
-        self._admitted_of: dict[str, tuple[int, int]] = {}  # batch_id -> (version, samples)
-        self._delivered: set[str] = set()  # admitted batch ids whose generate record is committed
-        self._lost_of: dict[str, tuple[int, int]] = {}
-        self._admitted: dict[int, int] = {}  # version -> samples
+        self._admitted_of: dict[str, tuple[int, int]] = {}  # admitted, not delivered: batch_id -> (version, samples)
+        # window w -> batch_id -> (version, samples): delivered records and lost ids of the last windows
+        self._delivered: dict[int, dict[str, tuple[int, int]]] = {}
+        self._lost_of: dict[int, dict[str, tuple[int, int]]] = {}
+        self._admitted: dict[int, int] = {}  # version -> samples; FOLDED: the versions below the fold point
         self._lost: dict[int, int] = {}
+        self._folded = 0
 
     def close(self) -> None:
         return None
@@ -373,36 +377,51 @@ class MemoryState:
             return dict(self._counters)
 
     # --- admission control (expstream/rl/admission.py) ------------------------------------------
+    def _ledger_windows(self, by_window: dict[int, dict[str, tuple[int, int]]]) -> list[dict[str, tuple[int, int]]]:
+        """The live windows of ``by_window`` (RedisState's ``admission:<name>:<w>`` hashes), this one first;
+        older ones are dropped, as their keys expire on Redis."""
+        w = int(time.time()) // self.dedupe_window_s
+        for old in [k for k in by_window if k <= w - ADMISSION_WINDOWS]:
+            del by_window[old]
+        return [by_window.setdefault(w - i, {}) for i in range(ADMISSION_WINDOWS)]
+
+    def _bucket(self, version: int) -> int:
+        return FOLDED if version < self._folded else int(version)
+
     def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
         """Admit ``samples`` under ``version`` iff admitted - lost + samples <= ``bound`` (see RedisState)."""
         check_admission("admit", batch_id, samples, version, bound)
         with self._lock:
+            if any(batch_id in d for d in self._ledger_windows(self._delivered)):
+                return True  # read again after its commit (a rewind): counted once
             prev = self._admitted_of.get(batch_id)
             if prev is not None:
-                if batch_id in self._delivered:  # read again after its commit (a rewind): counted once
-                    return True
                 old_version, n = prev
                 if version < old_version:  # never regenerate with older weights than admitted with
                     return False
                 if old_version != version:  # regenerated under newer weights: its count moves along
-                    self._admitted[old_version] -= n
-                    self._admitted[int(version)] = self._admitted.get(int(version), 0) + n
+                    self._admitted[self._bucket(old_version)] -= n
+                    new = self._bucket(version)
+                    self._admitted[new] = self._admitted.get(new, 0) + n
                     self._admitted_of[batch_id] = (int(version), n)
                 return True
             if sum(self._admitted.values()) - sum(self._lost.values()) + int(samples) > int(bound):
                 return False
             self._admitted_of[batch_id] = (int(version), int(samples))
-            self._admitted[int(version)] = self._admitted.get(int(version), 0) + int(samples)
+            b = self._bucket(version)
+            self._admitted[b] = self._admitted.get(b, 0) + int(samples)
             return True
 
     def record_lost(self, batch_id: str, version: int, samples: int) -> bool:
-        """Count ``samples`` of ``version`` that never reach the trainer, once per ``batch_id``."""
+        """Count ``samples`` of ``version`` that never reach the trainer, once per ``batch_id`` (see RedisState)."""
         check_admission("record_lost", batch_id, samples, version)
         with self._lock:
-            if batch_id in self._lost_of:
+            windows = self._ledger_windows(self._lost_of)
+            if any(batch_id in d for d in windows):
                 return False
-            self._lost_of[batch_id] = (int(version), int(samples))
-            self._lost[int(version)] = self._lost.get(int(version), 0) + int(samples)
+            windows[0][batch_id] = (int(version), int(samples))
+            b = self._bucket(version)
+            self._lost[b] = self._lost.get(b, 0) + int(samples)
             return True
 
     def admission_counts(self) -> tuple[dict[int, int], dict[int, int]]:
@@ -412,15 +431,33 @@ class MemoryState:
 
     def admitted_version(self, batch_id: str) -> int | None:
         with self._lock:
-            prev = self._admitted_of.get(batch_id)
+            prev = self._admitted_of.get(batch_id) or next(
+                (d[batch_id] for d in self._ledger_windows(self._delivered) if batch_id in d), None)
             return prev[0] if prev is not None else None
 
     def mark_delivered(self, batch_ids: Sequence[str]) -> int:
         """Admitted records whose generate record is committed (see RedisState); returns how many are new."""
         with self._lock:
-            new = [b for b in dict.fromkeys(batch_ids) if b in self._admitted_of and b not in self._delivered]
-            self._delivered.update(new)
+            here = self._ledger_windows(self._delivered)[0]
+            new = [b for b in dict.fromkeys(batch_ids) if b in self._admitted_of]
+            for b in new:
+                here[b] = self._admitted_of.pop(b)
             return len(new)
+
+    def fold_admission(self, below: int) -> int:
+        """Sum the counts of every version < ``below`` under FOLDED (see RedisState); the fold point in effect."""
+        if isinstance(below, bool) or not isinstance(below, int):
+            raise ValueError(f"fold_admission: below must be an int, got {below!r}")
+        with self._lock:
+            if below <= self._folded:
+                return self._folded
+            for counts in (self._admitted, self._lost):
+                old = [v for v in counts if 0 <= v < below]
+                total = sum(counts.pop(v) for v in old)
+                if total:
+                    counts[FOLDED] = counts.get(FOLDED, 0) + total
+            self._folded = int(below)
+            return self._folded
 
     # --- the rewind handshake (expstream/tools/rewind.py) -----------------------------------------------
     def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:

@@ -46,11 +46,7 @@ Keys (``P`` = ``expstream:{<run_id>}:``, ``G`` = ``expstream:{<run_id>{<group_id
 ``P window:<name>:cur``         string  the open window's k
 ``P window:<name>:<k>:members`` hash    batch_id -> payload bytes (TTL ``group_ttl_s``)
 ``P window:<name>:<k>:meta``    hash    samples, closer (TTL ``group_ttl_s``)
-``P admission:of``              hash    admitted batch_id -> "version samples", + " d" once delivered
-``P admission:lost_of``         hash    lost batch_id -> "version samples"
-``P admission:admitted``        hash    version -> samples admitted under it
-``P admission:lost``            hash    version -> samples lost of it
-``P admission:totals``          hash    admitted, lost (sums over versions, for the O(1) check)
+``P admission:*``               hash    the admission ledger: expstream/state/redis_admission.py
 ``P rewind:<stage>``            string  the pending rewind request id (TTL, refreshed by the tool)
 ``P rewind:<stage>:acks``       hash    replica -> request id it acknowledged (TTL)
 ==============================  ======  =================================================
@@ -72,7 +68,6 @@ from expstream.state.base import (
     RECENT_BATCHES,
     Moments,
     WindowTaken,
-    check_admission,
     check_group_members,
     check_settle,
     kl_not_initialised,
@@ -82,11 +77,12 @@ from expstream.state.cluster import scan_keys
 from expstream.state.connection import RETRY_DEADLINE_S, SOCKET_TIMEOUT_S, RedisConnection
 from expstream.state.durability import DEFAULT_WAIT_TIMEOUT_MS, ReplicaWait
 from expstream.state.lua import SCRIPTS
+from expstream.state.redis_admission import RedisAdmission
 
 __all__ = ["RedisState"]
 
 
-class RedisState(RedisConnection):
+class RedisState(RedisAdmission, RedisConnection):
     """Run-scoped state in Redis, shared by every replica of every stage.
 
     ``RedisState(url, run_id)`` connects (and pings) at once; :class:`StateUnavailableError` when
@@ -496,60 +492,6 @@ class RedisState(RedisConnection):
     def counters(self) -> dict[str, float]:
         raw = self._call("counters", self._r.hgetall, self.key("counters"))
         return {k.decode(): float(v) for k, v in raw.items()}
-
-    # --- admission control (expstream/rl/admission.py) ------------------------------------------
-    def admit(self, batch_id: str, samples: int, version: int, bound: int) -> bool:
-        """Admit a prompt record of ``samples`` samples generated under ``version``; one Lua script.
-
-        0. A ``batch_id`` marked delivered (:meth:`mark_delivered`: its generate record was committed, so
-           it is read again only by a rewind) is admitted (True) and nothing is counted or moved.
-        1. A ``batch_id`` admitted before is admitted again (True) at once; when ``version`` is newer
-           (the record was redelivered and is generated under newer weights), its count moves from the
-           old version to the new one. An older ``version`` is refused (False): a record is never
-           regenerated with older weights than it was admitted with (its samples could arrive after
-           the trainer stopped waiting for that version); the caller reloads and tries again.
-        2. Otherwise it is admitted iff ``sum(admitted) - sum(lost) + samples <= bound``; then
-           ``admitted[version] += samples``. False leaves everything unchanged.
-        """
-        check_admission("admit", batch_id, samples, version, bound)
-        res = self._script("admit", [self.key("admission", "of"), self.key("admission", "admitted"),
-                                     self.key("admission", "totals")],
-                           [batch_id, str(int(samples)), str(int(version)), str(int(bound))])
-        return bool(int(res))
-
-    def record_lost(self, batch_id: str, version: int, samples: int) -> bool:
-        """Count ``samples`` of ``version`` that will never reach the trainer (dead-lettered, dropped by
-        dynamic sampling), once per ``batch_id``. True when counted now, False for a repeat."""
-        check_admission("record_lost", batch_id, samples, version)
-        res = self._script("record_lost", [self.key("admission", "lost_of"), self.key("admission", "lost"),
-                                           self.key("admission", "totals")],
-                           [batch_id, str(int(version)), str(int(samples))])
-        return bool(int(res))
-
-    def admission_counts(self) -> tuple[dict[int, int], dict[int, int]]:
-        """(samples admitted by version, samples lost by version); versions with 0 left out."""
-        def read(pipe: redis.client.Pipeline) -> None:
-            pipe.hgetall(self.key("admission", "admitted"))
-            pipe.hgetall(self.key("admission", "lost"))
-
-        admitted, lost = self._pipeline("admission_counts", read, transaction=True)
-        return tuple({int(v): int(n) for v, n in sorted(raw.items(), key=lambda kv: int(kv[0])) if int(n)}
-                     for raw in (admitted, lost))
-
-    def admitted_version(self, batch_id: str) -> int | None:
-        """The version ``batch_id`` is admitted under, None when it never was."""
-        raw = self._call("admitted_version", self._r.hget, self.key("admission", "of"), batch_id)
-        return int(raw.split(b" ", 1)[0]) if raw is not None else None
-
-    def mark_delivered(self, batch_ids: Sequence[str]) -> int:
-        """Generate's records ``batch_ids`` are committed (their samples are on their way): from now on an
-        admission of one of them (a rewind reading it again) is granted without counting anything, since
-        the samples it regenerates are duplicates of counted ones. Ids never admitted are skipped.
-        Returns how many were marked now (idempotent)."""
-        ids = list(dict.fromkeys(batch_ids))
-        if not ids:
-            return 0
-        return int(self._script("mark_delivered", [self.key("admission", "of")], ids))
 
     # --- the rewind handshake (expstream/tools/rewind.py) -----------------------------------------------
     def set_rewind_request(self, stage: str, request_id: str, ttl_s: float) -> None:

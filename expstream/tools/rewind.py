@@ -452,9 +452,14 @@ def rewind_note(topo: Topology, stage: str) -> str | None:
     from expstream.rl.admission import backpressure_on
 
     if stage == "generate" and backpressure_on(topo):
+        from expstream.state.base import ADMISSION_WINDOWS
+
+        horizon = (ADMISSION_WINDOWS - 1) * topo.redis.dedupe_window_s
         return ("  note: the continuous loop's generate: records already committed are regenerated with the current "
                 "weights but not admitted again (their samples were counted when first admitted); their sample ids are "
-                "trained already, so advantage and the trainer drop the copies (docs/replay.md \"Rewind\")")
+                "trained already, so advantage and the trainer drop the copies (docs/replay.md \"Rewind\"). Records "
+                f"committed more than {horizon} s ago (the admission ledger's horizon, {ADMISSION_WINDOWS - 1} x "
+                "redis.dedupe_window_s) may be forgotten: they are admitted and counted as new work")
     return None
 
 

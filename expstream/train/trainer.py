@@ -16,7 +16,8 @@ Per optimisation step u (0-based; trains weights of version u, publishes version
    with the records it came from;
 5. publish version u+1 to the weight store, write the checkpoint (every ``train.checkpoint_every``
    steps and the last), announce the version (``policy`` topic + Redis), commit the consumed offsets
-   (only after the checkpoint is durable), delete the versions retention no longer keeps
+   (only after the checkpoint is durable; then fold the admission counts of the versions below the
+   checkpoint's step - k into one total, :meth:`Trainer.fold_admission`), delete the versions retention no longer keeps
    (:func:`versions_kept`: the staleness window or ``train.keep_versions``, and the latest
    checkpoint's), report the KL to PipelineControl, append the ``train.jsonl`` line and print one
    progress line.
@@ -223,6 +224,19 @@ class Trainer:
             return {}, {}
         return self.state.admission_counts()
 
+    def fold_admission(self) -> int:
+        """Fold the admission counts of the versions below the durable checkpoint's step - k into one total
+        (``State.fold_admission``) and let the gate forget them: no step this trainer takes, or resumes at
+        from that checkpoint, trains a sample of them, so the ledger it reads every poll keeps about
+        ``k + train.checkpoint_every`` versions however long the run. Returns the fold point (0: none)."""
+        if self.topo.async_.on_stale != "backpressure" or self.checkpoint_version is None:
+            return 0
+        below = self.checkpoint_version - self.k
+        if below <= 0:
+            return 0
+        self.gate.forget_below(below)
+        return self.state.fold_admission(below)
+
     def ready(self) -> bool:
         """Steps 3-4 of the module docstring: may step ``self.step`` run now?"""
         if not self.buffer:
@@ -397,6 +411,7 @@ class Trainer:
                 self._maybe_crash("after_announce")
                 if ckpt_positions is not None:
                     self.stream.commit(ckpt_positions)
+                    self.fold_admission()
                 self.prune()
                 if math.isfinite(out["kl"]):  # a non-finite KL would poison the adaptive β for good
                     self.control.report_kl(f"step-{line['step']}", out["kl"], n_steps=line["samples"])
