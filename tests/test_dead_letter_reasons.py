@@ -17,7 +17,7 @@ from expstream.errors import PoisonRecordError
 from expstream.kafka.clients import read_topic
 from expstream.kafka.letters import sample_errors
 from expstream.launch.collector import ExperienceCollector
-from expstream.tools.status import accounting_block
+from expstream.tools.accounting import accounting_block
 from schemas import PromptBatch, encode
 from stages.context import make_context
 from stages.runner import StageRunner

@@ -15,7 +15,8 @@ import yaml
 
 from expstream.kafka.provenance import read_provenance
 from expstream.observe.metrics import METRICS, exported_names
-from expstream.tools.status import accounting, bottleneck, render_status, window_stats
+from expstream.tools.accounting import accounting
+from expstream.tools.status import bottleneck, render_status, window_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,7 @@ def test_a_finished_run_waits_for_the_last_statistics_before_its_final_accountin
 
     from expstream.config.topology import load_topology
     from expstream.state.memory import MemoryState
-    from expstream.tools.status import wait_balanced
+    from expstream.tools.accounting import wait_balanced
 
     topo = load_topology(None, [])
     state = MemoryState()

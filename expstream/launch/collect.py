@@ -24,7 +24,7 @@ from expstream.launch.collector import REJECTED_FILE, ExperienceCollector
 from expstream.launch.outcome import RunOutcome
 from expstream.launch.prompts import PromptRow, feed_prompts
 from expstream.launch.services import RunServices
-from expstream.tools.status import wait_balanced
+from expstream.tools.accounting import wait_balanced
 
 if TYPE_CHECKING:
     from expstream.state import State
@@ -121,7 +121,7 @@ def collect_experiences(svc: RunServices, rows: list[PromptRow], out: RunOutcome
             if collector.complete_groups >= plan.target or (out.fed == len(rows) and done >= out.fed):
                 progress.update(min(collector.complete_groups, plan.target), len(collector.samples), force=True)
                 if done >= out.fed == len(rows):  # everything fed came out: the final snapshot and the summary
-                    wait_balanced(svc.state, topo)  # wait for the last statistics (tools/status.py)
+                    wait_balanced(svc.state, topo)  # wait for the last statistics (tools/accounting.py)
                 out.finished = True
                 return
             if time.monotonic() - last_new > topo.run.timeout_s:

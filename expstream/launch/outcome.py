@@ -262,7 +262,7 @@ class RunOutcome:
     def accounting(self, problems: list[str]) -> dict:
         """Per stage: samples in = out + dead-lettered + dropped + in flight (expstream/tools/status.py)."""
         try:
-            from expstream.tools.status import accounting_block
+            from expstream.tools.accounting import accounting_block
 
             return accounting_block(self.state, self.topo, log) if self.state is not None else {}
         except Exception as exc:  # noqa: BLE001 - Redis may be what failed

@@ -31,6 +31,7 @@ from typing import Any
 
 from expstream.config.cli_args import Command
 from expstream.errors import ConfigError
+from expstream.tools.accounting import accounting
 
 log = logging.getLogger("expstream.status")
 
@@ -46,11 +47,6 @@ SCRAPE_TIMEOUT_S = 1.0
 STATUS_FILE = "status.jsonl"
 #: Why 2 s: Redis on loopback answers at once; a finished run's is gone, and status then shows its last snapshot.
 GONE_CHECK_S = 2.0
-#: how long a finished run waits for its stages' last statistics before the final snapshot and summary.json's
-#: accounting: a stage records a commit group's rows after the broker acknowledged its outputs, so the run can
-#: read the last experience up to a confirm group (<= 50 ms, stages/commitgroup.py) before they are in Redis
-SETTLE_TIMEOUT_S = 5.0
-SETTLE_POLL_S = 0.05
 
 
 def _last_line(path: Path) -> dict | None:
@@ -88,49 +84,6 @@ def window_stats(recent: list[tuple[float, float, int]], now: float, window_s: f
             "batch_p50_s": _percentile(secs, 0.5), "batch_p95_s": _percentile(secs, 0.95),
             "busy_share": round(min(1.0, sum(secs) / span), 3),
             "last_progress_s": round(max(0.0, now - max(r[0] for r in recent)), 3) if recent else None}
-
-
-def accounting(flow: dict[str, int], dropped: int = 0) -> dict[str, Any]:
-    """in = out + dead + dropped + in flight; ``balanced`` when in flight is 0 and nothing is negative."""
-    s_in, out, dead = int(flow.get("in", 0)), int(flow.get("out", 0)), int(flow.get("dead", 0))
-    in_flight = s_in - out - dead - dropped
-    return {"samples_in": s_in, "samples_out": out, "samples_dead": dead, "samples_dropped": dropped,
-            "in_flight": in_flight, "balanced": in_flight == 0}
-
-
-def accounting_block(state: Any, topo: Any, log_to: logging.Logger | None = None) -> dict[str, Any]:
-    """summary.json's ``accounting``: per stage in/out/dead/dropped/in flight, ``balanced``; a warning per
-    stage that does not balance (at the end of a run every sample should be out, dead or dropped)."""
-    flows = state.flows()
-    dropped_groups = int(state.counters().get("dynamic_sampling_dropped_groups", 0))
-    n = topo.generate.n_samples_per_prompt
-    out = {}
-    for st in topo.enabled_stages():
-        acc = accounting(flows.get(st.name, {}), dropped_groups * n if st.name == "advantage" else 0)
-        out[st.name] = acc
-        if not acc["balanced"] and log_to is not None:
-            log_to.warning("accounting: stage %s does not balance: in %d != out %d + dead %d + dropped %d (in flight "
-                           "%d)", st.name, acc["samples_in"], acc["samples_out"], acc["samples_dead"],
-                           acc["samples_dropped"], acc["in_flight"])
-    return out
-
-
-def wait_balanced(state: Any, topo: Any, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
-    """Wait until every enabled stage's accounting balances (nothing in flight), at most ``timeout_s``.
-
-    Called once a finite run has every group it fed: the last experience can reach the run before the
-    stage that produced it has written its statistics (they follow the broker's acknowledgement).
-    Returns whether it balanced; a run that ends with samples in flight is reported as it is."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if all(acc["balanced"] for acc in accounting_block(state, topo).values()):
-                return True
-        except Exception:  # noqa: BLE001 - observability never stops a run: the accounting says what it reads
-            return False
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(SETTLE_POLL_S)
 
 
 def _scrape(url: str) -> dict[str, dict]:
