@@ -16,11 +16,11 @@ What changes, and why it is safe:
   consumer": generation -1, no member id). Nothing fences a replica's commit against another's, so
   the run keeps two replicas off one partition: replica ``i`` of ``n`` owns exactly its share, a
   restarted replica (the supervisor restarts it with the same ``--assign``) takes the same share
-  after the old process has died, and the first ``expstream scale`` (or autoscaler step) of the
-  stage stops every hand-assigned replica (SIGTERM, each finishes and commits its micro-batch and
-  exits; SIGKILL after the grace) before it starts the new count as group members
-  (expstream/launch/supervisor.py ``Supervisor.regroup``). Should a commit of a process that is gone
-  still land after the new members' (a request already in the broker's socket buffer), no record
+  after the old process has died, and an ``expstream scale`` (or autoscaler step) of the stage
+  stops every hand-assigned replica (SIGTERM, each finishes and commits its micro-batch and exits;
+  SIGKILL after the grace) before it starts the new count, each with its new share
+  (expstream/launch/supervisor.py ``Supervisor.reassign``). Should a commit of a process that is gone
+  still land after the new replicas' (a request already in the broker's socket buffer), no record
   is lost either: a replica commits an offset only after the outputs of every record below it are
   confirmed (stages/commitgroup.py), so a late commit can only move the offset to records that were
   handled (forward) or make handled records be read again (back: duplicates, which every consumer
