@@ -264,16 +264,18 @@ GUESS_SETS = ["environment.fn=expstream.rewards.games:guess_digit", "environment
 @pytest.mark.e2e
 @pytest.mark.integration
 def test_guessing_game_reward_rises_in_a_continuous_run(tmp_path, model_cache):
-    """The shipped example task (docs/multi_turn.md): 40 steps of the reference trainer, the default seed;
-    the mean episode reward of the last 5 steps is clearly above the first 5 (0.22 -> 0.79 measured)."""
+    """The shipped example task (docs/multi_turn.md): 60 steps of the reference trainer, the default seed;
+    the mean episode reward of the last 10 steps is clearly above the first 10. The rise starts after
+    20-30 steps and its pace varies with how stale the samples are (asynchronous loop), so 40 steps and
+    5-step means, as before, once measured 0.25 -> 0.44 in a whole-suite run (0.22 -> 0.79 alone)."""
     from tests.harness import ROOT
 
     proc, out = run_expstream(tmp_path, "--continuous", prompts=ROOT / "examples" / "guess_prompts.jsonl",
-                              cache=model_cache, sets=[*GUESS_SETS, "train.max_steps=40", "run.timeout_s=300"],
+                              cache=model_cache, sets=[*GUESS_SETS, "train.max_steps=60", "run.timeout_s=300"],
                               timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == list(range(40))
+    assert [x["step"] for x in lines] == list(range(60))
     rewards = [x["reward_mean"] for x in lines]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.2, f"reward did not rise: first 5 steps {first:.4f}, last 5 {last:.4f}: {rewards}"
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.2, f"reward did not rise: first 10 steps {first:.4f}, last 10 {last:.4f}: {rewards}"
