@@ -54,9 +54,11 @@ def store_size(path: Path) -> tuple[int, int]:
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def tree_stats(root: int) -> tuple[dict[str, float], dict[str, float]]:
+def tree_stats(root: int, labels: dict[int, str] | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """(RSS MiB, CPU seconds) of every process under ``root`` (Linux /proc), keyed by a short name from
-    its title. CPU is user + system of the process itself (its children are in the tree)."""
+    its title, or ``labels`` (pid -> the supervisor's label, ``run/pids.json``: a process forked from the fork
+    server, the trainer, keeps the fork server's title). CPU is user + system of the process itself (its
+    children are in the tree)."""
     parent: dict[int, int] = {}
     cpu_of: dict[int, float] = {}
     for entry in os.listdir("/proc"):
@@ -82,7 +84,7 @@ def tree_stats(root: int) -> tuple[dict[str, float], dict[str, float]]:
             rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
         except (OSError, StopIteration, ValueError):
             continue
-        name = process_name(pid, root, title)
+        name = (labels or {}).get(pid) or process_name(pid, root, title)
         rss_out[name] = round(rss / 1024, 1)
         cpu_out[name] = round(cpu_of.get(pid, 0.0), 2)
     return rss_out, cpu_out
@@ -102,6 +104,26 @@ def process_name(pid: int, root: int, title: str) -> str:
         if word in title:
             return word
     return f"{title[:40]} ({pid})"
+
+
+def supervised_labels(out: Path) -> dict[int, str]:
+    """pid -> ``trainer`` for the supervised trainer of ``run/pids.json`` (stages name themselves by title)."""
+    try:
+        pids = json.loads((out / "run" / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {int(pid): "trainer" for label, pid in pids.items() if label.startswith("trainer")}
+
+
+def checkpoint_sizes(out: Path) -> dict[str, float]:
+    """The trainer's current checkpoint: its meta.json (positions, settled ids, counters) in KB, all of it in MB."""
+    link = out / "train" / "checkpoint"
+    try:
+        target = link.resolve(strict=True)
+        meta = (target / "meta.json").stat().st_size
+    except OSError:
+        return {}
+    return {"checkpoint_meta_kb": round(meta / 1024, 1), "checkpoint_mb": round(dir_bytes(target) / 2**20, 3)}
 
 
 def dir_bytes(path: Path) -> int:
@@ -200,14 +222,14 @@ def main() -> int:
                 now = round(time.monotonic() - started, 1)
                 back = [x for x in samples if now - x["t"] >= 10]
                 rate = (done - back[-1]["samples"]) / (now - back[-1]["t"]) if back else None
-                rss, cpu = tree_stats(proc.pid)
+                rss, cpu = tree_stats(proc.pid, supervised_labels(out))
                 cpu_ms = None
                 if back and done > back[-1]["samples"] and set(back[-1]["cpu_s"]) <= set(cpu):
                     # the run's CPU per trained sample over the window (not once processes start to exit)
                     cpu_ms = 1000 * (sum(cpu.values()) - sum(back[-1]["cpu_s"].values())) / (done - back[-1]["samples"])
                 samples.append({"step": step, "t": now, "samples": done, **red,
                                 "store_versions": versions, "store_mb": round(size / 2**20, 2),
-                                "rss_mb": rss, "cpu_s": cpu, "recording_mb": round(dir_bytes(out / "topics") / 2**20, 3),
+                                **checkpoint_sizes(out), "rss_mb": rss, "cpu_s": cpu, "recording_mb": round(dir_bytes(out / "topics") / 2**20, 3),
                                 "samples_per_s": None if rate is None else round(rate, 2),
                                 "cpu_ms_per_sample": None if cpu_ms is None else round(cpu_ms, 2),
                                 "loadavg": os.getloadavg()[0]})
@@ -229,6 +251,8 @@ def main() -> int:
         print(f"{row['step']:>6} {row['t']:>7} {row['keys']:>7} {row['used_memory'] / 2**20:>15.2f} "
               f"{row['store_versions']:>15} {row['store_mb']:>9.2f}  {row['kinds']}")
         print(f"{'':>6} KB by kind: {row['kind_kb']}")
+        print(f"{'':>6} trainer RSS {row['rss_mb'].get('trainer')} MiB, checkpoint meta.json "
+              f"{row.get('checkpoint_meta_kb')} KB of {row.get('checkpoint_mb')} MB, load {row['loadavg']:.1f}")
     growth = growth_per_100(samples, at[0])
     print(f"per 100 steps from step {at[0]} to the end: {json.dumps(growth)}")
     summary = {"bench": "growth", "steps": args.steps, "sets": args.sets, "exit": proc.returncode, "rows": rows,
@@ -290,6 +314,10 @@ def growth_per_100(samples: list[dict], start: int) -> dict[str, float]:
     k = 100 / (b["step"] - a["step"])
     out = {"redis_keys": (b["keys"] - a["keys"]) * k, "redis_used_mb": (b["used_memory"] - a["used_memory"]) / 2**20 * k,
            "store_mb": (b["store_mb"] - a["store_mb"]) * k, "recording_mb": (b["recording_mb"] - a["recording_mb"]) * k}
+    with_ckpt = [x for x in late if "checkpoint_meta_kb" in x]
+    if len(with_ckpt) >= 2 and with_ckpt[-1]["step"] > with_ckpt[0]["step"]:
+        c0, c1 = with_ckpt[0], with_ckpt[-1]
+        out["checkpoint_meta_kb"] = (c1["checkpoint_meta_kb"] - c0["checkpoint_meta_kb"]) * 100 / (c1["step"] - c0["step"])
     for name in sorted(a["rss_mb"]):  # each process to its last sample (stages stop before the run ends)
         last = [x for x in late if name in x["rss_mb"]][-1]
         if last["step"] > a["step"]:
@@ -327,8 +355,10 @@ def plot(samples: list[dict], path: Path) -> None:
     ax[0][1].legend(fontsize=6, ncol=2)
     ax[1][0].plot(steps, [x["recording_mb"] for x in samples], label="recording MiB")
     ax[1][0].plot(steps, [x["store_mb"] for x in samples], label="weight store MiB")
-    ax[1][0].legend()
-    ax[1][0].set_title("bytes on disk")
+    ax[1][0].legend(loc="upper left")
+    ckpt = ax[1][0].twinx()
+    ckpt.plot(steps, [x.get("checkpoint_meta_kb") for x in samples], color="tab:green")
+    ax[1][0].set_title("bytes on disk; the checkpoint's meta.json KB (green)")
     ax[1][1].plot(steps, [x["samples_per_s"] for x in samples])
     cpu = ax[1][1].twinx()
     cpu.plot(steps, [x.get("cpu_ms_per_sample") for x in samples], color="tab:red")

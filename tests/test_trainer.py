@@ -128,6 +128,63 @@ def test_kill_and_resume_trains_every_sample_exactly_once(broker, redis_url, run
     assert load_causal_lm(out / "final") is not None
 
 
+@pytest.mark.integration
+def test_a_trainer_resumes_from_a_format_1_checkpoint_and_drops_what_it_trained(broker, redis_url, run_id,
+                                                                                fresh_topic, tmp_path):
+    """Issue 28 item 6: checkpoints now carry only the settled ids of the dedupe horizon (format 2). One
+    written before (format 1: every trained id in `taken`) still resumes: killed after step 3's checkpoint,
+    its meta.json turned back into format 1, and the records it trained sent again. With
+    async.max_staleness=100 the staleness rule drops nothing, so only the restored ids keep those copies
+    from being trained twice."""
+    from expstream.kafka.clients import make_producer, send_and_confirm
+    from expstream.kafka.topics import create_topics
+    from expstream.train.checkpoint import read_checkpoint
+
+    create_topics(broker, {"policy": 1}, with_dlq=False)
+    topic = fresh_topic(1)
+    topo = load_topology(find_topology(None), ["run.seed=2"])
+    exps = LocalChain(topo).setup().run(example_prompt_batches(topo, "f1", 6))
+    producer = make_producer(broker)
+    try:
+        for b in exps:
+            send_and_confirm(producer, topic, encode(b), key=b.batch_id.encode())
+        produced = {f"{g}#{i}" for b in exps for g, i in zip(b.group_id, b.sample_index, strict=True)}
+        steps = len(produced) // 8
+        out = tmp_path / "train-out"
+        cmd = _train_cmd(broker, redis_url, run_id, out, topic, steps)
+        env = {**os.environ, "EXPSTREAM_FAULT": "trainer:after_checkpoint:3"}
+        first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert first.returncode == -9, first.stderr[-3000:]
+        ckpt = read_checkpoint(out)
+        meta_path = out / "train" / "checkpoint" / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        assert meta["format"] == 2 and "taken" not in meta
+        trained = [[sid, v] for e in meta.pop("settled") for sid, v in e["taken"]]
+        assert ckpt.step >= 2 and len(trained) == ckpt.step * 8
+        meta.update(format=1, taken=trained, dropped=[])
+        meta_path.write_text(json.dumps(meta))
+        copies = [b for b in exps if {f"{g}#{i}" for g, i in zip(b.group_id, b.sample_index, strict=True)}
+                  <= {sid for sid, _ in trained}]
+        assert len(copies) >= 2
+        for b in copies:  # copies of trained records (redelivered, same versions)
+            send_and_confirm(producer, topic, encode(b), key=b.batch_id.encode())
+    finally:
+        producer.close()
+    env.pop("EXPSTREAM_FAULT")
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    n = len(trained)
+    assert f"resumed at step {ckpt.step}" in second.stderr and f"{n} settled ids kept ({n} trained)" in second.stderr
+    after = _lines(out / "train.jsonl")
+    assert [line["step"] for line in after] == list(range(steps))
+    ids = [sid for line in after for sid in line["sample_ids"]]
+    assert len(ids) == len(set(ids)), "a sample was trained twice"
+    assert set(ids) == produced
+    assert json.loads((out / "train" / "done.json").read_text())["duplicates"] >= sum(len(b.prompt_id) for b in copies)
+    meta = json.loads(meta_path.read_text())
+    assert meta["format"] == 2 and {sid for e in meta["settled"] for sid, _ in e["taken"]} <= produced
+
+
 def test_train_without_redis_is_a_config_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "EXPSTREAM_REDIS_URL"}
     res = subprocess.run([sys.executable, "-m", "expstream", "train", "--bootstrap-servers", "127.0.0.1:1",

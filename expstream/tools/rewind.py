@@ -459,7 +459,8 @@ def rewind_note(topo: Topology, stage: str) -> str | None:
                 "weights but not admitted again (their samples were counted when first admitted); their sample ids are "
                 "trained already, so advantage and the trainer drop the copies (docs/replay.md \"Rewind\"). Records "
                 f"committed more than {horizon} s ago (the admission ledger's horizon, {ADMISSION_WINDOWS - 1} x "
-                "redis.dedupe_window_s) may be forgotten: they are admitted and counted as new work")
+                "redis.dedupe_window_s) may be forgotten: they are admitted and counted as new work, and trained as new "
+                "work once the trainer no longer keeps their ids (docs/async.md \"The trainer's dedupe horizon\")")
     return None
 
 

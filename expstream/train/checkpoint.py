@@ -8,8 +8,13 @@ symlink to the current one (a symlink can be replaced atomically; a non-empty di
   tensors in safetensors, the hyper-parameters and layout in JSON (no pickle anywhere);
 * ``buffer.msgpack`` -- the buffered-but-untrained experience records: their encoded bytes, the rows
   still untrained and where they were read (``topic[partition]@offset``);
-* ``meta.json`` -- policy version, step, consumed positions per partition, the sample ids already
-  trained (``taken``), counters, and the ``train.jsonl`` line of the checkpointed step.
+* ``meta.json`` -- policy version, step, consumed positions per partition, the sample ids settled
+  within the dedupe horizon (``settled``: trained or dropped as stale, one entry per step,
+  expstream/train/settled.py), counters, and the ``train.jsonl`` line of the checkpointed step.
+
+Format 2 (issue 28): ``settled`` holds the ids of the horizon only. Format 1 held every id of the run
+(``taken`` and ``dropped``, without times); it is still read, as one entry of the checkpoint's step
+settled when ``meta.json`` was written (so its ids are kept the whole horizon after that).
 
 Protocol (:func:`write_checkpoint`), each step numbered as in the code:
 
@@ -46,7 +51,9 @@ __all__ = ["Checkpoint", "CheckpointError", "BufferedRecord", "checkpoint_dir", 
 log = logging.getLogger("expstream.train.checkpoint")
 
 LINK_NAME = "checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Formats :func:`read_checkpoint` reads: 1 (every taken and dropped id of the run) and 2.
+READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(ExpstreamError):
@@ -69,7 +76,6 @@ class Checkpoint:
     step: int  # optimisation steps done (the next step is `step`)
     version: int  # policy version of the weights below (== step for the reference trainer)
     positions: dict[int, int]  # partition -> next offset to read of the experiences topic
-    taken: list[list[Any]]  # [sample id, rollout version] already trained (never trained again)
     actor: dict[str, torch.Tensor]  # name -> tensor (state_dict, contiguous CPU tensors)
     actor_optim: dict[str, Any]  # torch optimizer state_dict
     critic: dict[str, torch.Tensor] | None = None
@@ -77,7 +83,8 @@ class Checkpoint:
     buffer: list[BufferedRecord] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     last_line: dict[str, Any] | None = None  # train.jsonl line of step `step - 1`
-    dropped: list[list[Any]] = field(default_factory=list)  # [sample id, version] dropped as stale
+    # the ids settled within the dedupe horizon: [{"step", "time", "taken": [[id, version]...], "dropped": [...]}]
+    settled: list[dict[str, Any]] = field(default_factory=list)
     run_id: str = ""
 
 
@@ -147,7 +154,7 @@ def write_checkpoint(output: Path, ckpt: Checkpoint) -> Path:
            for r in ckpt.buffer]
     (target / "buffer.msgpack").write_bytes(msgpack.packb(buf, use_bin_type=True))
     meta = {"format": FORMAT_VERSION, "step": ckpt.step, "version": ckpt.version, "run_id": ckpt.run_id,
-            "positions": {str(p): o for p, o in ckpt.positions.items()}, "taken": ckpt.taken, "dropped": ckpt.dropped,
+            "positions": {str(p): o for p, o in ckpt.positions.items()}, "settled": ckpt.settled,
             "counters": ckpt.counters, "last_line": ckpt.last_line,
             "critic": ckpt.critic is not None}
     (target / "meta.json").write_text(json.dumps(meta))
@@ -177,8 +184,10 @@ def read_checkpoint(output: Path) -> Checkpoint | None:
     target = link.resolve()
     try:
         meta = json.loads((target / "meta.json").read_text())
-        if meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"{target}: checkpoint format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+        if meta.get("format") not in READABLE_FORMATS:
+            raise CheckpointError(f"{target}: checkpoint format {meta.get('format')!r}, expected one of "
+                                  f"{READABLE_FORMATS}")
+        settled = _settled(meta, (target / "meta.json").stat().st_mtime)
 
         def role_files(role: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
             weights = load_file(str(target / f"{role}.safetensors"))
@@ -198,10 +207,20 @@ def read_checkpoint(output: Path) -> Checkpoint | None:
                               "to start training from scratch, or restore a backup") from exc
     return Checkpoint(
         step=int(meta["step"]), version=int(meta["version"]), run_id=str(meta.get("run_id", "")),
-        positions={int(p): int(o) for p, o in meta["positions"].items()}, taken=list(meta["taken"]),
-        dropped=list(meta.get("dropped") or []),
+        positions={int(p): int(o) for p, o in meta["positions"].items()}, settled=settled,
         actor=actor, actor_optim=actor_optim or {}, critic=critic, critic_optim=critic_optim,
         buffer=[BufferedRecord(value=bytes(r["value"]), rows=list(r["rows"]), topic=r["topic"],
                                partition=int(r["partition"]), offset=int(r["offset"])) for r in raw],
         counters=dict(meta.get("counters") or {}), last_line=meta.get("last_line"),
     )
+
+
+def _settled(meta: dict[str, Any], written: float) -> list[dict[str, Any]]:
+    """The ``settled`` entries of ``meta``; format 1's whole-run ``taken`` / ``dropped`` lists become one
+    entry of the checkpoint's last step, settled at ``written`` (when meta.json was written)."""
+    if meta.get("format") != 1:
+        return list(meta.get("settled") or [])
+    taken, dropped = list(meta.get("taken") or []), list(meta.get("dropped") or [])
+    if not taken and not dropped:
+        return []
+    return [{"step": max(int(meta["step"]) - 1, 0), "time": float(written), "taken": taken, "dropped": dropped}]

@@ -2,7 +2,8 @@
 
 Per optimisation step u (0-based; trains weights of version u, publishes version u+1):
 
-1. poll ``experiences``; drop a sample id already taken or buffered (Kafka delivers at least once;
+1. poll ``experiences``; drop a sample id already settled (trained or dropped as stale, within the dedupe
+   horizon: :class:`~expstream.train.settled.SettledSamples`) or buffered (Kafka delivers at least once;
    counted as ``duplicates``); ``gate.add`` every new sample with its rollout version;
 2. drop buffered samples staler than ``async.max_staleness`` (never trained; counted, logged);
 3. wait while the gate names stragglers (admitted samples of versions v <= u - k not yet arrived),
@@ -24,7 +25,7 @@ Per optimisation step u (0-based; trains weights of version u, publishes version
 
 After ``train.max_steps``: ``DIR/final/`` (a loadable HF directory) and ``DIR/train/done.json``.
 Stopped by SIGTERM/SIGINT after at least one step: a checkpoint and ``DIR/final/`` (no done.json).
-Resume after a crash: the checkpoint's weights, optimiser state, buffer and taken ids; versions the
+Resume after a crash: the checkpoint's weights, optimiser state, buffer and settled ids; versions the
 store holds beyond it are discarded (never announced); ``train.jsonl`` is cut back to the
 checkpoint's steps; the experiences are re-read from the checkpoint's positions.
 """
@@ -52,6 +53,7 @@ from expstream.rl.episodes import turn_reward_sums
 from expstream.rl.experience import sample_id
 from expstream.rl.versions import mixed_rows, oldest_versions
 from expstream.train.checkpoint import BufferedRecord, Checkpoint, read_checkpoint, write_checkpoint
+from expstream.train.settled import SettledSamples, settle_horizon_s
 from expstream.train.step import PolicyTrainer, experience_from_records
 from schemas import decode, encode
 
@@ -124,8 +126,7 @@ class Trainer:
         self.step = 0
         self.records: dict[tuple[int, int], tuple[Any, str]] = {}  # (p, offset) -> (batch, topic)
         self.buffer: list[BufferedSample] = []
-        self.taken: dict[str, int] = {}  # sample id -> version, trained
-        self.dropped: dict[str, int] = {}  # sample id -> version, dropped as stale (never trained)
+        self.settled = SettledSamples(settle_horizon_s(topo))  # ids trained or dropped, within the horizon
         self.counters: Counter[str] = Counter()
         self.stop = False
         self.last_line: dict[str, Any] | None = None
@@ -158,9 +159,8 @@ class Trainer:
         self.step = ckpt.step
         self.checkpoint_version = ckpt.version
         self.counters.update(ckpt.counters)
-        self.taken = {sid: v for sid, v in ckpt.taken}
-        self.dropped = {sid: v for sid, v in ckpt.dropped}
-        for sid, v in [*self.taken.items(), *self.dropped.items()]:
+        self.settled = SettledSamples.from_json(ckpt.settled, settle_horizon_s(self.topo))
+        for sid, v in self.settled.items():
             self.gate.add(sid, v)
         for rec in ckpt.buffer:
             batch = decode(rec.value)
@@ -170,12 +170,17 @@ class Trainer:
             if dropped:
                 log.warning("trainer: discarded %s versions %s written after the checkpoint (never announced)",
                             role, dropped)
+        # the fold the crashed trainer may not have reached after this checkpoint: the ids it no longer keeps
+        # are of versions it folds (the gate must not wait for what it has forgotten it received)
+        self.fold_admission()
+        self.settled.forget(self.step - self.k)
         if ckpt.version > 0:
             self._announce(self.store.manifest("actor", ckpt.version))
         _cut_jsonl(self.output / TRAIN_JSONL, ckpt.step, ckpt.last_line)
         self.last_line = ckpt.last_line
-        log.info("trainer: resumed at step %d (version %d), %d samples buffered, %d trained, positions %s",
-                 ckpt.step, ckpt.version, len(self.buffer), len(self.taken), ckpt.positions)
+        log.info("trainer: resumed at step %d (version %d), %d samples buffered, %d settled ids kept (%d trained), "
+                 "positions %s", ckpt.step, ckpt.version, len(self.buffer), len(self.settled),
+                 self.settled.taken_count(), ckpt.positions)
         return ckpt.positions
 
     def _announce(self, manifest: Any) -> None:
@@ -194,7 +199,7 @@ class Trainer:
             # counted even for a duplicate: a redelivered prompt record regenerated under a newer
             # version moved its admission count to that version, so the gate must see it there
             self.gate.add(sid, versions[row])
-            if sid in self.taken or sid in buffered or sid in self.dropped:
+            if sid in self.settled or sid in buffered:
                 self.counters["duplicates"] += 1
                 continue
             buffered.add(sid)
@@ -210,7 +215,7 @@ class Trainer:
                 keep.append(s)
                 continue
             self.counters["dropped_stale"] += 1
-            self.dropped[s.sid] = s.version
+            self.settled.drop(s.sid, s.version, self.step)
             self.counters["dropped_stale_step"] += 1
             batch, topic = self.records[s.key]
             log.warning("trainer: sample %s of %s[%d]@%d batch=%s dropped: version %d is %d steps old at step %d "
@@ -228,13 +233,17 @@ class Trainer:
         """Fold the admission counts of the versions below the durable checkpoint's step - k into one total
         (``State.fold_admission``) and let the gate forget them: no step this trainer takes, or resumes at
         from that checkpoint, trains a sample of them, so the ledger it reads every poll keeps about
-        ``k + train.checkpoint_every`` versions however long the run. Returns the fold point (0: none)."""
-        if self.topo.async_.on_stale != "backpressure" or self.checkpoint_version is None:
+        ``k + train.checkpoint_every`` versions however long the run. Returns the fold point (0: none).
+        With ``async.on_stale: drop`` there is no ledger, and the gate (whose counts nothing reads then)
+        forgets the same versions."""
+        if self.checkpoint_version is None:
             return 0
         below = self.checkpoint_version - self.k
         if below <= 0:
             return 0
         self.gate.forget_below(below)
+        if self.topo.async_.on_stale != "backpressure":
+            return 0
         return self.state.fold_admission(below)
 
     def ready(self) -> bool:
@@ -294,7 +303,7 @@ class Trainer:
         chosen_set = set(chosen)
         self.buffer = [s for i, s in enumerate(self.buffer) if i not in chosen_set]
         for s in picked:
-            self.taken[s.sid] = s.version
+            self.settled.take(s.sid, s.version, self.step)
         live = {s.key for s in self.buffer}
         for key in [k for k in self.records if k not in live]:
             del self.records[key]
@@ -319,6 +328,7 @@ class Trainer:
             "time": time.time(),
         }
         self.step += 1
+        self.settled.forget(self.step - self.k)  # a copy of what goes is stale from now on
         return {"line": line, "manifests": [m for m in (critic_manifest, manifest) if m is not None], "kl": kl}
 
     def _count_nonfinite(self, reasons: list[str], by_record: dict[tuple[int, int], list[int]]) -> None:
@@ -348,9 +358,8 @@ class Trainer:
             buffer.append(BufferedRecord(value=encode(batch), rows=rows, topic=topic, partition=key[0], offset=key[1]))
         counters = {k: int(v) for k, v in self.counters.items() if k not in ("dropped_stale_step", "no_reference_warned")}
         write_checkpoint(self.output, Checkpoint(
-            step=self.step, version=self.step, positions=positions,
-            taken=[[sid, v] for sid, v in self.taken.items()],
-            dropped=[[sid, v] for sid, v in self.dropped.items()], actor=self.trainer.actor_state(),
+            step=self.step, version=self.step, positions=positions, settled=self.settled.to_json(),
+            actor=self.trainer.actor_state(),
             actor_optim=self.trainer.optimizer.state_dict(), critic=self.trainer.critic_state(),
             critic_optim=self.trainer.critic_optimizer.state_dict() if self.trainer.critic_optimizer else None,
             buffer=buffer, counters=counters, last_line=self.last_line, run_id=self.run_id))
