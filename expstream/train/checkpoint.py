@@ -8,15 +8,30 @@ symlink to the current one (a symlink can be replaced atomically; a non-empty di
   tensors in safetensors, the hyper-parameters and layout in JSON (no pickle anywhere);
 * ``buffer.msgpack`` -- the buffered-but-untrained experience records: their encoded bytes, the rows
   still untrained and where they were read (``topic[partition]@offset``);
-* ``meta.json`` -- policy version, step, consumed positions per partition, the sample ids already
-  trained (``taken``), counters, and the ``train.jsonl`` line of the checkpointed step.
+* ``meta.json`` -- policy version, step, consumed positions per partition, counters, the
+  ``train.jsonl`` line of the checkpointed step, and which prefix of the id ledger is this checkpoint's;
+* ``DIR/train/ledger-<uuid>.jsonl`` (beside the checkpoint directories, shared by the checkpoints
+  that follow one another) -- the sample ids already trained (``taken``) and dropped as stale, one
+  line per checkpoint with the ids new since the one before. A checkpoint owns the ledger's first
+  ``ledger_bytes`` bytes; anything after them was appended by a write that never became current and
+  is cut off before the next append.
+
+Why a ledger: the ids grow by a batch every step, and written whole into every checkpoint (format 1)
+they made each step's checkpoint cost grow with the run (at step 1,000 of the tiny continuous loop,
+16,000 ids: a 387 KB ``meta.json``, 11 ms more CPU per step than at step 50, bench/README.md
+"Issue 28 item 6"). Appending only the new ids keeps a step's checkpoint the same size however long
+the run. Format 1 checkpoints (ids in ``meta.json``) are still read.
 
 Protocol (:func:`write_checkpoint`), each step numbered as in the code:
 
+0. append the ids new since the current checkpoint to its ledger (cut back to the length that
+   checkpoint owns first), fsync it; or, when the ids are not that checkpoint's plus new ones (no
+   checkpoint yet, format 1, another caller's), write a fresh ledger;
 1. write every file into a fresh ``ckpt-<step>-<uuid>`` directory, fsync each file and the directory;
 2. point a temporary symlink at it and ``os.replace`` it over ``DIR/train/checkpoint`` (atomic: a
    reader sees the previous checkpoint or this one, never a mixture), fsync ``DIR/train``;
-3. delete the previous checkpoint directory (and leftovers of a crash during step 1).
+3. delete the previous checkpoint directory, ledgers no longer named (and leftovers of a crash
+   during step 1).
 
 Only after :func:`write_checkpoint` returns does the trainer announce the version and commit the
 positions to Kafka, so the committed offsets never run ahead of a durable checkpoint. Resuming
@@ -46,7 +61,10 @@ __all__ = ["Checkpoint", "CheckpointError", "BufferedRecord", "checkpoint_dir", 
 log = logging.getLogger("expstream.train.checkpoint")
 
 LINK_NAME = "checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Formats :func:`read_checkpoint` reads: 1 kept the ids in ``meta.json``.
+READ_FORMATS = (1, 2)
+LEDGER_PREFIX = "ledger-"
 
 
 class CheckpointError(ExpstreamError):
@@ -69,7 +87,7 @@ class Checkpoint:
     step: int  # optimisation steps done (the next step is `step`)
     version: int  # policy version of the weights below (== step for the reference trainer)
     positions: dict[int, int]  # partition -> next offset to read of the experiences topic
-    taken: list[list[Any]]  # [sample id, rollout version] already trained (never trained again)
+    taken: list[Any]  # [sample id, rollout version] already trained (never trained again), oldest first
     actor: dict[str, torch.Tensor]  # name -> tensor (state_dict, contiguous CPU tensors)
     actor_optim: dict[str, Any]  # torch optimizer state_dict
     critic: dict[str, torch.Tensor] | None = None
@@ -77,7 +95,7 @@ class Checkpoint:
     buffer: list[BufferedRecord] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     last_line: dict[str, Any] | None = None  # train.jsonl line of step `step - 1`
-    dropped: list[list[Any]] = field(default_factory=list)  # [sample id, version] dropped as stale
+    dropped: list[Any] = field(default_factory=list)  # [sample id, version] dropped as stale, oldest first
     run_id: str = ""
 
 
@@ -129,6 +147,8 @@ def write_checkpoint(output: Path, ckpt: Checkpoint) -> Path:
     root = checkpoint_dir(output)
     root.mkdir(parents=True, exist_ok=True)
     link = root / LINK_NAME
+    # 0. the ids new since the current checkpoint onto its ledger (or a fresh ledger)
+    ledger = _write_ledger(root, _current_ledger(root), ckpt.taken, ckpt.dropped)
     # 1. everything into a fresh directory, each file fsync'ed, then the directory
     target = root / f"ckpt-{ckpt.step:06d}-{uuid.uuid4().hex[:8]}"
     target.mkdir()
@@ -147,7 +167,7 @@ def write_checkpoint(output: Path, ckpt: Checkpoint) -> Path:
            for r in ckpt.buffer]
     (target / "buffer.msgpack").write_bytes(msgpack.packb(buf, use_bin_type=True))
     meta = {"format": FORMAT_VERSION, "step": ckpt.step, "version": ckpt.version, "run_id": ckpt.run_id,
-            "positions": {str(p): o for p, o in ckpt.positions.items()}, "taken": ckpt.taken, "dropped": ckpt.dropped,
+            "positions": {str(p): o for p, o in ckpt.positions.items()}, "ledger": ledger,
             "counters": ckpt.counters, "last_line": ckpt.last_line,
             "critic": ckpt.critic is not None}
     (target / "meta.json").write_text(json.dumps(meta))
@@ -164,6 +184,8 @@ def write_checkpoint(output: Path, ckpt: Checkpoint) -> Path:
     for child in root.iterdir():
         if child.name.startswith("ckpt-") and child.name != target.name:
             shutil.rmtree(child, ignore_errors=True)
+        elif child.name.startswith(LEDGER_PREFIX) and child.name != ledger["file"]:
+            child.unlink(missing_ok=True)
         elif child.name.startswith(f".{LINK_NAME}-"):
             child.unlink(missing_ok=True)
     return target
@@ -177,8 +199,12 @@ def read_checkpoint(output: Path) -> Checkpoint | None:
     target = link.resolve()
     try:
         meta = json.loads((target / "meta.json").read_text())
-        if meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"{target}: checkpoint format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+        if meta.get("format") not in READ_FORMATS:
+            raise CheckpointError(f"{target}: checkpoint format {meta.get('format')!r}, expected one of {READ_FORMATS}")
+        if meta["format"] == 1:
+            taken, dropped = list(meta["taken"]), list(meta.get("dropped") or [])
+        else:
+            taken, dropped = _read_ledger(target.parent, meta["ledger"])
 
         def role_files(role: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
             weights = load_file(str(target / f"{role}.safetensors"))
@@ -198,10 +224,74 @@ def read_checkpoint(output: Path) -> Checkpoint | None:
                               "to start training from scratch, or restore a backup") from exc
     return Checkpoint(
         step=int(meta["step"]), version=int(meta["version"]), run_id=str(meta.get("run_id", "")),
-        positions={int(p): int(o) for p, o in meta["positions"].items()}, taken=list(meta["taken"]),
-        dropped=list(meta.get("dropped") or []),
+        positions={int(p): int(o) for p, o in meta["positions"].items()}, taken=taken, dropped=dropped,
         actor=actor, actor_optim=actor_optim or {}, critic=critic, critic_optim=critic_optim,
         buffer=[BufferedRecord(value=bytes(r["value"]), rows=list(r["rows"]), topic=r["topic"],
                                partition=int(r["partition"]), offset=int(r["offset"])) for r in raw],
         counters=dict(meta.get("counters") or {}), last_line=meta.get("last_line"),
     )
+
+
+def _current_ledger(root: Path) -> dict[str, Any] | None:
+    """The ledger entry of the current checkpoint's ``meta.json`` (None: no checkpoint, format 1, unreadable)."""
+    try:
+        meta = json.loads((root / LINK_NAME / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ledger = meta.get("ledger") if meta.get("format") == FORMAT_VERSION else None
+    if not isinstance(ledger, dict):
+        return None
+    try:  # shorter than the checkpoint's part: not appended to (a fresh ledger is written)
+        return ledger if os.path.getsize(root / str(ledger["file"])) >= int(ledger["bytes"]) else None
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _continues(ids: list[Any], count: int, last: Any) -> bool:
+    """Are ``ids`` the ledger's ``count`` ids (the last of them ``last``) plus new ones?"""
+    if len(ids) < count:
+        return False
+    return count == 0 or [str(ids[count - 1][0]), int(ids[count - 1][1])] == last
+
+
+def _write_ledger(root: Path, prev: dict[str, Any] | None, taken: list[Any], dropped: list[Any]) -> dict[str, Any]:
+    """Step 0 of the module docstring: the ledger entry of the checkpoint being written."""
+    if prev is not None and _continues(taken, prev["taken"], prev["taken_last"]) \
+            and _continues(dropped, prev["dropped"], prev["dropped_last"]):
+        name, start, new_taken, new_dropped = prev["file"], int(prev["bytes"]), taken[prev["taken"]:], dropped[prev["dropped"]:]
+    else:
+        name, start, new_taken, new_dropped = f"{LEDGER_PREFIX}{uuid.uuid4().hex[:8]}.jsonl", 0, taken, dropped
+    line = json.dumps({"taken": [[str(s), int(v)] for s, v in new_taken],
+                       "dropped": [[str(s), int(v)] for s, v in new_dropped]}).encode() + b"\n"
+    with open(root / name, "ab") as fh:
+        fh.truncate(start)  # what a write that never became current appended after the checkpoint's part
+        fh.seek(start)
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if start == 0:
+        _fsync_dir(root)
+
+    def last(ids: list[Any]) -> list[Any] | None:
+        return [str(ids[-1][0]), int(ids[-1][1])] if ids else None
+
+    return {"file": name, "bytes": start + len(line), "taken": len(taken), "dropped": len(dropped),
+            "taken_last": last(taken), "dropped_last": last(dropped)}
+
+
+def _read_ledger(root: Path, ledger: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The ids of a format 2 checkpoint: the lines of the ledger's first ``ledger["bytes"]`` bytes."""
+    with open(root / ledger["file"], "rb") as fh:
+        data = fh.read(int(ledger["bytes"]))
+    if len(data) != int(ledger["bytes"]):
+        raise ValueError(f"ledger {ledger['file']} has {len(data)} of the checkpoint's {ledger['bytes']} bytes")
+    taken: list[Any] = []
+    dropped: list[Any] = []
+    for raw in data.splitlines():
+        part = json.loads(raw)
+        taken += part["taken"]
+        dropped += part["dropped"]
+    if len(taken) != int(ledger["taken"]) or len(dropped) != int(ledger["dropped"]):
+        raise ValueError(f"ledger {ledger['file']}: {len(taken)} trained and {len(dropped)} dropped ids, the checkpoint "
+                         f"names {ledger['taken']} and {ledger['dropped']}")
+    return taken, dropped
