@@ -83,3 +83,17 @@ def test_a_format_1_checkpoint_is_read_and_continued(tmp_path):
     write_checkpoint(tmp_path, ckpt(3, ids(3), dropped=[("late#1", 0)]))
     back = read_checkpoint(tmp_path)
     assert [tuple(x) for x in back.taken] == ids(3) and [tuple(x) for x in back.dropped] == [("late#1", 0)]
+
+
+def test_the_trainers_mapping_of_ids_is_written_like_a_list(tmp_path):
+    """The trainer hands its dicts (sample id -> version, in the order trained) over as they are: no copy of
+    every id per step; what is read back is the same list."""
+    taken = dict(ids(1))
+    write_checkpoint(tmp_path, ckpt(1, taken))
+    taken.update(ids(3))
+    write_checkpoint(tmp_path, ckpt(3, taken, dropped={"late#2": 1}))
+    back = read_checkpoint(tmp_path)
+    assert [tuple(x) for x in back.taken] == ids(3) and back.dropped == [["late#2", 1]]
+    write_checkpoint(tmp_path, ckpt(4, ids(4), dropped=[("late#2", 1)]))  # a list continues a mapping's ledger
+    meta, ledger = current(tmp_path)
+    assert ledger.read_bytes().count(b"\n") == 3 and [tuple(x) for x in read_checkpoint(tmp_path).taken] == ids(4)

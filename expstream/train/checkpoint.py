@@ -40,11 +40,13 @@ positions to Kafka, so the committed offsets never run ahead of a durable checkp
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import shutil
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,8 @@ FORMAT_VERSION = 2
 #: Formats :func:`read_checkpoint` reads: 1 kept the ids in ``meta.json``.
 READ_FORMATS = (1, 2)
 LEDGER_PREFIX = "ledger-"
+#: Sample ids with their versions, oldest first: [sample id, version] pairs, or a mapping sample id -> version.
+Ids = Sequence[Any] | Mapping[str, int]
 
 
 class CheckpointError(ExpstreamError):
@@ -87,7 +91,7 @@ class Checkpoint:
     step: int  # optimisation steps done (the next step is `step`)
     version: int  # policy version of the weights below (== step for the reference trainer)
     positions: dict[int, int]  # partition -> next offset to read of the experiences topic
-    taken: list[Any]  # [sample id, rollout version] already trained (never trained again), oldest first
+    taken: Ids  # [sample id, rollout version] already trained (never trained again), oldest first (read: a list)
     actor: dict[str, torch.Tensor]  # name -> tensor (state_dict, contiguous CPU tensors)
     actor_optim: dict[str, Any]  # torch optimizer state_dict
     critic: dict[str, torch.Tensor] | None = None
@@ -95,7 +99,7 @@ class Checkpoint:
     buffer: list[BufferedRecord] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     last_line: dict[str, Any] | None = None  # train.jsonl line of step `step - 1`
-    dropped: list[Any] = field(default_factory=list)  # [sample id, version] dropped as stale, oldest first
+    dropped: Ids = field(default_factory=list)  # [sample id, version] dropped as stale, oldest first (read: a list)
     run_id: str = ""
 
 
@@ -247,22 +251,28 @@ def _current_ledger(root: Path) -> dict[str, Any] | None:
         return None
 
 
-def _continues(ids: list[Any], count: int, last: Any) -> bool:
+def _pairs(ids: Ids, start: int = 0, stop: int | None = None) -> list[tuple[str, int]]:
+    """``ids[start:stop]`` as (sample id, version) pairs; a mapping (sample id -> version, in the order the
+    ids came) is walked without a copy of the whole of it (the trainer's ``taken`` grows every step)."""
+    items = ids.items() if isinstance(ids, Mapping) else ids
+    return [(str(s), int(v)) for s, v in itertools.islice(items, start, stop)]
+
+
+def _continues(ids: Ids, count: int, last: Any) -> bool:
     """Are ``ids`` the ledger's ``count`` ids (the last of them ``last``) plus new ones?"""
     if len(ids) < count:
         return False
-    return count == 0 or [str(ids[count - 1][0]), int(ids[count - 1][1])] == last
+    return count == 0 or [list(p) for p in _pairs(ids, count - 1, count)] == [last]
 
 
-def _write_ledger(root: Path, prev: dict[str, Any] | None, taken: list[Any], dropped: list[Any]) -> dict[str, Any]:
+def _write_ledger(root: Path, prev: dict[str, Any] | None, taken: Ids, dropped: Ids) -> dict[str, Any]:
     """Step 0 of the module docstring: the ledger entry of the checkpoint being written."""
     if prev is not None and _continues(taken, prev["taken"], prev["taken_last"]) \
             and _continues(dropped, prev["dropped"], prev["dropped_last"]):
-        name, start, new_taken, new_dropped = prev["file"], int(prev["bytes"]), taken[prev["taken"]:], dropped[prev["dropped"]:]
+        name, start, taken_from, dropped_from = prev["file"], int(prev["bytes"]), prev["taken"], prev["dropped"]
     else:
-        name, start, new_taken, new_dropped = f"{LEDGER_PREFIX}{uuid.uuid4().hex[:8]}.jsonl", 0, taken, dropped
-    line = json.dumps({"taken": [[str(s), int(v)] for s, v in new_taken],
-                       "dropped": [[str(s), int(v)] for s, v in new_dropped]}).encode() + b"\n"
+        name, start, taken_from, dropped_from = f"{LEDGER_PREFIX}{uuid.uuid4().hex[:8]}.jsonl", 0, 0, 0
+    line = json.dumps({"taken": _pairs(taken, taken_from), "dropped": _pairs(dropped, dropped_from)}).encode() + b"\n"
     with open(root / name, "ab") as fh:
         fh.truncate(start)  # what a write that never became current appended after the checkpoint's part
         fh.seek(start)
@@ -272,8 +282,11 @@ def _write_ledger(root: Path, prev: dict[str, Any] | None, taken: list[Any], dro
     if start == 0:
         _fsync_dir(root)
 
-    def last(ids: list[Any]) -> list[Any] | None:
-        return [str(ids[-1][0]), int(ids[-1][1])] if ids else None
+    def last(ids: Ids) -> list[Any] | None:
+        if not len(ids):
+            return None
+        sid, v = next(reversed(ids.items())) if isinstance(ids, Mapping) else ids[-1]
+        return [str(sid), int(v)]
 
     return {"file": name, "bytes": start + len(line), "taken": len(taken), "dropped": len(dropped),
             "taken_last": last(taken), "dropped_last": last(dropped)}

@@ -335,7 +335,7 @@ class Trainer:
         counters = {k: int(v) for k, v in self.counters.items() if k not in ("dropped_stale_step", "no_reference_warned")}
         write_checkpoint(self.output, Checkpoint(
             step=self.step, version=self.step, positions=positions,
-            taken=list(self.taken.items()), dropped=list(self.dropped.items()), actor=self.trainer.actor_state(),
+            taken=self.taken, dropped=self.dropped, actor=self.trainer.actor_state(),  # the new ids go to the ledger
             actor_optim=self.trainer.optimizer.state_dict(), critic=self.trainer.critic_state(),
             critic_optim=self.trainer.critic_optimizer.state_dict() if self.trainer.critic_optimizer else None,
             buffer=buffer, counters=counters, last_line=self.last_line, run_id=self.run_id))
