@@ -153,7 +153,7 @@ class TrainLog:
 
     What it keeps of each step (``steps``) is :data:`KEPT`, what the run's summary reads: a whole line
     (16 sample ids and 20 numbers of the tiny loop, ~3.8 KB parsed) kept per step made the CLI's memory
-    grow ~0.4 MB per 100 steps (bench/README.md "Issue 28 item 6"). :meth:`read_new` returns whole lines.
+    grow ~0.4 MB per 100 steps (bench/README.md "The fork server's curve was the trainer's"). :meth:`read_new` returns whole lines.
     """
 
     #: The fields of a step kept for the summary (expstream/launch/outcome.py) and the restart check.
