@@ -13,14 +13,14 @@ symlink to the current one (a symlink can be replaced atomically; a non-empty di
 * ``DIR/train/ledger-<uuid>.jsonl`` (beside the checkpoint directories, shared by the checkpoints
   that follow one another) -- the sample ids already trained (``taken``) and dropped as stale, one
   line per checkpoint with the ids new since the one before. A checkpoint owns the ledger's first
-  ``ledger_bytes`` bytes; anything after them was appended by a write that never became current and
-  is cut off before the next append.
+  bytes (how many: ``ledger.bytes`` in its ``meta.json``); anything after them was appended by a write
+  that never became current and is cut off before the next append.
 
 Why a ledger: the ids grow by a batch every step, and written whole into every checkpoint (format 1)
 they made each step's checkpoint cost grow with the run (at step 1,000 of the tiny continuous loop,
 16,000 ids: a 387 KB ``meta.json``; a checkpoint's CPU 2.1 ms at step 50, 7.9 ms at step 1,000,
-bench/README.md "The fork server's curve was the trainer's"). Appending only the new ids keeps a step's checkpoint the same size however long
-the run. Format 1 checkpoints (ids in ``meta.json``) are still read.
+bench/README.md "The fork server's curve was the trainer's"). Appending only the new ids keeps a
+step's checkpoint the same size however long the run. Format 1 checkpoints (ids in ``meta.json``) are still read.
 
 Protocol (:func:`write_checkpoint`), each step numbered as in the code:
 
