@@ -84,14 +84,19 @@ def tree_stats(root: int, labels: dict[int, str] | None = None) -> tuple[dict[st
             rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
         except (OSError, StopIteration, ValueError):
             continue
-        name = (labels or {}).get(pid) or process_name(pid, root, title)
+        name = (labels or {}).get(pid) or process_name(pid, root, title, parent.get(pid))
+        if name in rss_out:  # two processes of one name are two curves, never one overwriting the other
+            name = f"{name} ({pid})"
         rss_out[name] = round(rss / 1024, 1)
         cpu_out[name] = round(cpu_of.get(pid, 0.0), 2)
     return rss_out, cpu_out
 
 
-def process_name(pid: int, root: int, title: str) -> str:
-    """``cli``, ``broker``, ``redis``, ``stage <name>[i]``, ``recorder``, ``forkserver`` or the title's start."""
+def process_name(pid: int, root: int, title: str, ppid: int | None = None) -> str:
+    """``cli``, ``broker``, ``redis``, ``stage <name>[i]``, ``trainer``, ``recorder``, ``forkserver`` or the
+    title's start. Only the CLI's own child with the fork server's command line is ``forkserver``: a child of
+    the server that has not set a title of its own carries the server's command line too (the trainer did, and
+    its curve was taken for the server's), so it is ``forked (<pid>)``."""
     if pid == root:
         return "cli"
     if "tansu" in title:
@@ -100,7 +105,13 @@ def process_name(pid: int, root: int, title: str) -> str:
         return "redis"
     if title.startswith("expstream stage "):
         return "stage " + title.split()[2]
-    for word in ("record", "forkserver", "fork-server", "supervisor"):
+    if title.startswith("expstream trainer"):
+        return "trainer"
+    if "multiprocessing.forkserver" in title:
+        return "forkserver" if ppid == root else f"forked ({pid})"
+    if "multiprocessing.resource_tracker" in title:
+        return "resource tracker"
+    for word in ("record", "supervisor"):
         if word in title:
             return word
     return f"{title[:40]} ({pid})"

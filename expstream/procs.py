@@ -8,7 +8,9 @@
   (re-parented to init or a subreaper, where ``PDEATHSIG`` did not fire or was reset) and stops it.
 * :func:`set_stage_title`: names a stage process in ``ps``/``top`` (``expstream stage
   reward[1] run=<id>``) instead of ``python -B -c from multiprocessing...``, so an operator (and
-  a kill test) can find a stage by name.
+  a kill test) can find a stage by name; :func:`set_role_title` names the trainer the same way
+  (``expstream trainer run=<id>``): forked from the fork server, it showed the server's command
+  line, and bench/growth.py took its memory curve for the server's.
 
 libc's ``prctl`` is looked up once, at import, in the parent: ``preexec_fn`` runs between fork
 and exec, where only async-signal-safe calls belong (a ``dlopen`` there, in a forked child of a
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 __all__ = [
     "EXIT_WITH_PARENT_ENV", "PR_SET_PDEATHSIG", "ORPHAN_EXIT_CODE", "PARENT_CHECK_S", "set_death_signal", "die_with_parent", "die_with",
-    "watch_parent", "stage_title", "prepare_title", "set_stage_title",
+    "watch_parent", "stage_title", "prepare_title", "set_stage_title", "role_title", "set_role_title",
 ]
 
 #: Set to "1" by the supervisor for every child: a stage replica, the trainer and the recorder then
@@ -123,3 +125,15 @@ def set_stage_title(name: str, replica: str | int, run_id: str) -> None:
     from setproctitle import setproctitle
 
     setproctitle(stage_title(name, replica, run_id))
+
+
+def role_title(role: str, run_id: str) -> str:
+    """``expstream trainer run=<id>``: what ``ps`` shows for a run's process that is not a stage replica."""
+    return f"expstream {role} run={run_id}"
+
+
+def set_role_title(role: str, run_id: str) -> None:
+    """Set this process's title to :func:`role_title`."""
+    from setproctitle import setproctitle
+
+    setproctitle(role_title(role, run_id))

@@ -184,6 +184,19 @@ def test_train_log_reads_complete_lines_once_and_refuses_garbage_with_a_log_line
     assert [s["reward_mean"] for s in follower.unique_steps()] == [0.0, 0.1, 0.3]
 
 
+def test_train_log_keeps_only_the_summarys_fields_of_each_step(tmp_path):
+    """Issue 28: the CLI follows train.jsonl for the whole run; whole lines kept (16 sample ids each in the tiny
+    loop) made its memory grow with every step."""
+    path = tmp_path / "train.jsonl"
+    line = {"step": 0, "policy_version": 1, "samples": 2, "reward_mean": 0.5, "dropped_stale": 1, "skipped": None,
+            "sample_ids": ["g/a@e0#0", "g/a@e0#1"], "loss": 0.1, "staleness_hist": {"0": 2}}
+    path.write_text(json.dumps(line) + "\n")
+    follower = TrainLog(path)
+    assert follower.read_new() == [line]  # printed whole
+    assert follower.steps == [{k: line[k] for k in ("step", "policy_version", "samples", "reward_mean",
+                                                    "dropped_stale", "skipped")}]
+
+
 def test_a_step_line_shows_reward_staleness_and_drops():
     line = step_line({"step": 3, "policy_version": 4, "reward_mean": 0.25, "reward_std": 0.125, "loss": -0.5,
                       "kl": 0.001, "staleness_hist": {"10": 1, "2": 3, "0": 4}, "dropped_stale": 2,
@@ -353,6 +366,36 @@ def growth_sample(out: Path, run_id: str) -> dict:
         client.close()
 
 
+def run_processes(root: int) -> dict[int, tuple[int, str, int]]:
+    """Every process under ``root``: pid -> (parent pid, title as ``ps`` shows it, user + system CPU ticks)."""
+    procs: dict[int, tuple[int, str, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            title = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        procs[int(entry)] = (int(fields[1]), title, int(fields[11]) + int(fields[12]))
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        todo += [p for p, (ppid, _, _) in procs.items() if ppid == pid]
+        if pid in procs:
+            tree[pid] = procs[pid]
+    return tree
+
+
+def fork_server_and_trainer(root: int, run_id: str) -> dict:
+    """The fork server's CPU ticks (the CLI's child with the server's command line) and the trainer's pid (by its title)."""
+    tree = run_processes(root)
+    server = [cpu for pid, (ppid, title, cpu) in tree.items() if ppid == root and "multiprocessing.forkserver" in title]
+    trainer = [pid for pid, (_, title, _) in tree.items() if title == f"expstream trainer run={run_id}"]
+    return {"server_cpu": server, "trainer": trainer}
+
+
 def steps_done(out: Path) -> int:
     log = out / "train.jsonl"
     return log.read_text().count("\n") if log.exists() else 0
@@ -383,8 +426,10 @@ def test_a_long_continuous_run_keeps_redis_and_the_weight_store_bounded(tmp_path
         deadline = time.monotonic() + 300
         wait_for_steps(proc, out, n, deadline)
         at_n = growth_sample(out, run_id)
+        procs_n = fork_server_and_trainer(proc.pid, run_id)
         wait_for_steps(proc, out, 2 * n, deadline)
         at_2n = growth_sample(out, run_id)
+        procs_2n = fork_server_and_trainer(proc.pid, run_id)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -416,6 +461,11 @@ def test_a_long_continuous_run_keeps_redis_and_the_weight_store_bounded(tmp_path
         ledger = sample["admission"]
         assert ledger.get("admission:admitted", 0) <= 2 + 3 and ledger.get("admission:of", 0) <= 8, sample
         assert sum(1 for name in ledger if name.count(":") == 2) <= 2 * 4, sample  # delivered / lost_of windows
+    # issue 28: the fork server does nothing while the run steps (nothing is forked in a steady run); the
+    # memory curve that grew under its name was the trainer's, a fork of it showing the server's command line
+    assert len(procs_n["server_cpu"]) == 1 and len(procs_2n["server_cpu"]) == 1, (procs_n, procs_2n)
+    assert procs_2n["server_cpu"][0] - procs_n["server_cpu"][0] <= 2, (procs_n, procs_2n)  # ticks: 1/100 s
+    assert len(procs_n["trainer"]) == 1 and procs_n["trainer"] == procs_2n["trainer"], (procs_n, procs_2n)
 
 
 @pytest.mark.e2e

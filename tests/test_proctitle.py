@@ -84,3 +84,26 @@ def test_a_stage_process_shows_its_name(tmp_path, spawn):
             assert environ.get(key) == os.environ.get(key, value), (key, environ.get(key))
     finally:
         sup.stop(grace_s=5)
+
+
+def test_the_trainer_shows_its_name_not_the_fork_servers(tmp_path):
+    """The trainer of a continuous run is forked from the fork server too; untitled, it showed the server's
+    command line and bench/growth.py took its memory curve (a trainer's, growing) for the server's."""
+    from expstream.launch.continuous import TRAINER, trainer_argv
+
+    topo = load_topology(None, [f"models.cache_dir={tmp_path / 'models'}", "train.enabled=true"])
+    topo_path = tmp_path / "topology.yaml"
+    write_resolved_topology(topo, topo_path)
+    argv = trainer_argv(topo_path, f"127.0.0.1:{free_port()}", "title-trainer", tmp_path / "out")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    sup = Supervisor(tmp_path / "logs", spawn="fork", fork_entry=FORK_ENTRY,
+                     env={"PYTHONPATH": path, **stage_env(f"redis://127.0.0.1:{free_port()}/0")})
+    sup.add(TRAINER, 0, argv, one_shot=True)
+    sup.start()
+    try:
+        pid = sup.children[0].proc.pid
+        seen = wait_for_title(pid, "expstream trainer run=title-trainer")
+        log = (tmp_path / "logs" / f"{TRAINER}-0.log").read_text(errors="replace")[-2000:]
+        assert seen == "expstream trainer run=title-trainer", f"pid {pid} shows {seen!r}; log:\n{log}"
+    finally:
+        sup.stop(grace_s=5)

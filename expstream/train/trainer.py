@@ -48,7 +48,7 @@ import numpy as np
 from expstream.config.topology import Topology
 from expstream.errors import EXIT_OK, ConfigError
 from expstream.faults import TRAINER_POINTS, fault_plan
-from expstream.procs import EXIT_WITH_PARENT_ENV
+from expstream.procs import EXIT_WITH_PARENT_ENV, set_role_title
 from expstream.rl.episodes import turn_reward_sums
 from expstream.rl.experience import sample_id
 from expstream.rl.versions import mixed_rows, oldest_versions
@@ -497,6 +497,8 @@ def _cut_jsonl(path: Path, steps: int, last_line: dict[str, Any] | None) -> None
 
 def run_trainer(topo: Topology, args: Any) -> int:
     """``expstream train``: checks the arguments, then the loop until max_steps or SIGTERM."""
+    if args.run_id:  # `ps`, `top` and bench/growth.py name it (a forked trainer showed the fork server's command line)
+        set_role_title("trainer", args.run_id)
     orphaned: list[Trainer] = []  # filled once the trainer exists; the watch starts before the slow loads
     if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":  # started by a supervisor: stop when it is gone
         _stop_when_orphaned(orphaned)
