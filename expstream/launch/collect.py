@@ -121,7 +121,7 @@ def collect_experiences(svc: RunServices, rows: list[PromptRow], out: RunOutcome
             if collector.complete_groups >= plan.target or (out.fed == len(rows) and done >= out.fed):
                 progress.update(min(collector.complete_groups, plan.target), len(collector.samples), force=True)
                 if done >= out.fed == len(rows):  # everything fed came out: the final snapshot and the summary
-                    wait_balanced(svc.state, topo)  # wait for the last statistics (tools/accounting.py)
+                    wait_balanced(svc.state, topo, len(collector.samples))  # the last statistics (tools/accounting.py)
                 out.finished = True
                 return
             if time.monotonic() - last_new > topo.run.timeout_s:

@@ -45,19 +45,25 @@ def accounting_block(state: Any, topo: Any, log_to: logging.Logger | None = None
     return out
 
 
-def wait_balanced(state: Any, topo: Any, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
-    """Wait until every enabled stage's accounting balances (nothing in flight), at most ``timeout_s``.
+def wait_balanced(state: Any, topo: Any, collected: int = 0, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Wait until every enabled stage's accounting balances (nothing in flight) and the stage that
+    writes the run's output topic has counted at least ``collected`` samples out; at most ``timeout_s``.
 
     Called once a finite run has every group it fed: the last experience can reach the run before the
-    stage that produced it has written its statistics (they follow the broker's acknowledgement).
-    Returns whether it balanced; a run that ends with samples in flight is reported as it is."""
+    stage that produced it has written its statistics (they follow the broker's acknowledgement), and a
+    stage whose last records are not counted yet balances too, on fewer samples (seen on a Redis
+    Cluster: advantage 8 in, 8 out of 24). Returns whether it settled; a run that ends with samples in
+    flight is reported as it is."""
+    last = [st.name for st in topo.enabled_stages() if st.output == topo.output_topic]
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if all(acc["balanced"] for acc in accounting_block(state, topo).values()):
-                return True
+            acc = accounting_block(state, topo)
         except Exception:  # noqa: BLE001 - observability never stops a run: the accounting says what it reads
             return False
+        if all(a["balanced"] for a in acc.values()) and all(
+                acc.get(name, {}).get("samples_out", 0) >= collected for name in last):
+            return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(SETTLE_POLL_S)
