@@ -91,7 +91,10 @@ def test_reward_replicas_in_another_network_namespace_join_a_live_run(tmp_path, 
             run_id = f"mh-{uuid.uuid4().hex[:8]}"
             sets = ["models.actor=builtin:tiny-vl", f"models.cache_dir={model_cache}", "run.prompt_batch_size=1",
                     "generate.max_new_tokens=6", "generate.n_samples_per_prompt=2", "run.timeout_s=200",
-                    f"run.blob_store=s3://{bucket}/blobs"]
+                    f"run.blob_store=s3://{bucket}/blobs", "topics.partitions=3"]
+            # 3 partitions for the 3 reward replicas (these two and the run's own), 12 prompts: 4 records each, so
+            # that each replica has work once the group has formed (with 8 partitions and 6 records one of the
+            # remote replicas held 2 empty partitions and handled nothing: 1 of 4 whole-suite runs)
             # what an operator copies to the new machine: the run's topology (here written before the run,
             # so that the replicas are in the group before the first record)
             topo = resolve_run_paths(load_topology(None, sets), tmp_path / "out", media=True)
@@ -114,7 +117,7 @@ def test_reward_replicas_in_another_network_namespace_join_a_live_run(tmp_path, 
             (tmp_path / "ok.png").write_bytes(png((80, 60)))
             data_uri = f"data:image/png;base64,{base64.b64encode(png()).decode()}"
             rows = [{"id": f"q{i}", "prompt": f"what {i}?", "images": ["ok.png" if i % 2 else data_uri]}
-                    for i in range(6)]
+                    for i in range(12)]
             prompts = tmp_path / "p.jsonl"
             prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
             out = tmp_path / "out"
