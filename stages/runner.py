@@ -46,7 +46,6 @@ from kafka import TopicPartition
 from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
 from expstream.faults import RUNNER_POINTS, fault_plan
 from expstream.kafka.clients import (
-    end_offsets,
     make_consumer,
     make_producer,
 )
@@ -62,7 +61,7 @@ from stages.deadletters import (
     DeadLetters,
 )
 from stages.pausing import PausedPolling
-from stages.polling import POLL_TIMEOUT_MS, Poller, StuckGroupWatch, stuck_check_s
+from stages.polling import POLL_TIMEOUT_MS, Poller
 from stages.revocations import RevocationTracker
 from stages.rewinding import ReplicaRewind
 from stages.sending import (
@@ -78,9 +77,6 @@ from stages.working import Worker
 
 # Why 2 s: Redis heartbeats say the replica is alive; often enough for a dashboard, cheap for Redis.
 HEARTBEAT_INTERVAL_S = 2.0
-# Why 5 s: the stuck-group watch's end-offset probe runs on the main thread of a replica that has nothing
-# to do; a broker slower than this answers at the next reading.
-STUCK_ENDS_TIMEOUT_S = 5.0
 ProcessFn = Callable[[Any, StageContext], list]
 CommittedFn = Callable[[list, StageContext], None]
 class StageRunner:
@@ -208,12 +204,8 @@ class StageRunner:
             self.consumer.subscribe([self.stage.input], listener=self.tracker)
         else:  # no group join: this replica's share of the partitions, given by the run (stages/assigning.py)
             assign_share(self.consumer, self.tracker, self.stage.input, self.assignment, self.log)
-        kafka_cfg = self.ctx.topology.kafka
-        stuck = None if self.assignment is not None else StuckGroupWatch(
-            self.consumer, self.stage.input, stuck_check_s(kafka_cfg.session_timeout_ms),
-            lambda tps: end_offsets(self.bootstrap, kafka_cfg, tps, timeout_s=STUCK_ENDS_TIMEOUT_S))
         self.poller = Poller(self.consumer, self.tracker, self.log, stage=self.stage, group_id=self.group_id,
-                             bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned, stuck=stuck)
+                             bootstrap=self.bootstrap, stop=self._stop, on_assigned=self._on_assigned)
         self.pausing = PausedPolling(self.consumer, self.poller.poll, self.tracker.owns, self.log, self.stage.name,
                                      self.ctx.topology.kafka.max_poll_interval_ms)
         self.rewinding = ReplicaRewind(self.ctx, self.consumer, self.pausing, self.replica_key + self.group_suffix,

@@ -68,36 +68,3 @@ def test_a_partition_given_back_after_a_pause_with_parked_records_is_read_again(
         assert sorted(seen.get(1, [])) == list(range(6)), seen
     finally:
         consumer.close()
-
-
-def test_the_stuck_group_watch_names_partitions_with_waiting_records_nobody_commits(broker, fresh_topic):
-    """stages/polling.py StuckGroupWatch, on the broker's real offsets: a partition is stuck when it had
-    records waiting at two readings and its committed offset did not move in between."""
-    from kafka.structs import OffsetAndMetadata
-
-    from expstream.kafka.clients import end_offsets
-    from stages.polling import StuckGroupWatch
-
-    topic, group = fresh_topic(2), f"g-{time.monotonic_ns()}"
-    producer = make_producer(broker)
-    for p in (0, 1):
-        for _ in range(3):
-            producer.send(topic, value=b"x", partition=p)
-    producer.flush()  # one batch per partition: Tansu's ListOffsets says 1, expstream's end_offsets 3
-    producer.close()
-    p0, p1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
-    committer = make_consumer(broker, group)
-    idle = make_consumer(broker, group)  # the group member with no partition (its offsets are the group's)
-    try:
-        committer.commit({p0: OffsetAndMetadata(1, "", -1)})
-        watch = StuckGroupWatch(idle, topic, 0.0, lambda tps: end_offsets(broker, None, tps))
-        assert watch.check(time.monotonic()) is None  # the first reading only
-        assert watch.check(time.monotonic()) == [0, 1]  # both had records waiting, neither commit moved
-        committer.commit({p0: OffsetAndMetadata(3, "", -1), p1: OffsetAndMetadata(1, "", -1)})
-        assert watch.check(time.monotonic()) is None  # 0 is read to its end, 1's commit moved: a member reads it
-        assert watch.check(time.monotonic()) == [1]  # 1 has waited since, its commit still
-        watch.rejoined()
-        assert watch.interval_s == 0.0 and watch.check(time.monotonic()) is None  # read afresh after a rejoin
-    finally:
-        committer.close()
-        idle.close()
