@@ -169,32 +169,48 @@ def test_train_log_reads_complete_lines_once_and_refuses_garbage_with_a_log_line
     caplog.set_level("ERROR", logger="expstream.run")
     assert [s["step"] for s in follower.read_new()] == [1, 2]
     assert follower.read_new() == []
-    assert [s["step"] for s in follower.steps] == [0, 1, 2]
+    assert sorted(follower.recent) == [0, 1, 2] and follower.totals()["steps"] == 3
     assert any("train.jsonl:3: not a JSON object" in r.getMessage() for r in caplog.records)
     with open(path, "a") as fh:  # a restarted trainer logs step 2 again: the last line of a step counts
         fh.write(json.dumps({"step": 2, "reward_mean": 0.9}) + "\n" + json.dumps({"note": "no step"}) + "\n")
     follower.read_new()
-    assert [(s["step"], s.get("reward_mean")) for s in follower.unique_steps()] == [(0, 0.5), (1, 0.7), (2, 0.9)]
+    assert [(k, s.get("reward_mean")) for k, s in sorted(follower.recent.items())] == [(0, 0.5), (1, 0.7), (2, 0.9)]
+    totals = follower.totals()
+    assert totals["steps"] == 3 and totals["first"]["reward_mean"] == 0.5 and totals["last"]["reward_mean"] == 0.9
     # a trainer resumed from the checkpoint of step 1 cuts the file back to steps 0..1, then logs step 2 anew
     path.write_text("".join(json.dumps({"step": i, "reward_mean": 0.1 * i}) + "\n" for i in range(2)))
     assert follower.read_new() == []  # nothing new: steps 0 and 1 were seen
     with open(path, "a") as fh:
         fh.write(json.dumps({"step": 2, "reward_mean": 0.3}) + "\n")
     assert follower.read_new() == [{"step": 2, "reward_mean": 0.3}]
-    assert [s["reward_mean"] for s in follower.unique_steps()] == [0.0, 0.1, 0.3]
+    assert [s["reward_mean"] for _, s in sorted(follower.recent.items())] == [0.0, 0.1, 0.3]
+    assert follower.totals()["steps"] == 3 and follower.totals()["last"]["reward_mean"] == 0.3
 
 
-def test_train_log_keeps_only_the_summarys_fields_of_each_step(tmp_path):
+def test_train_log_keeps_only_the_summarys_fields_of_recent_steps(tmp_path):
     """Issue 28: the CLI follows train.jsonl for the whole run; whole lines kept (16 sample ids each in the tiny
-    loop) made its memory grow with every step."""
+    loop), then six fields of every step, made its memory grow with every step. Now it keeps the totals and the
+    fields of the last RECENT_STEPS steps, whatever the run's length."""
     path = tmp_path / "train.jsonl"
     line = {"step": 0, "policy_version": 1, "samples": 2, "reward_mean": 0.5, "dropped_stale": 1, "skipped": None,
             "sample_ids": ["g/a@e0#0", "g/a@e0#1"], "loss": 0.1, "staleness_hist": {"0": 2}}
     path.write_text(json.dumps(line) + "\n")
     follower = TrainLog(path)
     assert follower.read_new() == [line]  # printed whole
-    assert follower.steps == [{k: line[k] for k in ("step", "policy_version", "samples", "reward_mean",
-                                                    "dropped_stale", "skipped")}]
+    assert follower.recent == {0: {k: line[k] for k in ("step", "policy_version", "samples", "reward_mean",
+                                                        "dropped_stale", "skipped")}}
+    n = 3 * TrainLog.RECENT_STEPS
+    with open(path, "a") as fh:
+        for i in range(1, n):
+            fh.write(json.dumps({"step": i, "samples": 2, "reward_mean": i / n, "dropped_stale": i % 2,
+                                 "skipped": i % 100 == 0, "sample_ids": ["x"] * 16}) + "\n")
+    follower.read_new()
+    assert len(follower.recent) == TrainLog.RECENT_STEPS  # bounded, however many steps
+    totals = follower.totals()
+    assert totals["steps"] == n and totals["samples"] == 2 * n
+    assert totals["dropped_stale"] == 1 + sum(i % 2 for i in range(1, n))
+    assert totals["skipped"] == sum(1 for i in range(1, n) if i % 100 == 0)
+    assert totals["first"]["reward_mean"] == 0.5 and totals["last"]["reward_mean"] == (n - 1) / n
 
 
 def test_a_step_line_shows_reward_staleness_and_drops():

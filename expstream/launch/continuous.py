@@ -151,19 +151,31 @@ class TrainLog:
     what was read (or no longer ending a line where the last read ended) is read again from the
     start, and only steps not seen before are returned as new.
 
-    What it keeps of each step (``steps``) is :data:`KEPT`, what the run's summary reads: a whole line
-    (16 sample ids and 20 numbers of the tiny loop, ~3.8 KB parsed) kept per step made the CLI's memory
-    grow ~0.4 MB per 100 steps (bench/README.md "The fork server's curve was the trainer's"). :meth:`read_new` returns whole lines.
+    What it keeps does not grow with the run: the summary's totals (:meth:`totals`) and the
+    :data:`KEPT` fields of the last :data:`RECENT_STEPS` steps, so that a step logged again is counted
+    once, the last line written winning. Whole lines kept per step (16 sample ids and 20 numbers of
+    the tiny loop, ~3.8 KB parsed) made the CLI's memory grow ~0.4 MB per 100 steps, the six fields
+    alone ~0.15 MB (bench/README.md "The fork server's curve was the trainer's"). :meth:`read_new`
+    returns whole lines.
     """
 
-    #: The fields of a step kept for the summary (expstream/launch/outcome.py) and the restart check.
+    #: The fields of a step kept for the summary (expstream/launch/outcome.py).
     KEPT = ("step", "policy_version", "samples", "reward_mean", "dropped_stale", "skipped")
+    #: Why 256: a trainer logs a step again only after resuming from its checkpoint, which cuts the file
+    #: back first (read again from the start here); a step logged again without that is a recent one.
+    RECENT_STEPS = 256
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.steps: list[dict[str, Any]] = []
         self._offset = 0
         self._lineno = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.recent: dict[int, dict[str, Any]] = {}
+        self.first: dict[str, Any] | None = None
+        self.max_step: int | None = None
+        self.count = self.samples = self.dropped_stale = self.skipped = 0
 
     def read_new(self) -> list[dict[str, Any]]:
         start = max(self._offset - 1, 0)
@@ -175,9 +187,11 @@ class TrainLog:
             return []
         if self._offset and (not data or data[:1] != b"\n"):  # cut back (shorter, or rewritten)
             log.info("%s was rewritten (the trainer resumed from its checkpoint); reading it again", self.path)
-            seen = {line.get("step") for line in self.steps}
-            self.steps, self._offset, self._lineno = [], 0, 0
-            return [line for line in self.read_new() if line.get("step") not in seen]
+            before = self.max_step
+            self._offset, self._lineno = 0, 0
+            self._reset()
+            return [line for line in self.read_new()
+                    if before is None or not isinstance(line.get("step"), int) or line["step"] > before]
         if self._offset:
             data = data[1:]
         end = data.rfind(b"\n")
@@ -195,17 +209,39 @@ class TrainLog:
                 log.error("%s:%d: not a JSON object, skipped: %r", self.path, self._lineno, raw[:120])
                 continue
             new.append(obj)
-        self.steps += [{k: line[k] for k in self.KEPT if k in line} for line in new]
+            self._count(obj)
         return new
 
-    def unique_steps(self) -> list[dict[str, Any]]:
-        """One line per step number, the last written winning (a trainer restarted from its checkpoint
-        logs the steps after it again), in step order; lines without a step number are left out."""
-        last: dict[int, dict[str, Any]] = {}
-        for line in self.steps:
-            if isinstance(line.get("step"), int):
-                last[line["step"]] = line
-        return [last[k] for k in sorted(last)]
+    def _count(self, line: dict[str, Any]) -> None:
+        step = line.get("step")
+        if not isinstance(step, int):
+            return  # lines without a step number are left out of the totals
+        kept = {k: line[k] for k in self.KEPT if k in line}
+        old = self.recent.get(step)
+        if old is None and self.max_step is not None and step <= self.max_step:
+            log.warning("%s: step %d logged again, %d steps after it: not counted twice", self.path, step,
+                        self.max_step - step)
+            return
+        for sign, row in ((-1, old), (1, kept)):
+            if row is not None:
+                self.count += sign
+                self.samples += sign * int(row.get("samples") or 0)
+                self.dropped_stale += sign * int(row.get("dropped_stale") or 0)
+                self.skipped += sign * (1 if row.get("skipped") else 0)
+        self.recent[step] = kept
+        if self.first is None or step <= int(self.first["step"]):
+            self.first = kept
+        self.max_step = step if self.max_step is None else max(self.max_step, step)
+        while len(self.recent) > self.RECENT_STEPS:
+            del self.recent[min(self.recent)]
+
+    def totals(self) -> dict[str, Any]:
+        """The summary's figures over every step read, each step once (the last line of a step wins):
+        ``steps``, ``samples``, ``dropped_stale``, ``skipped`` (steps skipped as non-finite), and the
+        kept fields of the ``first`` and ``last`` step ({} when none)."""
+        last = self.recent.get(self.max_step) if self.max_step is not None else None
+        return {"steps": self.count, "samples": self.samples, "dropped_stale": self.dropped_stale,
+                "skipped": self.skipped, "first": dict(self.first or {}), "last": dict(last or {})}
 
 
 def step_line(step: dict[str, Any]) -> str:
@@ -271,7 +307,7 @@ def run_continuous(topo: Topology, rows: list[PromptRow], out: Any, sup: Supervi
                     print(step_line(step), flush=True)
                 out.finished = True
                 if not (out.out_dir / DONE_FILE).exists():
-                    out.fail(f"the trainer exited 0 after {len(train_log.unique_steps())} of {train.max_steps} steps without "
+                    out.fail(f"the trainer exited 0 after {train_log.totals()['steps']} of {train.max_steps} steps without "
                              f"writing {out.out_dir / DONE_FILE} (stopped from outside?); see its log "
                              f"{sup.log_dir / f'{TRAINER}-0.log'}")
                 return

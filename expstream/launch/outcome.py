@@ -293,7 +293,7 @@ class ContinuousOutcome(RunOutcome):
             train_log.read_new()
         except OSError as exc:
             problems.append(f"{TRAIN_LOG} not read: {exc}")
-        steps = train_log.unique_steps()
+        totals = train_log.totals()
         version, stage_stats, counters = None, {}, {}
         try:
             if self.state is not None:
@@ -301,7 +301,7 @@ class ContinuousOutcome(RunOutcome):
                                                   self.state.counters())
         except Exception as exc:  # noqa: BLE001 - Redis may be what failed
             problems.append(f"run state not read: {type(exc).__name__}: {exc}")
-        first, last = (steps[0], steps[-1]) if steps else ({}, {})
+        first, last = totals["first"], totals["last"]
         wall = time.monotonic() - self.started
         final = self.out_dir / FINAL_DIR
         feeder = self.feeder
@@ -311,7 +311,7 @@ class ContinuousOutcome(RunOutcome):
             "status": STATUS_NAMES.get(self.status, "failed"),
             "error": self.error,
             "problems": problems,
-            "steps": len(steps),
+            "steps": totals["steps"],
             "max_steps": topo.train.max_steps,
             "trainer_done": (self.out_dir / DONE_FILE).exists(),
             "final_policy_version": version,
@@ -322,9 +322,9 @@ class ContinuousOutcome(RunOutcome):
             "records_fed": feeder.records_fed if feeder else 0,
             "epochs_started": feeder.epochs_started if feeder else 0,
             "samples_generated": int(stage_stats.get("generate", {}).get("samples", 0)),
-            "samples_trained": int(sum(s.get("samples", 0) for s in steps)),
-            "dropped_stale": int(sum(s.get("dropped_stale", 0) for s in steps)),
-            "nonfinite_steps": int(sum(1 for s in steps if s.get("skipped"))),
+            "samples_trained": totals["samples"],
+            "dropped_stale": totals["dropped_stale"],
+            "nonfinite_steps": totals["skipped"],
             "reward_first_step": first.get("reward_mean"),
             "reward_last_step": last.get("reward_mean"),
             "wall_s": round(wall, 3),
