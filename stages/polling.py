@@ -26,6 +26,8 @@ __all__ = ["POLL_TIMEOUT_MS", "UNASSIGNED_LOG_INTERVAL_S", "Poller"]
 POLL_TIMEOUT_MS = 500
 # Why 30 s: how often "no partitions assigned" is repeated in the log while the group is not joined.
 UNASSIGNED_LOG_INTERVAL_S = 30.0
+
+
 class Poller:
     """Polls the replica's consumer (main thread only)."""
 

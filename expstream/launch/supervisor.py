@@ -308,14 +308,16 @@ class Supervisor:
                             STOP_GRACE_S)
                 child.proc.kill()
             return
-        log.info("%s %s %s (exit code %s)", child.kind, child.label, self._left(child), code)
+        self._log_left(child, code)
         child.proc = None
         self._write_pids()
         self._gone(child)
 
     @staticmethod
-    def _left(child: Child) -> str:
-        return "stopped, to start again with its new share" if child.restarting else "left after scale-down"
+    def _log_left(child: Child, code: int | None) -> None:
+        """A retired child has exited: left after a scale-down, or stopped to start again with a new share."""
+        how = "stopped, to start again with its new share" if child.restarting else "left after scale-down"
+        log.info("%s %s %s (exit code %s)", child.kind, child.label, how, code)
 
     def _gone(self, child: Child) -> None:
         if self.on_gone is not None:
@@ -334,7 +336,7 @@ class Supervisor:
             self._stop_wave([c for c in self.children if c.stop_last == last], grace_s)
         for child in self.children:
             if child.retired and child.proc is not None:  # still finishing its last micro-batch when the run ended
-                log.info("%s %s %s (exit code %s)", child.kind, child.label, self._left(child), child.proc.returncode)
+                self._log_left(child, child.proc.returncode)
             if child.proc is not None and child.proc.returncode not in (None, 0, -signal.SIGTERM):
                 log.warning("%s %s exited with code %s on stop", child.kind, child.label, child.proc.returncode)
             self._gone(child)
