@@ -24,6 +24,7 @@ from expstream.config.cli_args import Command
 from expstream.config.redaction import env_redis_url
 from expstream.config.topology import find_topology, load_topology
 from expstream.errors import EXIT_BROKEN_PIPE, EXIT_CONFIG, EXIT_FAILED, ConfigError, ExpstreamError
+from expstream.kafka.logfilter import install_close_race_filter
 from expstream.launch.commands import RUN, STAGE, TRAIN
 from expstream.launch.feed import FEED
 from expstream.launch.k8s import K8S
@@ -45,10 +46,11 @@ COMMANDS: tuple[Command, ...] = (RUN, STAGE, TRAIN, TOPICS, MODELS, DLQ, SHOW, D
                                  SERVE_REWARD, SCALE, STATUS, REPORT, K8S, FEED)
 
 
-def _setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001
+def setup_logging(level: str = "INFO", stream=None) -> None:  # noqa: ANN001
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=stream or sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    install_close_race_filter()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +79,7 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "redis_url", "absent") is None:  # the flag wins; a password need not be typed on it
         args.redis_url = env_redis_url()
-    _setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
+    setup_logging(os.environ.get("EXPSTREAM_LOG_LEVEL", "INFO"))
     command = next(c for c in COMMANDS if c.name == args.command)
     try:
         if not command.reads_topology:  # a run directory's recorded topology, or none
