@@ -48,10 +48,10 @@ OUTPUTS = {"generate": "rollouts", "shard-preprocess": "batches", "actor-logprob
 
 
 def _start_run(out: Path, cache: Path, broker: str, redis_url: str, prefix: str, *sets: str,
-               new_session: bool = False) -> subprocess.Popen:
+               new_session: bool = False, env: dict[str, str] | None = None) -> subprocess.Popen:
     names = [f"topics.input={prefix}-prompts"] + [f"stages.{s}.output={prefix}-{t}" for s, t in OUTPUTS.items()]
     proc, _ = start_expstream(out.parent, "--bootstrap-servers", broker, "--redis-url", redis_url, "--run-id", prefix,
-                              prompts=PROMPTS, out=out, cache=cache, start_new_session=new_session,
+                              prompts=PROMPTS, out=out, cache=cache, start_new_session=new_session, env=env,
                               sets=[f"generate.n_samples_per_prompt={N}", "generate.max_new_tokens=8",
                                     "run.timeout_s=120",
                                     # 3 samples per micro-batch: groups of 4 are split, so they complete across records
@@ -268,7 +268,11 @@ def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker
     tests/test_recorder.py checked on a killed run of its own), and replays from it."""
     prefix = f"rk{uuid.uuid4().hex[:6]}"
     out = tmp_path / "killed"
-    proc = _start_run(out, cache, broker, redis_url, prefix, new_session=True)
+    # the last prompt's reward waits for a gate nobody opens (tests/rewardfns.py), so its group never becomes an
+    # experience however fast the rest runs: CI once saw all 6 groups through before the kill
+    proc = _start_run(out, cache, broker, redis_url, prefix, "models.reward=null",
+                      "models.reward_fn=tests.rewardfns:slow_with_gate", new_session=True,
+                      env={"EXPSTREAM_TEST_HOLD_MARK": "Is every square", "EXPSTREAM_TEST_GATE": str(tmp_path / "never")})
     rewarded = f"{prefix}-rewarded"
     try:
         deadline = time.monotonic() + 300
@@ -300,7 +304,7 @@ def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker
     # the run may have died before any experience was recorded
     exps = f"{prefix}-experiences"
     recorded = _values_by_batch(out, exps) if exps in recorded_topics(out) else {}
-    assert len(recorded) < 6, "killed mid-way: not every group reached the experiences topic"
+    assert "g/logic-1" not in recorded and "g/logic-1" not in got, "the held group became an experience"
     assert all(got[b] == v for b, v in recorded.items())
 
 
