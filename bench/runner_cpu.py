@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=1,
                    help="with --trickle-ms: partitions of the input topic (the pipeline's topics have 8; the "
                         "feeder spreads its records over them round robin)")
+    p.add_argument("--ab-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --trickle-ms: also run the replica with this topology override (repeatable), the two "
+                        "interleaved, a row each; e.g. --ab-set kafka.fetch_max_wait_ms=1000")
     return p.parse_args()
 
 
@@ -65,10 +68,11 @@ def backlog(boot: str, n: int) -> tuple[str, str]:
     return src, dst
 
 
-def passthrough(boot: str, redis_url: str, src: str, dst: str) -> tuple[StageRunner, threading.Thread]:
+def passthrough(boot: str, redis_url: str, src: str, dst: str,
+                sets: tuple[str, ...] = ()) -> tuple[StageRunner, threading.Thread]:
     """A pass-through StageRunner (shard-preprocess, output = input) reading ``src``, writing ``dst``, running
-    on a daemon thread; stop it with ``stop_requested`` and join the thread."""
-    topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}"])
+    on a daemon thread, with the topology overrides ``sets``; stop it with ``stop_requested`` and join the thread."""
+    topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}", *sets])
     run_id = uuid.uuid4().hex[:6]
     runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
                          lambda batch, ctx: [batch], boot)
@@ -107,7 +111,7 @@ producer.close()
 
 
 def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
-                partitions: int = 1) -> tuple[float, float, float]:
+                partitions: int = 1, sets: tuple[str, ...] = ()) -> tuple[float, float, float]:
     """A pass-through StageRunner fed one record every ``gap_ms`` by another process (not counted):
     (ms of CPU per record, ms of CPU per second idle before the records, seconds per record)."""
     import subprocess
@@ -115,7 +119,7 @@ def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
 
     src, dst = f"in-{uuid.uuid4().hex[:6]}", f"out-{uuid.uuid4().hex[:6]}"
     create_topics(boot, {src: partitions, dst: 1}, with_dlq=True)
-    runner, thread = passthrough(boot, redis_url, src, dst)
+    runner, thread = passthrough(boot, redis_url, src, dst, sets)
     while not (runner.pausing is not None and runner.tracker.assigned):
         time.sleep(0.01)
     time.sleep(1.0)
@@ -173,22 +177,30 @@ def main() -> int:
     broker, redis = LocalBroker(tmp / "broker"), LocalRedis(tmp / "redis")
     boot, redis_url = broker.start(), redis.start()
     if args.trickle_ms:
+        variants = {"defaults": ()} | ({" ".join(args.ab_set): tuple(args.ab_set)} if args.ab_set else {})
+        got_v: dict[str, list[tuple[float, float, float]]] = {k: [] for k in variants}
         try:
-            got_t = [trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s, args.partitions)
-                     for _ in range(args.repeats)]
+            for rep in range(args.repeats):
+                for name in list(variants) if rep % 2 == 0 else list(variants)[::-1]:
+                    g = trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s, args.partitions,
+                                    variants[name])
+                    got_v[name].append(g)
+                    progress(f"{name}: {g[0]:.2f} ms CPU per record, idle {g[1]:.1f} ms CPU per s, "
+                             f"{1000 * g[2]:.1f} ms apart")
         finally:
             broker.stop()
             redis.stop()
-        for per, idle, gap in got_t:
-            progress(f"trickle: {per:.2f} ms CPU per record, idle {idle:.1f} ms CPU per s, {1000 * gap:.1f} ms apart")
-        print(table(["measure", "median", "runs"],
-                    [["CPU ms per record, one at a time", median([g[0] for g in got_t]),
+        rows = []
+        for name, got_t in got_v.items():
+            rows += [[f"{name}: CPU ms per record, one at a time", median([g[0] for g in got_t]),
                       " ".join(fmt(g[0]) for g in got_t)],
-                     ["idle CPU ms per second", median([g[1] for g in got_t]), " ".join(fmt(g[1]) for g in got_t)]],
+                     [f"{name}: idle CPU ms per second", median([g[1] for g in got_t]),
+                      " ".join(fmt(g[1]) for g in got_t)]]
+        print(table(["measure", "median", "runs"], rows,
                     title=f"{args.records} records {args.trickle_ms:g} ms apart over {args.partitions} partitions; load avg {start['loadavg']} -> "
                           f"{machine()['loadavg']}"))
         save("runner_cpu_trickle", {"records": args.records, "gap_ms": args.trickle_ms,
-                                    "runs": [list(g) for g in got_t]})
+                                    "runs": {k: [list(g) for g in v] for k, v in got_v.items()}})
         return 0
     sides = {"runner": lambda: runner_cpu(boot, redis_url, args.records),
              "bare": lambda: bare_cpu(boot, args.records),
