@@ -268,11 +268,12 @@ def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker
     tests/test_recorder.py checked on a killed run of its own), and replays from it."""
     prefix = f"rk{uuid.uuid4().hex[:6]}"
     out = tmp_path / "killed"
-    # the last prompt's reward waits for a gate nobody opens (tests/rewardfns.py), so its group never becomes an
-    # experience however fast the rest runs: CI once saw all 6 groups through before the kill
+    # a slow judge (tests/rewardfns.py, 1 s per record of 3 samples, 8 records): the kill comes seconds before the
+    # last group can be rewarded, however fast the rest runs (CI once saw all 6 groups through before the kill).
+    # Not a gate holding one prompt: a poll can bring that prompt's record first, and nothing would pass reward.
     proc = _start_run(out, cache, broker, redis_url, prefix, "models.reward=null",
                       "models.reward_fn=tests.rewardfns:slow_with_gate", new_session=True,
-                      env={"EXPSTREAM_TEST_HOLD_MARK": "Is every square", "EXPSTREAM_TEST_GATE": str(tmp_path / "never")})
+                      env={"EXPSTREAM_TEST_REWARD_SLEEP_S": "1.0"})
     rewarded = f"{prefix}-rewarded"
     try:
         deadline = time.monotonic() + 300
@@ -304,7 +305,7 @@ def test_a_killed_run_replays_from_its_partial_recording(tmp_path, cache, broker
     # the run may have died before any experience was recorded
     exps = f"{prefix}-experiences"
     recorded = _values_by_batch(out, exps) if exps in recorded_topics(out) else {}
-    assert "g/logic-1" not in recorded and "g/logic-1" not in got, "the held group became an experience"
+    assert len(recorded) < 6, "killed mid-way: not every group reached the experiences topic"
     assert all(got[b] == v for b, v in recorded.items())
 
 
