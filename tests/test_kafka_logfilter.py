@@ -24,6 +24,22 @@ def _close_while_executing() -> None:
         task()
 
 
+def _run_a_task_cancelled_under_it() -> None:
+    """The I/O thread's side: kafka-python's own ``Task.__call__`` on a task closed while its step ran raises a
+    ``TypeError``; ``_poll_once`` logs it with this call (kafka/net/selector.py)."""
+    task: Task | None = None
+
+    def body():  # noqa: ANN202
+        task.close()
+        yield
+
+    task = Task(body())
+    try:
+        task()
+    except BaseException:  # noqa: BLE001 - what _poll_once catches
+        logging.getLogger("kafka.net.selector").exception("Unhandled exception in task %s:", task)
+
+
 @pytest.fixture
 def captured():
     """Records of the ``kafka`` loggers as a handler at the root would print them, with the filter installed."""
@@ -68,6 +84,27 @@ def test_the_close_race_prints_nothing_at_warning(captured):
     stream, installed = captured
     _close_while_executing()
     assert stream.getvalue() == "" and installed.seen == 1
+
+
+def test_the_io_threads_record_of_the_cancelled_task_prints_nothing_at_warning(captured):
+    stream, installed = captured
+    _run_a_task_cancelled_under_it()
+    assert stream.getvalue() == "" and installed.seen == 2  # the closing side's record, then the I/O thread's
+
+
+def test_a_task_that_raises_while_not_cancelled_keeps_its_traceback(captured):
+    stream, installed = captured
+
+    def body():  # noqa: ANN202
+        missing = None
+        yield missing[0]
+
+    task = Task(body())
+    try:
+        task()
+    except BaseException:  # noqa: BLE001
+        logging.getLogger("kafka.net.selector").exception("Unhandled exception in task %s:", task)
+    assert "Traceback" in stream.getvalue() and "TypeError" in stream.getvalue() and installed.seen == 0
 
 
 def test_the_close_race_is_one_line_without_a_traceback_at_debug(captured):

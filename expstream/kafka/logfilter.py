@@ -3,9 +3,11 @@
 kafka-python 3.0.12 runs each client's I/O on its own thread, and ``close()`` cancels the client's
 tasks from the caller's thread. When the I/O thread is in the middle of one of them, closing its
 coroutine raises ``ValueError: generator already executing``, which the library logs at ERROR with a
-traceback ("Error closing coroutine for cancelled task"). Nothing is lost: the client is being closed,
-every offset we keep was committed before, and ``close()`` then joins the I/O thread. The filter turns
-exactly that record into one DEBUG-worthy line, shown only when the ``kafka`` logger is at DEBUG.
+traceback ("Error closing coroutine for cancelled task"); if that step then ends the coroutine, the I/O
+thread trips over the task taken down under it and logs "Unhandled exception in task" (a ``TypeError``
+of the cancelled task). Nothing is lost: the client is being closed, every offset we keep was committed
+before, and ``close()`` then joins the I/O thread. The filter turns exactly those two records into one
+line, shown only when the ``kafka`` logger is at DEBUG.
 """
 
 from __future__ import annotations
@@ -15,14 +17,23 @@ import logging
 #: The logger and message kafka-python uses for the record (kafka/net/selector.py, ``Task.close``).
 SELECTOR_LOGGER = "kafka.net.selector"
 CLOSE_RACE_MESSAGE = "Error closing coroutine for cancelled task"
+#: The I/O thread's record of a task that raised (kafka/net/selector.py, ``_poll_once``).
+TASK_RAISED_MESSAGE = "Unhandled exception in task %s:"
 
 
 def is_close_race(record: logging.LogRecord) -> bool:
-    """True for kafka-python's "generator already executing" record of a close, and for nothing else."""
-    if record.name != SELECTOR_LOGGER or record.msg != CLOSE_RACE_MESSAGE or not record.exc_info:
+    """True for the two records of kafka-python's close race, and for nothing else: the closing thread's
+    "generator already executing", and the I/O thread's ``TypeError`` from a task already cancelled."""
+    if record.name != SELECTOR_LOGGER or not record.exc_info:
         return False
     exc = record.exc_info[1]
-    return isinstance(exc, ValueError) and "generator already executing" in str(exc)
+    if record.msg == CLOSE_RACE_MESSAGE:
+        return isinstance(exc, ValueError) and "generator already executing" in str(exc)
+    if record.msg == TASK_RAISED_MESSAGE and isinstance(exc, TypeError) and record.args:
+        task = record.args[0] if isinstance(record.args, tuple) else None
+        state = getattr(getattr(task, "state", None), "value", None)
+        return state == "cancelled" and getattr(task, "is_done", False) is True
+    return False
 
 
 class CloseRaceFilter(logging.Filter):
