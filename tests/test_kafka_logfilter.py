@@ -11,22 +11,9 @@ from kafka.net.selector import Task
 from expstream.kafka.logfilter import CloseRaceFilter, install_close_race_filter
 
 
-def _close_while_executing() -> None:
-    """Drive kafka-python's own ``Task.close`` on a coroutine that is running: the record the race logs."""
-    task: Task | None = None
-
-    def body():  # noqa: ANN202
-        task.close()  # the generator is on the stack: "generator already executing", logged by kafka-python
-        yield
-
-    task = Task(body())
-    with pytest.raises(TypeError):  # the task's stack was taken down under it; the record is what matters
-        task()
-
-
-def _run_a_task_cancelled_under_it() -> None:
-    """The I/O thread's side: kafka-python's own ``Task.__call__`` on a task closed while its step ran raises a
-    ``TypeError``; ``_poll_once`` logs it with this call (kafka/net/selector.py)."""
+def _self_closing_task() -> Task:
+    """A kafka-python ``Task`` whose step closes the task itself: ``Task.close`` then meets its coroutine on the
+    stack, as the closing thread does in the race ("generator already executing", logged by kafka-python)."""
     task: Task | None = None
 
     def body():  # noqa: ANN202
@@ -34,10 +21,27 @@ def _run_a_task_cancelled_under_it() -> None:
         yield
 
     task = Task(body())
+    return task
+
+
+def _step_as_the_io_thread(task: Task) -> None:
+    """One step of ``task`` as kafka-python's ``_poll_once`` runs it: what it raises is logged with that
+    method's call (kafka/net/selector.py)."""
     try:
         task()
     except BaseException:  # noqa: BLE001 - what _poll_once catches
         logging.getLogger("kafka.net.selector").exception("Unhandled exception in task %s:", task)
+
+
+def _close_while_executing() -> None:
+    """The closing thread's record alone."""
+    with pytest.raises(TypeError):  # the task's stack was taken down under it; the record is what matters
+        _self_closing_task()()
+
+
+def _run_a_task_cancelled_under_it() -> None:
+    """Both records: the close's, then the I/O thread's ``TypeError`` of the task cancelled under it."""
+    _step_as_the_io_thread(_self_closing_task())
 
 
 @pytest.fixture
@@ -99,11 +103,7 @@ def test_a_task_that_raises_while_not_cancelled_keeps_its_traceback(captured):
         missing = None
         yield missing[0]
 
-    task = Task(body())
-    try:
-        task()
-    except BaseException:  # noqa: BLE001
-        logging.getLogger("kafka.net.selector").exception("Unhandled exception in task %s:", task)
+    _step_as_the_io_thread(Task(body()))
     assert "Traceback" in stream.getvalue() and "TypeError" in stream.getvalue() and installed.seen == 0
 
 
