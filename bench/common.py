@@ -96,6 +96,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+def checked_sets(sets: Sequence[str], flag: str) -> list[str]:
+    """Topology overrides given to a bench (``flag`` names the option), refused before anything starts: a wrong
+    key or value exits with the topology's own message (the field and the fix), not minutes into a run."""
+    from expstream.config.topology import load_topology
+    from expstream.errors import ConfigError
+
+    try:
+        load_topology(None, list(sets))
+    except ConfigError as exc:
+        print(f"{flag}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return list(sets)
+
+
 def progress(msg: str) -> None:
     """A progress line on stderr (stdout carries only the results)."""
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ Nothing is asserted. CPU per record of a stage replica per W: ``bench/runner_cpu
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import resource
 import tempfile
@@ -24,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common import fmt, machine, median, progress, save, table
+from common import checked_sets, fmt, machine, median, progress, save, table
 
 from expstream.config.topology import load_topology
 from expstream.kafka.clients import make_consumer, make_producer, send_and_confirm
@@ -95,7 +96,9 @@ def latency_and_idle(boot: str, wait_ms: int, n: int, idle_s: float, rng: random
 
 def main() -> int:
     args = parse_args()
-    waits = [int(w) for w in args.waits.split(",") if w.strip()]
+    waits = [w.strip() for w in args.waits.split(",") if w.strip()]
+    checked_sets([f"kafka.fetch_max_wait_ms={w}" for w in waits], "--waits")
+    waits = [int(w) for w in waits]
     start, rng = machine(), random.Random(1)
     got: dict[int, list[dict[str, Any]]] = {w: [] for w in waits}
     demos: dict[int, list[dict[str, Any]]] = {w: [] for w in waits}
@@ -119,7 +122,7 @@ def main() -> int:
     rows, out = [], {}
     for w in waits:
         lat = sorted(x for r in got[w] for x in r["latency_ms"])
-        p90 = lat[int(0.9 * (len(lat) - 1))] if lat else float("nan")
+        p90 = lat[math.ceil(0.9 * len(lat)) - 1] if lat else float("nan")  # nearest rank
         idle = median([r["idle_cpu_ms_per_s"] for r in got[w]])
         first = median([d["first_experience_s"] for d in demos[w]]) if demos[w] else None
         cmd = median([d["cmd_wall_s"] for d in demos[w]]) if demos[w] else None

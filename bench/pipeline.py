@@ -69,6 +69,7 @@ from common import (
     ROOT,
     SMALL_CACHE,
     TINY_CACHE,
+    checked_sets,
     fmt,
     machine,
     median,
@@ -704,6 +705,7 @@ def main() -> int:
              f"max_new_tokens={args.max_new_tokens}, estimator={args.estimator}, models={args.model_size}")
     models, model_info = model_overrides(args.model_size)
     sets = topology_sets(args, models)
+    checked_sets([*sets, *args.ab_set], "--set/--ab-set")
     topo = load_topology(None, sets)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
 

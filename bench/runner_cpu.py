@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common import fmt, machine, median, progress, save, table
+from common import checked_sets, fmt, machine, median, progress, save, table
 
 from expstream.config.topology import load_topology
 from expstream.kafka.clients import make_consumer, make_producer, send_all_and_confirm
@@ -137,6 +137,8 @@ def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
     feeder.wait(30)
     runner.stop_requested = True
     thread.join(30)
+    if n <= first:
+        raise SystemExit(f"--records {n}: every record was handled before the measurement began; give more")
     return 1000 * cpu / (n - first), idle, wall / (n - first)
 
 
@@ -172,6 +174,7 @@ def bare_cpu(boot: str, n: int, per_poll: int = 1) -> float:
 
 def main() -> int:
     args = parse_args()
+    checked_sets(args.ab_set, "--ab-set")
     start = machine()
     tmp = Path(tempfile.mkdtemp(prefix="bench-runner-"))
     broker, redis = LocalBroker(tmp / "broker"), LocalRedis(tmp / "redis")
