@@ -5,7 +5,8 @@ state (its first-use imports, caches and tables) in the server's shared pages.
 Measured (bench/README.md item 5): a forked process's first ``from_pretrained`` of the tiny model made 11.6 MiB
 of private memory (0.05 s of CPU), 6.1 MiB (0.02 s) when the server had loaded a model once. Every model stage
 (5 in the demo) pays that at its start. The server's own rules hold:
-the model is dropped again, one torch thread, torch's random generator left as it was (a child's sampling
+the model is dropped again, one torch thread and transformers' sequential weight loading (no thread left
+for a fork to copy), torch's random generator left as it was (a child's sampling
 is as if no warm-up happened), and a failure is reported on the run's stderr, never fatal to the server.
 Only when the tiny models are in the cache already (the directory comes in ``EXPSTREAM_FORKSERVER_WARM``);
 a run with other models loads the same transformers code, so the warm-up is useful to it too. Not with
@@ -17,9 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 #: Set (the tiny actor's directory) only in the environment the fork server starts with.
 WARM_ENV = "EXPSTREAM_FORKSERVER_WARM"
+#: transformers' switch from its thread-pool weight loading to a sequential one.
+SYNC_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
 
 
 def warm(actor_dir: str) -> None:
@@ -29,12 +33,23 @@ def warm(actor_dir: str) -> None:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no thread pool in the server: its children are forked
+    # transformers 5 loads weights on a ThreadPoolExecutor it shuts down without waiting: its idle workers
+    # could outlive the load and be alive when the server forks (seen in CI). Sequential loading here.
+    async_load = os.environ.get(SYNC_LOAD_ENV)
+    os.environ[SYNC_LOAD_ENV] = "1"
+    before = set(threading.enumerate())
     try:
         with torch.random.fork_rng(devices=[]):
             model = load_causal_lm(actor_dir)
             del model
     finally:
         torch.set_num_threads(threads)
+        if async_load is None:
+            os.environ.pop(SYNC_LOAD_ENV, None)
+        else:
+            os.environ[SYNC_LOAD_ENV] = async_load
+        for left in set(threading.enumerate()) - before:  # any other library's helper thread: gone first
+            left.join(timeout=5.0)
 
 
 def _warm_from_env() -> None:
