@@ -279,6 +279,27 @@ def test_announce_logs_on_the_policy_topic_and_sets_the_version(tmp_path, broker
     assert read_policy_log(broker, kafka_cfg, topic) == [c1, m1]
 
 
+def test_announce_with_the_callers_producer_leaves_it_open(tmp_path, broker, fresh_topic, kafka_cfg, redis_state):
+    """The trainer keeps one producer for its life (it made and closed one per step): ``announce`` sends through
+    a given producer and does not close it, so the next announcement goes through the same one."""
+    from expstream.kafka.clients import make_producer, send_and_confirm
+
+    topic = fresh_topic(1)
+    store = DirectoryWeightStore(tmp_path)
+    manifests = [store.publish("actor", v, small_state_dict(v), step=v - 1, offsets={}, run_id="run-p")
+                 for v in (1, 2, 3)]
+    producer = make_producer(broker, kafka_cfg)
+    try:
+        for m in manifests:
+            announce(m, bootstrap=broker, kafka_config=kafka_cfg, state=redis_state, topic=topic, producer=producer)
+            assert redis_state.policy_version() == m.version
+        other = fresh_topic(1)
+        assert send_and_confirm(producer, other, b"still open").offset == 0  # a closed producer refuses to send
+    finally:
+        producer.close()
+    assert read_policy_log(broker, kafka_cfg, topic) == manifests
+
+
 # --- hot reload in the stages (the issue's test) -------------------------------------------------
 def loop_topology(cache, store_dir, *extra):
     return load_topology(overrides=[f"models.cache_dir={cache}", "train.enabled=true",

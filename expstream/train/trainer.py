@@ -131,6 +131,7 @@ class Trainer:
         self.stop = False
         self.last_line: dict[str, Any] | None = None
         self.stream: Any = None
+        self.announcer: Any = None  # the policy topic's producer, made at the first announcement, kept till close
         self.fault = fault_plan("trainer", TRAINER_POINTS)  # SIGKILL in step k right after a point
         self._wait_since: float | None = None
         self.record_samples = topo.run.prompt_batch_size * topo.generate.n_samples_per_prompt
@@ -184,9 +185,13 @@ class Trainer:
         return ckpt.positions
 
     def _announce(self, manifest: Any) -> None:
+        from expstream.kafka.clients import make_producer
         from expstream.train.weights import announce
 
-        announce(manifest, bootstrap=self.args.bootstrap_servers, kafka_config=self.topo.kafka, state=self.state)
+        if self.announcer is None:  # one producer for the trainer's life: was one made and closed per step
+            self.announcer = make_producer(self.args.bootstrap_servers, self.topo.kafka)
+        announce(manifest, bootstrap=self.args.bootstrap_servers, kafka_config=self.topo.kafka, state=self.state,
+                 producer=self.announcer)
 
     # ---- intake ---------------------------------------------------------------------------------
     def _add_rows(self, batch: Any, topic: str, partition: int, offset: int, rows: list[int] | None = None) -> None:
@@ -443,6 +448,8 @@ class Trainer:
                          ", weights in final/" if self.step else "")
         finally:
             self.stream.close()
+            if self.announcer is not None:
+                self.announcer.close()
             self.control.close()
             self.state.close()
         return EXIT_OK

@@ -314,7 +314,7 @@ def open_store(path_or_url: str) -> WeightStore:
 
 # --- announcement ----------------------------------------------------------------------------------
 def announce(manifest: Manifest, *, bootstrap: str, kafka_config: Any, state: Any,
-             topic: str = POLICY_TOPIC) -> None:
+             topic: str = POLICY_TOPIC, producer: Any = None) -> None:
     """Tell the pipeline a version exists (it must already be in the store). Protocol:
 
     1. one record on ``topic`` (key = run id, value = msgpack of ``manifest.to_dict()``), confirmed;
@@ -322,17 +322,21 @@ def announce(manifest: Manifest, *, bootstrap: str, kafka_config: Any, state: An
 
     The record comes first so that the policy log is complete: a version followers may load has
     always been logged. A critic is only logged; critic followers load the critic version that
-    goes with the announced actor version.
+    goes with the announced actor version. ``producer``: the caller's, kept open across announcements (the
+    trainer's, one for its life); without it one is made and closed for this record.
     """
     from expstream.kafka.clients import make_producer, send_and_confirm
     from expstream.kafka.provenance import provenance_headers
 
-    producer = make_producer(bootstrap, kafka_config)
+    own = producer is None
+    if own:
+        producer = make_producer(bootstrap, kafka_config)
     try:
         send_and_confirm(producer, topic, msgpack.packb(manifest.to_dict(), use_bin_type=True),
                          key=manifest.run_id.encode(), headers=provenance_headers("trainer", manifest.version))
     finally:
-        producer.close()
+        if own:
+            producer.close()
     if manifest.role == "actor":
         state.set_policy_version(manifest.version)
 
