@@ -114,6 +114,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chains", default=DEFAULT_CHAINS,
                    help="a chained topology measured beside the default one (topology.yaml `chains:`, YAML); "
                         "'' measures the default topology only")
+    p.add_argument("--ab-set", action="append", default=[], metavar="dotted.key=value",
+                   help="an A/B of a setting: the default (and --chains) topology also run with this override, "
+                        "interleaved, e.g. kafka.client=confluent (repeatable: one variant with all of them)")
     p.add_argument("--baseline-repeats", type=int, default=3, help="in-process runs per thread count (median)")
     p.add_argument("--hop-records", type=int, default=30, help="records timed per hop (median)")
     p.add_argument("--keep-runs", action="store_true", help="keep the streaming runs' output directories")
@@ -729,29 +732,19 @@ def main() -> int:
         return single_mode(f"pipeline-{kind}", lambda: record_cost(args, sets, prompt_files, work, kind))
     try:
         baseline = Baseline(topo, prompt_files[args.prompts])
-        runs: dict[int, list[dict[str, Any]]] = {k: [] for k in prompt_files}
-        chained: dict[int, list[dict[str, Any]]] = {k: [] for k in prompt_files}  # the --chains topology
-        chain_sets = [*sets, f"chains={args.chains}"] if args.chains else None
-        # interleaved, so that the machine's noise (other work on these 2 cores) hits both sides alike
-        for rep in range(max(args.repeats, args.baseline_repeats)):
-            if rep < args.baseline_repeats:
-                for threads in (2, 1) if rep % 2 == 0 else (1, 2):
-                    baseline.run(threads)
-            if rep < args.repeats:
-                for count, path in prompt_files.items():
-                    r = stream_run(path, sets, work / f"run-{count}-{rep}")
-                    runs[count].append(r)
-                    progress(f"streaming {count} prompts run {rep + 1}/{args.repeats}: {r['samples']} samples, "
-                             f"command {r['cmd_wall_s']:.1f}s, summary wall {r['wall_s']:.1f}s, "
-                             f"log steady {fmt(r['log_steady_samples_per_s'])}/s")
-                    if chain_sets is not None:
-                        r = stream_run(path, chain_sets, work / f"chained-{count}-{rep}")
-                        chained[count].append(r)
-                        progress(f"chained {count} prompts run {rep + 1}/{args.repeats}: command "
-                                 f"{r['cmd_wall_s']:.1f}s, log steady {fmt(r['log_steady_samples_per_s'])}/s")
+        variants = {"default": sets}
+        if args.chains:
+            variants["chained"] = [*sets, f"chains={args.chains}"]  # the --chains topology
+        for name, vs in list(variants.items()):
+            if args.ab_set:
+                variants[f"{name}+ab"] = [*vs, *args.ab_set]
+        got = run_variants(args, baseline, prompt_files, variants, work)
+        runs, chained = got["default"], got.get("chained")
+        chain_sets = variants.get("chained")
         base = baseline.result()
         stream = streaming_result(runs)
         stream_chained = streaming_result(chained) if chain_sets is not None else None
+        stream_ab = {k: streaming_result(v) for k, v in got.items() if k.endswith("+ab")}
         hops = measure_hops(topo, hop_records(topo, base["chain"]), args.hop_records)
         demos = []
         for rep in range(args.demo_repeats):
@@ -770,6 +763,8 @@ def main() -> int:
     summary = report(args, topo, base, hops, stream, info_start, info_end, model_info)
     if stream_chained is not None:
         summary["chained"] = chained_report(args, base, stream, stream_chained)
+    if stream_ab:
+        summary["ab"] = ab_report(args, base, {"default": stream, "chained": stream_chained}, stream_ab)
     summary["goals"] = goals_table(args, base, hops, stream, demos, codec, stream_chained)
     save(f"pipeline-{args.model_size}" if args.model_size != "tiny" else "pipeline", summary)
     return 0
@@ -1118,6 +1113,52 @@ def marginal_by_process(st: dict[str, Any]) -> dict[str, float]:
     out = {name: 1000 * (c2["stages"].get(name, float("nan")) - v) / ds for name, v in c1["stages"].items()}
     out.update({k: 1000 * (c2[k] - c1[k]) / ds for k in ("broker", "redis", "cli", "other", "total")})
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def run_variants(args: argparse.Namespace, baseline: Baseline, prompt_files: dict[int, Path],
+                 variants: dict[str, list[str]], work: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """The baseline and every topology variant's streaming runs, interleaved (so that the machine's noise,
+    other work on these 2 cores, hits every side alike; the variants' order alternates per repeat)."""
+    got: dict[str, dict[int, list[dict[str, Any]]]] = {v: {k: [] for k in prompt_files} for v in variants}
+    for rep in range(max(args.repeats, args.baseline_repeats)):
+        if rep < args.baseline_repeats:
+            for threads in (2, 1) if rep % 2 == 0 else (1, 2):
+                baseline.run(threads)
+        if rep < args.repeats:
+            for count, path in prompt_files.items():
+                for name in list(variants) if rep % 2 == 0 else list(variants)[::-1]:
+                    r = stream_run(path, variants[name], work / f"{name}-{count}-{rep}")
+                    got[name][count].append(r)
+                    progress(f"{name} {count} prompts run {rep + 1}/{args.repeats}: {r['samples']} samples, "
+                             f"command {r['cmd_wall_s']:.1f}s, summary wall {r['wall_s']:.1f}s, "
+                             f"log steady {fmt(r['log_steady_samples_per_s'])}/s")
+    return got
+
+
+def ab_report(args: argparse.Namespace, base: dict[str, Any], streams: dict[str, dict[str, Any] | None],
+              ab: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """--ab-set: each topology with and without the override, against the best in-process chain."""
+    best_threads = max((t for t in base if isinstance(t, int)), key=lambda t: base[t]["samples_per_s"])
+    best = base[best_threads]["samples_per_s"]
+    rows, out = [], {}
+    for name, st in streams.items():
+        if st is None or f"{name}+ab" not in ab:
+            continue
+        for label, s in ((name, st), (f"{name} + {' '.join(args.ab_set)}", ab[f"{name}+ab"])):
+            steady = steady_rate(s)
+            rows.append([label, steady, ratio(steady, best), s["cpu_ms_per_sample_marginal"], s["cmd_wall_s"]])
+            out[label] = {"steady_samples_per_s": rounded(steady), "x_best_in_process": rounded(ratio(steady, best)),
+                          "cpu_ms_per_sample_marginal": rounded(s["cpu_ms_per_sample_marginal"]),
+                          "marginal_cpu_ms_per_sample_by_process": marginal_by_process(s)}
+    rows.append([f"in-process LocalChain, {best_threads} thread(s) (best)", best, 1.0,
+                 base[best_threads]["cpu_ms_per_sample"], None])
+    print(table(["topology", "steady samples/s", "x best in-proc", "CPU ms/sample (marginal)", "command s"], rows,
+                title=f"A/B of {' '.join(args.ab_set)}, same run, interleaved"))
+    for label, o in out.items():
+        print(f"  marginal CPU ms per sample (2N - N), {label}: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in o["marginal_cpu_ms_per_sample_by_process"].items()))
+    print()
+    return {"set": args.ab_set, "best_in_process_threads": best_threads, **out}
 
 
 def chained_report(args: argparse.Namespace, base: dict[str, Any], stream: dict[str, Any],
