@@ -13,6 +13,9 @@ CPU is ``time.process_time()`` of this process (all threads: kafka-python's IO a
 the runner's worker, heartbeat and metrics threads), from the first to the last record of the
 backlog. The broker and redis-server are separate processes, not counted.
 
+``--clients kafka-python,confluent``: the runner with each ``kafka.client`` (its producer: kafka-python or
+confluent-kafka, expstream/kafka/rdkafka.py), interleaved, a row each.
+
 Usage: ``.venv/bin/python bench/runner_cpu.py [--records 400] [--repeats 3]``. Nothing is asserted.
 """
 
@@ -49,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=1,
                    help="with --trickle-ms: partitions of the input topic (the pipeline's topics have 8; the "
                         "feeder spreads its records over them round robin)")
+    p.add_argument("--clients", default="kafka-python",
+                   help="comma-separated kafka.client values the runner is measured with, interleaved "
+                        "(e.g. kafka-python,confluent)")
     return p.parse_args()
 
 
@@ -65,10 +71,12 @@ def backlog(boot: str, n: int) -> tuple[str, str]:
     return src, dst
 
 
-def passthrough(boot: str, redis_url: str, src: str, dst: str) -> tuple[StageRunner, threading.Thread]:
+def passthrough(boot: str, redis_url: str, src: str, dst: str,
+                client: str = "kafka-python") -> tuple[StageRunner, threading.Thread]:
     """A pass-through StageRunner (shard-preprocess, output = input) reading ``src``, writing ``dst``, running
-    on a daemon thread; stop it with ``stop_requested`` and join the thread."""
-    topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}"])
+    on a daemon thread, producing with ``client``; stop it with ``stop_requested`` and join the thread."""
+    topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}",
+                                f"kafka.client={client}"])
     run_id = uuid.uuid4().hex[:6]
     runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
                          lambda batch, ctx: [batch], boot)
@@ -77,10 +85,10 @@ def passthrough(boot: str, redis_url: str, src: str, dst: str) -> tuple[StageRun
     return runner, thread
 
 
-def runner_cpu(boot: str, redis_url: str, n: int) -> float:
+def runner_cpu(boot: str, redis_url: str, n: int, client: str = "kafka-python") -> float:
     """ms of CPU per record of a pass-through StageRunner working through a backlog of ``n``."""
     src, dst = backlog(boot, n)
-    runner, thread = passthrough(boot, redis_url, src, dst)
+    runner, thread = passthrough(boot, redis_url, src, dst, client)
     while runner.handled < 1:  # joined, first record done: the steady part starts here
         time.sleep(0.005)
     c0, first = time.process_time(), runner.handled
@@ -107,7 +115,7 @@ producer.close()
 
 
 def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
-                partitions: int = 1) -> tuple[float, float, float]:
+                partitions: int = 1, client: str = "kafka-python") -> tuple[float, float, float]:
     """A pass-through StageRunner fed one record every ``gap_ms`` by another process (not counted):
     (ms of CPU per record, ms of CPU per second idle before the records, seconds per record)."""
     import subprocess
@@ -115,7 +123,7 @@ def trickle_cpu(boot: str, redis_url: str, n: int, gap_ms: float, idle_s: float,
 
     src, dst = f"in-{uuid.uuid4().hex[:6]}", f"out-{uuid.uuid4().hex[:6]}"
     create_topics(boot, {src: partitions, dst: 1}, with_dlq=True)
-    runner, thread = passthrough(boot, redis_url, src, dst)
+    runner, thread = passthrough(boot, redis_url, src, dst, client)
     while not (runner.pausing is not None and runner.tracker.assigned):
         time.sleep(0.01)
     time.sleep(1.0)
@@ -166,31 +174,49 @@ def bare_cpu(boot: str, n: int, per_poll: int = 1) -> float:
         producer.close()
 
 
+def trickle_main(args: argparse.Namespace, clients: list[str], boot: str, redis_url: str, broker: LocalBroker,
+                 redis: LocalRedis, start: dict[str, Any]) -> int:
+    """--trickle-ms: the runner fed one record at a time, per client (interleaved), a row each."""
+    got_t: dict[str, list[tuple[float, float, float]]] = {c: [] for c in clients}
+    try:
+        for rep in range(args.repeats):
+            for c in clients if rep % 2 == 0 else clients[::-1]:
+                got_t[c].append(trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s,
+                                            args.partitions, c))
+                per, idle, gap = got_t[c][-1]
+                progress(f"trickle {c}: {per:.2f} ms CPU per record, idle {idle:.1f} ms CPU per s, "
+                         f"{1000 * gap:.1f} ms apart")
+    finally:
+        broker.stop()
+        redis.stop()
+    rows = []
+    for c, g in got_t.items():
+        rows += [[f"CPU ms per record, one at a time, kafka.client={c}", median([x[0] for x in g]),
+                  " ".join(fmt(x[0]) for x in g)],
+                 [f"idle CPU ms per second, kafka.client={c}", median([x[1] for x in g]), " ".join(fmt(x[1]) for x in g)]]
+    if len(clients) > 1:
+        first = median([x[0] for x in got_t[clients[0]]])
+        rows += [[f"ratio {c} / {clients[0]} per record", median([x[0] for x in got_t[c]]) / first, ""]
+                 for c in clients[1:]]
+    print(table(["measure", "median", "runs"], rows,
+                title=f"{args.records} records {args.trickle_ms:g} ms apart over {args.partitions} partitions; load avg "
+                      f"{start['loadavg']} -> {machine()['loadavg']}"))
+    save("runner_cpu_trickle", {"records": args.records, "gap_ms": args.trickle_ms,
+                                "runs": [list(g) for g in got_t[clients[0]]],
+                                "runs_by_client": {c: [list(g) for g in v] for c, v in got_t.items()}})
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     start = machine()
     tmp = Path(tempfile.mkdtemp(prefix="bench-runner-"))
     broker, redis = LocalBroker(tmp / "broker"), LocalRedis(tmp / "redis")
     boot, redis_url = broker.start(), redis.start()
+    clients = args.clients.split(",")
     if args.trickle_ms:
-        try:
-            got_t = [trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s, args.partitions)
-                     for _ in range(args.repeats)]
-        finally:
-            broker.stop()
-            redis.stop()
-        for per, idle, gap in got_t:
-            progress(f"trickle: {per:.2f} ms CPU per record, idle {idle:.1f} ms CPU per s, {1000 * gap:.1f} ms apart")
-        print(table(["measure", "median", "runs"],
-                    [["CPU ms per record, one at a time", median([g[0] for g in got_t]),
-                      " ".join(fmt(g[0]) for g in got_t)],
-                     ["idle CPU ms per second", median([g[1] for g in got_t]), " ".join(fmt(g[1]) for g in got_t)]],
-                    title=f"{args.records} records {args.trickle_ms:g} ms apart over {args.partitions} partitions; load avg {start['loadavg']} -> "
-                          f"{machine()['loadavg']}"))
-        save("runner_cpu_trickle", {"records": args.records, "gap_ms": args.trickle_ms,
-                                    "runs": [list(g) for g in got_t]})
-        return 0
-    sides = {"runner": lambda: runner_cpu(boot, redis_url, args.records),
+        return trickle_main(args, clients, boot, redis_url, broker, redis, start)
+    sides = {**{f"runner {c}": (lambda c=c: runner_cpu(boot, redis_url, args.records, c)) for c in clients},
              "bare": lambda: bare_cpu(boot, args.records),
              "bare16": lambda: bare_cpu(boot, args.records, per_poll=16)}
     got: dict[str, list[float]] = {k: [] for k in sides}
@@ -203,17 +229,21 @@ def main() -> int:
     finally:
         broker.stop()
         redis.stop()
-    r, b1, b16 = median(got["runner"]), median(got["bare"]), median(got["bare16"])
+    rs = {c: median(got[f"runner {c}"]) for c in clients}
+    r, b1, b16 = rs[clients[0]], median(got["bare"]), median(got["bare16"])
     b = min(b1, b16)  # the baseline: the better plain loop
     end = machine()
     print(table(["loop", "CPU ms per record (median)", "runs"],
-                [["StageRunner, pass-through stage", r, " ".join(fmt(x) for x in got["runner"])],
+                [*[[f"StageRunner, pass-through stage, kafka.client={c}", rs[c], " ".join(fmt(x) for x in
+                                                                                        got[f"runner {c}"])]
+                   for c in clients],
                  ["plain loop, a commit per record", b1, " ".join(fmt(x) for x in got["bare"])],
                  ["plain loop, a flush + commit per poll of <= 16", b16, " ".join(fmt(x) for x in got["bare16"])],
-                 ["ratio runner / best plain loop", r / b if b else float("nan"), ""]],
+                 *[[f"ratio runner ({c}) / best plain loop", rs[c] / b if b else float("nan"), ""] for c in clients]],
                 title=f"{args.records} records per backlog, {args.repeats} rounds; load avg {start['loadavg']} -> "
                       f"{end['loadavg']}"))
-    summary: dict[str, Any] = {"records": args.records, "runner_ms": got["runner"], "bare_ms": got["bare"],
+    summary: dict[str, Any] = {"records": args.records, "runner_ms": got[f"runner {clients[0]}"],
+                               "runner_ms_by_client": {c: got[f"runner {c}"] for c in clients}, "bare_ms": got["bare"],
                                "bare16_ms": got["bare16"],
                                "ratio": r / b if b else None, "loadavg": [start["loadavg"], end["loadavg"]]}
     save("runner_cpu", summary)
