@@ -199,3 +199,30 @@ def test_nothing_is_committed_while_the_outputs_cannot_be_acknowledged(broker):
         running.stop()
     assert sorted(peek_header(r.value)[2] for r in read_topic(broker, None, dst)) == ["b0", "b1", "b2"]
     assert topic_lag(broker, None, runner.group_id, src) == {0: 0} and runner.dead_lettered == 0
+
+
+@pytest.mark.integration
+def test_a_send_while_the_broker_is_away_is_queued_then_acknowledged(tmp_path):
+    """As with kafka-python (whose bootstrap metadata knows every topic): a spread send while the broker
+    does not answer is queued, not refused; its confirmation fails retriable meanwhile, and once the
+    broker is back the record is acknowledged and written once."""
+    from expstream.kafka.clients import confirm_all, flush, send_all
+    from expstream.launch.localservers import LocalBroker
+
+    with LocalBroker(tmp_path) as own:
+        create_topics(own.bootstrap, {"away": 2}, with_dlq=False)
+        producer = make_producer(own.bootstrap, KafkaConfig(client=CK, produce_timeout_s=2.0), spread=True)
+        try:
+            own.pause()
+            try:
+                sent = send_all(producer, [("away", b"queued")])
+                with pytest.raises(ProduceError) as err:
+                    confirm_all(sent, 1.0)
+                assert err.value.retriable
+            finally:
+                own.resume()
+            flush(producer, 30)
+            assert confirm_all(sent, 30)[0].topic == "away"
+        finally:
+            producer.close()
+        assert [r.value for r in read_topic(own.bootstrap, None, "away")] == [b"queued"]

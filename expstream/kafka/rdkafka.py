@@ -48,6 +48,8 @@ log = logging.getLogger("expstream.bus")
 # Why 30 s: how long a spread producer trusts a topic's partition list before asking again (kafka-python's
 # metadata refresh is 5 min; a topic's partitions are fixed for a run, so this only bounds a surprise).
 PARTITIONS_TTL_S = 30.0
+# Why 5 s: when the broker does not answer a refresh, the known list is used and asked for again this much later.
+PARTITIONS_RETRY_S = 5.0
 # Why 50 ms: how long a future's get() waits in one librdkafka poll before looking at its own report
 # again (another thread's poll may have served it).
 GET_POLL_SLICE_S = 0.05
@@ -149,10 +151,16 @@ class RdkafkaProducer:
         self._lock = threading.Lock()
         self._max_block_s = cfg.produce_timeout_s
         try:  # as kafka-python's constructor: reach a bootstrap server now, or BrokerUnavailableError
-            self._producer.list_topics(timeout=cfg.bootstrap_timeout_ms / 1000)
+            md = self._producer.list_topics(timeout=cfg.bootstrap_timeout_ms / 1000)
         except KafkaException as exc:
             raise BrokerUnavailableError(f"no Kafka broker reachable at {','.join(bootstrap)!r} for a producer "
                                          f"(confluent-kafka): {exc}") from exc
+        # every topic's partitions known from the start, as kafka-python's bootstrap metadata: a first send
+        # while the broker is away is queued (and its confirmation times out), not refused at once
+        now = time.monotonic()
+        for name, t in md.topics.items():
+            if t.error is None and t.partitions:
+                self._partitions[name] = (now, *_partition_lists(t))
 
     def send(self, topic: str, value: Any = None, key: bytes | None = None,
              headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
@@ -190,7 +198,13 @@ class RdkafkaProducer:
         with self._lock:
             got = self._partitions.get(topic)
             if got is None or time.monotonic() - got[0] > PARTITIONS_TTL_S:
-                got = (time.monotonic(), *self._topic_partitions(topic))
+                try:
+                    got = (time.monotonic(), *self._topic_partitions(topic))
+                except ProduceError:
+                    if got is None:
+                        raise
+                    # the broker is away: keep the list known (as kafka-python keeps stale metadata), ask again later
+                    got = (time.monotonic() - PARTITIONS_TTL_S + PARTITIONS_RETRY_S, *got[1:])
                 self._partitions[topic] = got
         return self._spread.partition(topic, None, None, None, None, _Cluster(topic, got[1], got[2]))
 
@@ -203,8 +217,7 @@ class RdkafkaProducer:
             raise ProduceError(f"send to {topic!r}: no metadata from {','.join(self._bootstrap)!r}: {exc}") from exc
         if md is None or md.error is not None or not md.partitions:
             raise ProduceError(f"send to {topic!r}: topic not found ({md.error if md is not None else 'no metadata'})")
-        every = sorted(md.partitions)
-        return every, [p for p in every if md.partitions[p].leader >= 0]
+        return _partition_lists(md)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every delivery report (at most ``timeout`` s); never raises (the futures say what failed)."""
@@ -213,6 +226,12 @@ class RdkafkaProducer:
     def close(self, timeout: float | None = None) -> None:
         """Flush (at most ``timeout`` s); librdkafka's threads end when the producer is dropped."""
         self.flush(10.0 if timeout is None else timeout)
+
+
+def _partition_lists(md: Any) -> tuple[list[int], list[int]]:
+    """A topic's partitions and those with a leader, from librdkafka's TopicMetadata."""
+    every = sorted(md.partitions)
+    return every, [p for p in every if md.partitions[p].leader >= 0]
 
 
 class _Cluster:
