@@ -1146,13 +1146,21 @@ def ab_report(args: argparse.Namespace, base: dict[str, Any], streams: dict[str,
             continue
         for label, s in ((name, st), (f"{name} + {' '.join(args.ab_set)}", ab[f"{name}+ab"])):
             steady = steady_rate(s)
-            rows.append([label, steady, ratio(steady, best), s["cpu_ms_per_sample_marginal"], s["cmd_wall_s"]])
+            # CPU of one whole run (the 2N one, medians), per sample: less noisy than the 2N - N difference
+            stages_2n = 1000 * sum(s["cpu_2n_s"]["stages"].values()) / (2 * s["samples"])
+            broker_2n = 1000 * s["cpu_2n_s"]["broker"] / (2 * s["samples"])
+            rows.append([label, steady, ratio(steady, best), s["cpu_ms_per_sample_marginal"], stages_2n, broker_2n,
+                         s["cmd_wall_s"]])
             out[label] = {"steady_samples_per_s": rounded(steady), "x_best_in_process": rounded(ratio(steady, best)),
                           "cpu_ms_per_sample_marginal": rounded(s["cpu_ms_per_sample_marginal"]),
+                          "stages_cpu_ms_per_sample_2n_run": rounded(stages_2n),
+                          "broker_cpu_ms_per_sample_2n_run": rounded(broker_2n),
+                          "stages_cpu_s_2n_run": {k: rounded(v) for k, v in s["cpu_2n_s"]["stages"].items()},
                           "marginal_cpu_ms_per_sample_by_process": marginal_by_process(s)}
     rows.append([f"in-process LocalChain, {best_threads} thread(s) (best)", best, 1.0,
-                 base[best_threads]["cpu_ms_per_sample"], None])
-    print(table(["topology", "steady samples/s", "x best in-proc", "CPU ms/sample (marginal)", "command s"], rows,
+                 base[best_threads]["cpu_ms_per_sample"], None, None, None])
+    print(table(["topology", "steady samples/s", "x best in-proc", "CPU ms/sample (marginal)",
+                 "stages CPU ms/sample (2N run)", "broker CPU ms/sample (2N run)", "command s"], rows,
                 title=f"A/B of {' '.join(args.ab_set)}, same run, interleaved"))
     for label, o in out.items():
         print(f"  marginal CPU ms per sample (2N - N), {label}: "
