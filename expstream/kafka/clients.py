@@ -1,6 +1,7 @@
 """Kafka plumbing: client settings, producer/consumer/admin factories, confirmed sends, lag, replay.
 
-Everything here is plain kafka-python (>= 3.0.12) and works the same against Apache Kafka and the
+Everything here is plain kafka-python (>= 3.0.12), but the producer of ``kafka.client: confluent``
+(confluent-kafka, expstream/kafka/rdkafka.py), and works the same against Apache Kafka and the
 embedded Tansu broker. Payloads are ``bytes`` in and out: no serializers or deserializers are
 installed, because a ``value_deserializer`` runs inside the fetcher and one undecodable record would
 then block its partition. Stages decode under ``try/except`` and route failures to the DLQ.
@@ -23,7 +24,7 @@ from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.producer.future import RecordMetadata
 
-from expstream.config.kafka import KafkaConfig, MiB
+from expstream.config.kafka import CONFLUENT, KafkaConfig, MiB
 from expstream.errors import BrokerUnavailableError, ProduceError
 from expstream.kafka.partitioning import RoundRobinPartitioner
 
@@ -80,11 +81,21 @@ def make_producer(
 ) -> KafkaProducer:
     """A KafkaProducer taking ``bytes`` values/keys (no serializers). ``overrides`` win over ``cfg``.
 
+    With ``kafka.client: confluent`` a confluent-kafka (librdkafka) producer answering the same calls
+    (expstream/kafka/rdkafka.py); ``overrides`` (kafka-python arguments) are refused then.
+
     ``spread``: records go round-robin over a topic's partitions instead of by key hash (the pipeline's
     data records: the feeder's and every stage's outputs; expstream/kafka/partitioning.py), so that
     the replicas of the next stage get even shares on short runs too. Without it a key keeps its
     partition (the tools, the policy log, dead-letter redrives)."""
     cfg = cfg or KafkaConfig()
+    if cfg.client == CONFLUENT:
+        if overrides:
+            raise TypeError(f"make_producer: overrides {sorted(overrides)} are kafka-python arguments; with "
+                            "kafka.client=confluent put librdkafka properties in kafka.extra.librdkafka")
+        from expstream.kafka.rdkafka import RdkafkaProducer
+
+        return RdkafkaProducer(_bootstrap_list(bootstrap), cfg, spread=spread)
     kw = {**cfg.client_kwargs("producer"), **overrides}
     if spread:
         kw.setdefault("partitioner", RoundRobinPartitioner())
@@ -218,8 +229,8 @@ def confirm_all(sent: Sequence[tuple[OutRecord, Any]], timeout_s: float) -> list
     if failures:
         first = failures[0]
         err = ProduceError(
-            f"{len(failures)} of {len(sent)} records not acknowledged; first: {first}", cause=first.cause
-        )
+            f"{len(failures)} of {len(sent)} records not acknowledged; first: {first}", cause=first.cause,
+            refused=not first.retriable)
         raise err from first
     return out
 
