@@ -22,7 +22,7 @@ __all__ = ["CLIENTS", "CONFLUENT", "MiB", "KafkaConfig", "USERNAME_ENV"]
 MiB = 1024 * 1024
 
 _ROLES = ("producer", "consumer", "admin")
-#: kafka.client: whose producer the pipeline uses (consumers and admin clients are kafka-python either way).
+#: kafka.client: whose producers and stage-runner consumers the pipeline uses (tools and admin: kafka-python).
 CONFLUENT = "confluent"
 CLIENTS = ("kafka-python", CONFLUENT)
 #: kafka.extra's key for librdkafka properties (the confluent producer's), beside the kafka-python roles.
@@ -59,10 +59,12 @@ class KafkaConfig:
     """
 
     # --- client library ------------------------------------------------------------------------
-    # Which library produces: "kafka-python" (the default) or "confluent" (confluent-kafka, i.e. librdkafka
-    # in C, the optional extra `pip install 'expstream[confluent]'`: the same acks, idempotence, retries,
-    # linger, sizes, partitioning and delivery confirmation, expstream/kafka/rdkafka.py). Consumers and
-    # admin clients are kafka-python either way. Why optional: bench/README.md "kafka.client".
+    # Which library the stages' producers and the stage runner's consumer use: "kafka-python" (the default)
+    # or "confluent" (confluent-kafka, i.e. librdkafka in C, the optional extra `pip install
+    # 'expstream[confluent]'`: the same acks, idempotence, retries, linger, sizes, partitioning and delivery
+    # confirmation, expstream/kafka/rdkafka.py; the same group, fetch, pause, seek and commit semantics,
+    # expstream/kafka/rdconsumer.py). The tools' consumers and admin clients are kafka-python either way.
+    # Why optional: bench/README.md "kafka.client".
     client: str = "kafka-python"
 
     # --- consumer group membership -------------------------------------------------------------

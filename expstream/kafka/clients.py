@@ -1,7 +1,7 @@
 """Kafka plumbing: client settings, producer/consumer/admin factories, confirmed sends, lag, replay.
 
-Everything here is plain kafka-python (>= 3.0.12), but the producer of ``kafka.client: confluent``
-(confluent-kafka, expstream/kafka/rdkafka.py), and works the same against Apache Kafka and the
+Everything here is plain kafka-python (>= 3.0.12), but the producer and the stage runner's consumer of
+``kafka.client: confluent`` (confluent-kafka: expstream/kafka/rdkafka.py, rdconsumer.py), and works the same against Apache Kafka and the
 embedded Tansu broker. Payloads are ``bytes`` in and out: no serializers or deserializers are
 installed, because a ``value_deserializer`` runs inside the fetcher and one undecodable record would
 then block its partition. Stages decode under ``try/except`` and route failures to the DLQ.
@@ -34,6 +34,7 @@ __all__ = [
     "OutRecord",
     "make_producer",
     "make_consumer",
+    "make_runner_consumer",
     "make_admin",
     "send_and_confirm",
     "send_all_and_confirm",
@@ -126,6 +127,17 @@ def make_consumer(
     if topics:
         consumer.subscribe(list(topics))
     return consumer
+
+
+def make_runner_consumer(bootstrap: str | Sequence[str], group_id: str, cfg: KafkaConfig) -> Any:
+    """The stage runner's consumer (stages/runner.py): :func:`make_consumer`'s, or with ``kafka.client:
+    confluent`` a confluent-kafka (librdkafka) consumer answering the runner's calls with kafka-python's
+    semantics (expstream/kafka/rdconsumer.py). Every other consumer (tools, the trainer) is kafka-python's."""
+    if cfg.client == CONFLUENT:
+        from expstream.kafka.rdconsumer import RdkafkaConsumer
+
+        return RdkafkaConsumer(_bootstrap_list(bootstrap), group_id, cfg)
+    return make_consumer(bootstrap, group_id, cfg)
 
 
 def make_admin(
