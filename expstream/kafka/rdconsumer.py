@@ -142,6 +142,9 @@ class RdkafkaConsumer:
             self._c.close()
             raise BrokerUnavailableError(f"no Kafka broker reachable at {','.join(bootstrap)!r} for a consumer "
                                          f"(confluent-kafka): {exc}") from exc
+        from confluent_kafka import libversion
+
+        log.info("consumer of group %s: librdkafka %s (kafka.client: confluent)", group_id, libversion()[0])
 
     # -- conversions -------------------------------------------------------------------------------
     def _tp(self, topic: str, partition: int) -> TopicPartition:
