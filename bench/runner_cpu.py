@@ -13,8 +13,8 @@ CPU is ``time.process_time()`` of this process (all threads: kafka-python's IO a
 the runner's worker, heartbeat and metrics threads), from the first to the last record of the
 backlog. The broker and redis-server are separate processes, not counted.
 
-``--clients kafka-python,confluent``: the runner with each ``kafka.client`` (its producer: kafka-python or
-confluent-kafka, expstream/kafka/rdkafka.py), interleaved, a row each.
+``--clients kafka-python,confluent``: the runner with each ``kafka.client`` (its producer and consumer:
+kafka-python's, or confluent-kafka's, expstream/kafka/rdkafka.py and rdconsumer.py), interleaved, a row each.
 
 Usage: ``.venv/bin/python bench/runner_cpu.py [--records 400] [--repeats 3]``. Nothing is asserted.
 """

@@ -19,7 +19,7 @@ from kafka import errors as kafka_errors
 from kafka.structs import OffsetAndMetadata
 
 from expstream.config.kafka import KafkaConfig
-from expstream.errors import BrokerUnavailableError
+from expstream.errors import BrokerUnavailableError, ConfigError
 from expstream.kafka.clients import make_consumer, make_producer, make_runner_consumer, send_all_and_confirm
 from expstream.kafka.rdconsumer import RdkafkaConsumer, kafka_error, rdkafka_consumer_config
 from stages.commitgroup import REBALANCED
@@ -52,6 +52,14 @@ def test_the_consumer_settings_mirror_the_kafka_python_ones():
         ("read_uncommitted", False, False)
     assert kp["enable_auto_commit"] is False
     assert "group.id" not in rdkafka_consumer_config(["h:1"], None, KafkaConfig(client=CK))
+
+
+def test_a_poll_interval_below_the_session_timeout_is_refused_naming_the_field():
+    """librdkafka refuses to make such a consumer: said before any stage starts, not as a stage's crash."""
+    with pytest.raises(ConfigError) as err:
+        KafkaConfig(client=CK, max_poll_interval_ms=3000, session_timeout_ms=6000)
+    assert err.value.field == "kafka.max_poll_interval_ms" and "6000" in str(err.value)
+    KafkaConfig(client="kafka-python", max_poll_interval_ms=3000, session_timeout_ms=6000)  # kafka-python's is fine
 
 
 def test_librdkafka_errors_become_the_kafka_python_errors_the_runner_catches():

@@ -256,6 +256,12 @@ class KafkaConfig:
                               field="kafka.client",
                               fix="pip install 'expstream[confluent]' (confluent-kafka==2.16.1), or set "
                                   "kafka.client: kafka-python")
+        if self.max_poll_interval_ms < self.session_timeout_ms:
+            # librdkafka refuses to make such a consumer (kafka-python does not mind)
+            raise ConfigError(f"max_poll_interval_ms ({self.max_poll_interval_ms}) is below session_timeout_ms "
+                              f"({self.session_timeout_ms}): librdkafka (kafka.client: confluent) refuses that",
+                              field="kafka.max_poll_interval_ms",
+                              fix=f"set it to at least {self.session_timeout_ms}, or kafka.client: kafka-python")
         if self.extra.get("producer"):
             raise ConfigError("kafka-python producer arguments do not apply to the confluent producer",
                               field="kafka.extra.producer",
