@@ -10,6 +10,7 @@ back mid-poll, parametrised by client) and tests/test_replay.py (a whole run's b
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -20,7 +21,13 @@ from kafka.structs import OffsetAndMetadata
 
 from expstream.config.kafka import KafkaConfig
 from expstream.errors import BrokerUnavailableError, ConfigError
-from expstream.kafka.clients import make_consumer, make_producer, make_runner_consumer, send_all_and_confirm
+from expstream.kafka.clients import (
+    make_consumer,
+    make_producer,
+    make_runner_consumer,
+    send_all_and_confirm,
+    send_and_confirm,
+)
 from expstream.kafka.rdconsumer import RdkafkaConsumer, kafka_error, rdkafka_consumer_config
 from stages.commitgroup import REBALANCED
 from stages.revocations import RevocationTracker
@@ -192,3 +199,34 @@ def test_a_subscribed_consumer_tells_the_listener_inside_poll(broker, fresh_topi
     finally:
         c.close()
     assert tracker.revoked == {TopicPartition(topic, 0), TopicPartition(topic, 1)} and not tracker.assigned
+
+
+@pytest.mark.integration
+def test_a_poll_returns_as_soon_as_a_record_is_there_not_when_max_poll_records_are(broker, fresh_topic):
+    """kafka-python's poll returns what is there once anything is; librdkafka's consume(n, timeout) waits for
+    all n (that cost ~300 ms per hop in the demo). A second record is produced only if the poll has not
+    returned 15 s after the first: it must not be in the poll's answer."""
+    topic = fresh_topic(1)
+    tp = TopicPartition(topic, 0)
+    c = make_runner_consumer(broker, f"g-{uuid.uuid4().hex[:6]}", KafkaConfig(client=CK, max_poll_records=16))
+    producer = make_producer(broker)
+    returned = threading.Event()
+    try:
+        c.assign([tp])
+        c.poll(timeout_ms=200)
+        send_and_confirm(producer, topic, b"first")
+
+        def second() -> None:
+            if not returned.wait(15):
+                send_and_confirm(producer, topic, b"second")
+
+        late = threading.Thread(target=second, daemon=True)
+        late.start()
+        got = c.poll(timeout_ms=30000)
+        returned.set()
+        late.join(20)
+    finally:
+        returned.set()
+        producer.close()
+        c.close()
+    assert [r.value for r in got.get(tp, [])] == [b"first"]

@@ -234,7 +234,14 @@ class RdkafkaConsumer:
     # -- fetching --------------------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[TopicPartition, list[RdRecord]]:
         """Up to ``max_records`` (``kafka.max_poll_records``) records, grouped by partition in fetch order."""
-        msgs = self._call("poll", self._c.consume, max_records or self._max_records, max(timeout_ms, 0) / 1000)
+        n = max_records or self._max_records
+        # consume() waits for all n messages (or the timeout); kafka-python returns as soon as any came. So:
+        # what is there now, else wait for one (poll) and take what came with it.
+        msgs = self._call("poll", self._c.consume, n, 0)
+        if not msgs and timeout_ms > 0:
+            first = self._call("poll", self._c.poll, timeout_ms / 1000)
+            if first is not None:
+                msgs = [first, *(self._call("poll", self._c.consume, n - 1, 0) if n > 1 else [])]
         out: dict[TopicPartition, list[RdRecord]] = {}
         for m in msgs:
             err = m.error()
