@@ -13,6 +13,9 @@ CPU is ``time.process_time()`` of this process (all threads: kafka-python's IO a
 the runner's worker, heartbeat and metrics threads), from the first to the last record of the
 backlog. The broker and redis-server are separate processes, not counted.
 
+``--clients kafka-python,confluent``: the runner with each ``kafka.client`` (its producer and consumer:
+kafka-python's, or confluent-kafka's, expstream/kafka/rdkafka.py and rdconsumer.py), interleaved, a row each.
+
 Usage: ``.venv/bin/python bench/runner_cpu.py [--records 400] [--repeats 3]``. Nothing is asserted.
 """
 
@@ -52,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ab-set", action="append", default=[], metavar="KEY=VALUE",
                    help="with --trickle-ms: also run the replica with this topology override (repeatable), the two "
                         "interleaved, a row each; e.g. --ab-set kafka.fetch_max_wait_ms=1000")
+    p.add_argument("--clients", default="kafka-python",
+                   help="comma-separated kafka.client values the runner is measured with, interleaved "
+                        "(e.g. kafka-python,confluent)")
     return p.parse_args()
 
 
@@ -71,7 +77,8 @@ def backlog(boot: str, n: int) -> tuple[str, str]:
 def passthrough(boot: str, redis_url: str, src: str, dst: str,
                 sets: tuple[str, ...] = ()) -> tuple[StageRunner, threading.Thread]:
     """A pass-through StageRunner (shard-preprocess, output = input) reading ``src``, writing ``dst``, running
-    on a daemon thread, with the topology overrides ``sets``; stop it with ``stop_requested`` and join the thread."""
+    on a daemon thread, with the topology overrides ``sets`` (e.g. ``kafka.client=confluent``); stop it with
+    ``stop_requested`` and join the thread."""
     topo = load_topology(None, [f"stages.generate.output={src}", f"stages.shard-preprocess.output={dst}", *sets])
     run_id = uuid.uuid4().hex[:6]
     runner = StageRunner(make_context(topo, "shard-preprocess", run_id=run_id, state=RedisState(redis_url, run_id)),
@@ -81,10 +88,10 @@ def passthrough(boot: str, redis_url: str, src: str, dst: str,
     return runner, thread
 
 
-def runner_cpu(boot: str, redis_url: str, n: int) -> float:
+def runner_cpu(boot: str, redis_url: str, n: int, client: str = "kafka-python") -> float:
     """ms of CPU per record of a pass-through StageRunner working through a backlog of ``n``."""
     src, dst = backlog(boot, n)
-    runner, thread = passthrough(boot, redis_url, src, dst)
+    runner, thread = passthrough(boot, redis_url, src, dst, (f"kafka.client={client}",))
     while runner.handled < 1:  # joined, first record done: the steady part starts here
         time.sleep(0.005)
     c0, first = time.process_time(), runner.handled
@@ -172,6 +179,43 @@ def bare_cpu(boot: str, n: int, per_poll: int = 1) -> float:
         producer.close()
 
 
+def trickle_main(args: argparse.Namespace, clients: list[str], boot: str, redis_url: str, broker: LocalBroker,
+                 redis: LocalRedis, start: dict[str, Any]) -> int:
+    """--trickle-ms: the runner fed one record at a time, per client and, with --ab-set, also with the first
+    client plus the overrides; all variants interleaved, a row each."""
+    variants = {f"kafka.client={c}": (f"kafka.client={c}",) for c in clients}
+    if args.ab_set:
+        variants[f"kafka.client={clients[0]} " + " ".join(args.ab_set)] = (f"kafka.client={clients[0]}", *args.ab_set)
+    got_v: dict[str, list[tuple[float, float, float]]] = {k: [] for k in variants}
+    try:
+        for rep in range(args.repeats):
+            for name in list(variants) if rep % 2 == 0 else list(variants)[::-1]:
+                got_v[name].append(trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s,
+                                               args.partitions, variants[name]))
+                per, idle, gap = got_v[name][-1]
+                progress(f"trickle {name}: {per:.2f} ms CPU per record, idle {idle:.1f} ms CPU per s, "
+                         f"{1000 * gap:.1f} ms apart")
+    finally:
+        broker.stop()
+        redis.stop()
+    rows = []
+    for name, g in got_v.items():
+        rows += [[f"{name}: CPU ms per record, one at a time", median([x[0] for x in g]),
+                  " ".join(fmt(x[0]) for x in g)],
+                 [f"{name}: idle CPU ms per second", median([x[1] for x in g]), " ".join(fmt(x[1]) for x in g)]]
+    names = list(variants)
+    if len(names) > 1:
+        first = median([x[0] for x in got_v[names[0]]])
+        rows += [[f"ratio {k} / {names[0]} per record", median([x[0] for x in got_v[k]]) / first, ""]
+                 for k in names[1:]]
+    print(table(["measure", "median", "runs"], rows,
+                title=f"{args.records} records {args.trickle_ms:g} ms apart over {args.partitions} partitions; load avg "
+                      f"{start['loadavg']} -> {machine()['loadavg']}"))
+    save("runner_cpu_trickle", {"records": args.records, "gap_ms": args.trickle_ms,
+                                "runs": {k: [list(g) for g in v] for k, v in got_v.items()}})
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     checked_sets(args.ab_set, "--ab-set")
@@ -179,33 +223,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-runner-"))
     broker, redis = LocalBroker(tmp / "broker"), LocalRedis(tmp / "redis")
     boot, redis_url = broker.start(), redis.start()
+    clients = args.clients.split(",")
     if args.trickle_ms:
-        variants = {"defaults": ()} | ({" ".join(args.ab_set): tuple(args.ab_set)} if args.ab_set else {})
-        got_v: dict[str, list[tuple[float, float, float]]] = {k: [] for k in variants}
-        try:
-            for rep in range(args.repeats):
-                for name in list(variants) if rep % 2 == 0 else list(variants)[::-1]:
-                    g = trickle_cpu(boot, redis_url, args.records, args.trickle_ms, args.idle_s, args.partitions,
-                                    variants[name])
-                    got_v[name].append(g)
-                    progress(f"{name}: {g[0]:.2f} ms CPU per record, idle {g[1]:.1f} ms CPU per s, "
-                             f"{1000 * g[2]:.1f} ms apart")
-        finally:
-            broker.stop()
-            redis.stop()
-        rows = []
-        for name, got_t in got_v.items():
-            rows += [[f"{name}: CPU ms per record, one at a time", median([g[0] for g in got_t]),
-                      " ".join(fmt(g[0]) for g in got_t)],
-                     [f"{name}: idle CPU ms per second", median([g[1] for g in got_t]),
-                      " ".join(fmt(g[1]) for g in got_t)]]
-        print(table(["measure", "median", "runs"], rows,
-                    title=f"{args.records} records {args.trickle_ms:g} ms apart over {args.partitions} partitions; load avg {start['loadavg']} -> "
-                          f"{machine()['loadavg']}"))
-        save("runner_cpu_trickle", {"records": args.records, "gap_ms": args.trickle_ms,
-                                    "runs": {k: [list(g) for g in v] for k, v in got_v.items()}})
-        return 0
-    sides = {"runner": lambda: runner_cpu(boot, redis_url, args.records),
+        return trickle_main(args, clients, boot, redis_url, broker, redis, start)
+    sides = {**{f"runner {c}": (lambda c=c: runner_cpu(boot, redis_url, args.records, c)) for c in clients},
              "bare": lambda: bare_cpu(boot, args.records),
              "bare16": lambda: bare_cpu(boot, args.records, per_poll=16)}
     got: dict[str, list[float]] = {k: [] for k in sides}
@@ -218,17 +239,21 @@ def main() -> int:
     finally:
         broker.stop()
         redis.stop()
-    r, b1, b16 = median(got["runner"]), median(got["bare"]), median(got["bare16"])
+    rs = {c: median(got[f"runner {c}"]) for c in clients}
+    r, b1, b16 = rs[clients[0]], median(got["bare"]), median(got["bare16"])
     b = min(b1, b16)  # the baseline: the better plain loop
     end = machine()
     print(table(["loop", "CPU ms per record (median)", "runs"],
-                [["StageRunner, pass-through stage", r, " ".join(fmt(x) for x in got["runner"])],
+                [*[[f"StageRunner, pass-through stage, kafka.client={c}", rs[c], " ".join(fmt(x) for x in
+                                                                                        got[f"runner {c}"])]
+                   for c in clients],
                  ["plain loop, a commit per record", b1, " ".join(fmt(x) for x in got["bare"])],
                  ["plain loop, a flush + commit per poll of <= 16", b16, " ".join(fmt(x) for x in got["bare16"])],
-                 ["ratio runner / best plain loop", r / b if b else float("nan"), ""]],
+                 *[[f"ratio runner ({c}) / best plain loop", rs[c] / b if b else float("nan"), ""] for c in clients]],
                 title=f"{args.records} records per backlog, {args.repeats} rounds; load avg {start['loadavg']} -> "
                       f"{end['loadavg']}"))
-    summary: dict[str, Any] = {"records": args.records, "runner_ms": got["runner"], "bare_ms": got["bare"],
+    summary: dict[str, Any] = {"records": args.records, "runner_ms": got[f"runner {clients[0]}"],
+                               "runner_ms_by_client": {c: got[f"runner {c}"] for c in clients}, "bare_ms": got["bare"],
                                "bare16_ms": got["bare16"],
                                "ratio": r / b if b else None, "loadavg": [start["loadavg"], end["loadavg"]]}
     save("runner_cpu", summary)

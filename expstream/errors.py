@@ -116,13 +116,15 @@ class ProduceError(InfraError):
     """A record was not acknowledged by the broker.
 
     Retriable by default (a timeout, a leader change). When the underlying kafka-python error is
-    not retriable (for example ``MessageSizeTooLargeError``) the instance's ``retriable`` is False.
+    not retriable (for example ``MessageSizeTooLargeError``), or ``refused`` says the broker refused
+    the record (the confluent-kafka producer's reports, expstream/kafka/rdkafka.py), the instance's
+    ``retriable`` is False.
     """
 
-    def __init__(self, message: str, *, cause: BaseException | None = None) -> None:
+    def __init__(self, message: str, *, cause: BaseException | None = None, refused: bool = False) -> None:
         super().__init__(message)
         self.cause = cause
-        if _broker_refused(cause):
+        if refused or _broker_refused(cause):
             self.retriable = False
 
 

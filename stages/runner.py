@@ -46,8 +46,8 @@ from kafka import TopicPartition
 from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
 from expstream.faults import RUNNER_POINTS, fault_plan
 from expstream.kafka.clients import (
-    make_consumer,
     make_producer,
+    make_runner_consumer,
 )
 from expstream.kafka.topics import dlq_topic, stage_group
 from expstream.observe.metrics import StageMetrics
@@ -321,7 +321,7 @@ class StageRunner:
         def connect() -> bool:
             try:
                 self.producer = make_producer(self.bootstrap, cfg, spread=True)
-                self.consumer = make_consumer(self.bootstrap, self.group_id, cfg)
+                self.consumer = make_runner_consumer(self.bootstrap, self.group_id, cfg)
             except BrokerUnavailableError:
                 if self.producer is not None:
                     self.producer.close(timeout=1)

@@ -341,6 +341,27 @@ def test_a_chained_run_is_byte_identical_to_the_unchained_run(recorded, cache, b
     assert not {"reference-0.log", "advantage-0.log"} & logs
 
 
+def test_a_run_with_the_librdkafka_client_is_byte_identical(recorded, cache, broker, redis_url, tmp_path):
+    """The same configuration and seed with ``kafka.client: confluent`` (every stage's producer and consumer
+    through librdkafka, expstream/kafka/rdconsumer.py) and the partitions assigned by hand (the recorded run's
+    stages joined their groups): every topic the same bytes per batch, the same experiences."""
+    run, prefix = recorded
+    ck = f"ck{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "confluent"
+    proc = _start_run(out, cache, broker, redis_url, ck, "kafka.client=confluent", "run.assign_partitions=true")
+    stdout, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-4000:]}"
+    for topic in ("rollouts", "rewarded", "experiences"):
+        want = _values_by_batch(run, f"{prefix}-{topic}")
+        got = _values_by_batch(out, f"{ck}-{topic}")
+        assert want and sorted(got) == sorted(want), topic
+        assert [b for b in want if got[b] != want[b]] == [], f"{topic}: batches differ from the kafka-python run"
+    assert len((out / "experiences.msgpack").read_bytes()) == len((run / "experiences.msgpack").read_bytes())
+    log = (out / "run" / "logs" / "advantage-0.log").read_text()
+    assert "assigned by the run" in log, "no group join"
+    assert "consumer of group" in log and "librdkafka" in log, "the stage consumed through librdkafka"
+
+
 # ------------------------------------------------------------------------------------------------
 # through a broker (expstream/tools/replaybroker.py): the span as stage processes on fresh topics
 # ------------------------------------------------------------------------------------------------

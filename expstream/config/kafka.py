@@ -17,11 +17,16 @@ from typing import Any
 from expstream.config.fieldtypes import check_fields
 from expstream.errors import ConfigError, unknown_key_error
 
-__all__ = ["MiB", "KafkaConfig", "USERNAME_ENV"]
+__all__ = ["CLIENTS", "CONFLUENT", "MiB", "KafkaConfig", "USERNAME_ENV"]
 
 MiB = 1024 * 1024
 
 _ROLES = ("producer", "consumer", "admin")
+#: kafka.client: whose producers and stage-runner consumers the pipeline uses (tools and admin: kafka-python).
+CONFLUENT = "confluent"
+CLIENTS = ("kafka-python", CONFLUENT)
+#: kafka.extra's key for librdkafka properties (the confluent producer's), beside the kafka-python roles.
+LIBRDKAFKA = "librdkafka"
 _ACKS = (0, 1, -1, "all")
 _COMPRESSION = (None, "gzip", "snappy", "lz4", "zstd")
 _OFFSET_RESET = ("earliest", "latest")
@@ -52,6 +57,15 @@ class KafkaConfig:
     unknown keys and names the closest valid one. Timings are milliseconds unless the name says
     ``_s``.
     """
+
+    # --- client library ------------------------------------------------------------------------
+    # Which library the stages' producers and the stage runner's consumer use: "kafka-python" (the default)
+    # or "confluent" (confluent-kafka, i.e. librdkafka in C, the optional extra `pip install
+    # 'expstream[confluent]'`: the same acks, idempotence, retries, linger, sizes, partitioning and delivery
+    # confirmation, expstream/kafka/rdkafka.py; the same group, fetch, pause, seek and commit semantics,
+    # expstream/kafka/rdconsumer.py). The tools' consumers and admin clients are kafka-python either way.
+    # Why optional: bench/README.md "kafka.client".
+    client: str = "kafka-python"
 
     # --- consumer group membership -------------------------------------------------------------
     # Why 6 s: the join time of a new member grows with the session timeout. With kafka-python's
@@ -186,11 +200,12 @@ class KafkaConfig:
         return KafkaConfig(**merged)
 
     def validate(self) -> None:
-        """Every field checked, in this order: numbers, named choices, extra and SASL (ConfigError naming
-        the field and the fix)."""
+        """Every field checked, in this order: numbers, named choices, extra and SASL, the client library
+        (ConfigError naming the field and the fix)."""
         self._check_numbers()
         self._check_choices()
         self._check_extra_and_sasl()
+        self._check_client()
 
     def _check_numbers(self) -> None:
         def positive(name: str, *, allow_zero: bool = False) -> None:
@@ -228,6 +243,31 @@ class KafkaConfig:
                 fix="use about a third of session_timeout_ms",
             )
 
+    def _check_client(self) -> None:
+        if self.client not in CLIENTS:
+            raise ConfigError(f"unknown client {self.client!r}", field="kafka.client",
+                              fix=f"use {' or '.join(repr(c) for c in CLIENTS)}")
+        if self.client != CONFLUENT:
+            return
+        import importlib.util
+
+        if importlib.util.find_spec("confluent_kafka") is None:
+            raise ConfigError("kafka.client is 'confluent' but the confluent-kafka package is not installed",
+                              field="kafka.client",
+                              fix="pip install 'expstream[confluent]' (confluent-kafka==2.16.1), or set "
+                                  "kafka.client: kafka-python")
+        if self.max_poll_interval_ms < self.session_timeout_ms:
+            # librdkafka refuses to make such a consumer (kafka-python does not mind)
+            raise ConfigError(f"max_poll_interval_ms ({self.max_poll_interval_ms}) is below session_timeout_ms "
+                              f"({self.session_timeout_ms}): librdkafka (kafka.client: confluent) refuses that",
+                              field="kafka.max_poll_interval_ms",
+                              fix=f"set it to at least {self.session_timeout_ms}, or kafka.client: kafka-python")
+        if self.extra.get("producer"):
+            raise ConfigError("kafka-python producer arguments do not apply to the confluent producer",
+                              field="kafka.extra.producer",
+                              fix=f"give librdkafka properties under kafka.extra.{LIBRDKAFKA} (e.g. "
+                                  "'ssl.ca.location'), or set kafka.client: kafka-python")
+
     def _check_choices(self) -> None:
         if self.acks not in _ACKS:
             raise ConfigError(f"unknown acks {self.acks!r}", field="kafka.acks", fix="use 0, 1 or 'all'")
@@ -251,11 +291,12 @@ class KafkaConfig:
             )
 
     def _check_extra_and_sasl(self) -> None:
-        if not isinstance(self.extra, Mapping) or any(k not in (*_ROLES, "all") for k in self.extra):
+        if not isinstance(self.extra, Mapping) or any(k not in (*_ROLES, "all", LIBRDKAFKA) for k in self.extra):
             raise ConfigError(
                 f"bad extra block {self.extra!r}",
                 field="kafka.extra",
-                fix="map 'producer', 'consumer', 'admin' or 'all' to kafka-python arguments",
+                fix="map 'producer', 'consumer', 'admin' or 'all' to kafka-python arguments (and "
+                    f"'{LIBRDKAFKA}' to librdkafka properties, with kafka.client: confluent)",
             )
         self._validate_sasl()
 

@@ -1,6 +1,7 @@
 """Kafka plumbing: client settings, producer/consumer/admin factories, confirmed sends, lag, replay.
 
-Everything here is plain kafka-python (>= 3.0.12) and works the same against Apache Kafka and the
+Everything here is plain kafka-python (>= 3.0.12), but the producer and the stage runner's consumer of
+``kafka.client: confluent`` (confluent-kafka: expstream/kafka/rdkafka.py, rdconsumer.py), and works the same against Apache Kafka and the
 embedded Tansu broker. Payloads are ``bytes`` in and out: no serializers or deserializers are
 installed, because a ``value_deserializer`` runs inside the fetcher and one undecodable record would
 then block its partition. Stages decode under ``try/except`` and route failures to the DLQ.
@@ -23,7 +24,7 @@ from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.producer.future import RecordMetadata
 
-from expstream.config.kafka import KafkaConfig, MiB
+from expstream.config.kafka import CONFLUENT, KafkaConfig, MiB
 from expstream.errors import BrokerUnavailableError, ProduceError
 from expstream.kafka.partitioning import RoundRobinPartitioner
 
@@ -33,6 +34,7 @@ __all__ = [
     "OutRecord",
     "make_producer",
     "make_consumer",
+    "make_runner_consumer",
     "make_admin",
     "send_and_confirm",
     "send_all_and_confirm",
@@ -80,11 +82,21 @@ def make_producer(
 ) -> KafkaProducer:
     """A KafkaProducer taking ``bytes`` values/keys (no serializers). ``overrides`` win over ``cfg``.
 
+    With ``kafka.client: confluent`` a confluent-kafka (librdkafka) producer answering the same calls
+    (expstream/kafka/rdkafka.py); ``overrides`` (kafka-python arguments) are refused then.
+
     ``spread``: records go round-robin over a topic's partitions instead of by key hash (the pipeline's
     data records: the feeder's and every stage's outputs; expstream/kafka/partitioning.py), so that
     the replicas of the next stage get even shares on short runs too. Without it a key keeps its
     partition (the tools, the policy log, dead-letter redrives)."""
     cfg = cfg or KafkaConfig()
+    if cfg.client == CONFLUENT:
+        if overrides:
+            raise TypeError(f"make_producer: overrides {sorted(overrides)} are kafka-python arguments; with "
+                            "kafka.client=confluent put librdkafka properties in kafka.extra.librdkafka")
+        from expstream.kafka.rdkafka import RdkafkaProducer
+
+        return RdkafkaProducer(_bootstrap_list(bootstrap), cfg, spread=spread)
     kw = {**cfg.client_kwargs("producer"), **overrides}
     if spread:
         kw.setdefault("partitioner", RoundRobinPartitioner())
@@ -115,6 +127,17 @@ def make_consumer(
     if topics:
         consumer.subscribe(list(topics))
     return consumer
+
+
+def make_runner_consumer(bootstrap: str | Sequence[str], group_id: str, cfg: KafkaConfig) -> Any:
+    """The stage runner's consumer (stages/runner.py): :func:`make_consumer`'s, or with ``kafka.client:
+    confluent`` a confluent-kafka (librdkafka) consumer answering the runner's calls with kafka-python's
+    semantics (expstream/kafka/rdconsumer.py). Every other consumer (tools, the trainer) is kafka-python's."""
+    if cfg.client == CONFLUENT:
+        from expstream.kafka.rdconsumer import RdkafkaConsumer
+
+        return RdkafkaConsumer(_bootstrap_list(bootstrap), group_id, cfg)
+    return make_consumer(bootstrap, group_id, cfg)
 
 
 def make_admin(
@@ -218,8 +241,8 @@ def confirm_all(sent: Sequence[tuple[OutRecord, Any]], timeout_s: float) -> list
     if failures:
         first = failures[0]
         err = ProduceError(
-            f"{len(failures)} of {len(sent)} records not acknowledged; first: {first}", cause=first.cause
-        )
+            f"{len(failures)} of {len(sent)} records not acknowledged; first: {first}", cause=first.cause,
+            refused=not first.retriable)
         raise err from first
     return out
 
