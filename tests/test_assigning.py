@@ -125,14 +125,17 @@ def test_reassign_stops_every_replica_before_it_starts_the_new_count_with_their_
     try:
         old = {c.label: c.proc.pid for c in sup.children}
 
-        def started(n: int) -> bool:
+        def started(n: int, before: dict[str, int]) -> bool:
+            """``n`` reward replicas run, none of them one of ``before`` (pids() lists a retiring replica too: one
+            old replica still exiting while the new one waits was once taken for the new count of 1)."""
             sup.poll()
-            return sup.replicas("reward") == n and sum(1 for label in sup.pids() if label.startswith("reward")) == n
+            running = [pid for label, pid in sup.pids().items() if label.startswith("reward")]
+            return sup.replicas("reward") == n and len(running) == n and not set(running) & set(before.values())
 
         assert sup.reassign("reward", 3, lambda replica: [*SLEEPER, f"--assign={replica}/3"]) == 2
         assert sup.replicas("reward") == 3  # the count wanted, while the old replicas finish
         deadline = time.monotonic() + 30
-        while not started(3):
+        while not started(3, old):
             assert time.monotonic() < deadline, "the new replicas never started"
             newer = [pid for label, pid in sup.pids().items() if label.startswith("reward") and pid not in old.values()]
             if newer:  # none starts before every old one is gone
@@ -147,7 +150,7 @@ def test_reassign_stops_every_replica_before_it_starts_the_new_count_with_their_
         three = sup.pids()
         assert sup.reassign("reward", 1, lambda replica: [*SLEEPER, f"--assign={replica}/1"]) == 3
         deadline = time.monotonic() + 30
-        while not started(1):
+        while not started(1, three):
             assert time.monotonic() < deadline, "the new replica never started"
             time.sleep(0.05)
         assert not any(alive(three[f"reward[{r}]"]) for r in range(3))
