@@ -119,6 +119,10 @@ def parse_args() -> argparse.Namespace:
                    help="an A/B of a setting: the default (and --chains) topology also run with this override, "
                         "interleaved, e.g. kafka.client=confluent (repeatable: one variant with all of them)")
     p.add_argument("--baseline-repeats", type=int, default=3, help="in-process runs per thread count (median)")
+    p.add_argument("--baseline-batches", default="64", metavar="SIZES",
+                   help="more micro-batch sizes for the in-process chain (comma-separated, multiples of --n; "
+                        "prompt_batch_size = size / n): the goal rows compare with the fastest in-process "
+                        "configuration measured, the run's own size included; '' for the run's own only")
     p.add_argument("--hop-records", type=int, default=30, help="records timed per hop (median)")
     p.add_argument("--keep-runs", action="store_true", help="keep the streaming runs' output directories")
     p.add_argument("--record", action="store_true",
@@ -225,7 +229,8 @@ class Baseline:
             for name in chain.seconds
         }
         self.runs[threads].append({"wall_s": wall, "cpu_s": cpu, "samples": samples, "stages": stages})
-        progress(f"baseline {threads} thread(s) run {len(self.runs[threads])}: {samples} samples in {wall:.2f}s")
+        progress(f"baseline {threads} thread(s), micro-batches of {self.topo.algo.micro_rollout_batch_size}, run "
+                 f"{len(self.runs[threads])}: {samples} samples in {wall:.2f}s")
 
     def result(self) -> dict[str, Any]:
         mrb = self.topo.algo.micro_rollout_batch_size
@@ -383,6 +388,26 @@ def log_steady_rate(log_dir: Path) -> float:
     if len(events) < 2 or events[-1][0] <= events[0][0]:
         return float("nan")
     return sum(s for _, s in events[1:]) / (events[-1][0] - events[0][0])
+
+
+def recorded_window(out: Path, topic: str = "experiences") -> tuple[int, float]:
+    """(samples after the first record, seconds from the first record to the last) of the run's output
+    topic, by the records' own timestamps in the run's recording; (0, NaN) without one.
+
+    One run's window rate (samples / seconds) overstates the steady state: the work done before the first
+    output (the pipeline filling) is outside the window, and the last records come in a drain (generate
+    done, the downstream stages catching up with the whole machine). ``streaming_result`` takes the
+    difference of two runs' windows (2N - N prompts), in which both cancel."""
+    from expstream.tools.recording import RecordingError, iter_topic
+
+    try:
+        events = sorted((f.timestamp / 1000, len(decode(f.value))) for f in iter_topic(out, topic,
+                                                                                         strict=False) if f.value)
+    except RecordingError:
+        return 0, float("nan")
+    if len(events) < 2 or events[-1][0] <= events[0][0]:
+        return 0, float("nan")
+    return sum(n for _, n in events[1:]), events[-1][0] - events[0][0]
 
 
 def recorded_steady_rate(out: Path, topic: str = "experiences") -> float:
@@ -556,7 +581,7 @@ def stream_run(prompts: Path, sets: list[str], out: Path, env: dict[str, str] | 
         raise SystemExit(f"expstream run status {summary['status']}: {summary.get('error')}")
     return {"prompts": summary["prompts"], "samples": summary["samples"], "wall_s": summary["wall_s"],
             "cmd_wall_s": cmd_wall, "summary_samples_per_s": summary["samples_per_s"],
-            "log_steady_samples_per_s": steady_of(out), "stages": summary["stages"],
+            "log_steady_samples_per_s": steady_of(out), "window": recorded_window(out), "stages": summary["stages"],
             "recording_bytes": (summary.get("recording") or {}).get("bytes"),
             "cpu_s": tree.totals(stage_pids(out / "run" / "logs"))}
 
@@ -668,6 +693,11 @@ def streaming_result(runs: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     steady = (s2 - s1) / (w2 - w1) if w2 > w1 else float("nan")
     cpu1, cpu2 = cpu_medians(rs1), cpu_medians(rs2)
     marginal = 1000 * (cpu2["total"] - cpu1["total"]) / (s2 - s1)
+    # the steady state: the 2N run's extra samples over its extra output window (recorded_window), in which
+    # the fill, the drain and the start-up cancel
+    ws1, ws2 = rs1[0]["window"][0], rs2[0]["window"][0]
+    ww1, ww2 = median([r["window"][1] for r in rs1]), median([r["window"][1] for r in rs2])
+    window_two_point = (ws2 - ws1) / (ww2 - ww1) if ww2 > ww1 else float("nan")
     return {
         "runs": runs,
         "samples": s1,
@@ -677,6 +707,7 @@ def streaming_result(runs: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
         "summary_wall_s": w1,
         "summary_wall_2n_s": w2,
         "steady_two_point_samples_per_s": steady,
+        "window_two_point_samples_per_s": window_two_point,
         "fixed_cost_s": w1 - s1 / steady if steady == steady and steady > 0 else float("nan"),
         "log_steady_samples_per_s": median([r["log_steady_samples_per_s"] for rs in runs.values() for r in rs]),
         "cpu_s": cpu1,
@@ -734,16 +765,23 @@ def main() -> int:
         return single_mode(f"pipeline-{kind}", lambda: record_cost(args, sets, prompt_files, work, kind))
     try:
         baseline = Baseline(topo, prompt_files[args.prompts])
+        extra_baselines = {}
+        for mrb in batch_sizes(args.baseline_batches, args.n):
+            if mrb != topo.algo.micro_rollout_batch_size:
+                extra_baselines[mrb] = Baseline(load_topology(None, [
+                    *sets, f"algo.micro_rollout_batch_size={mrb}", f"run.prompt_batch_size={mrb // args.n}"]),
+                    prompt_files[args.prompts])
         variants = {"default": sets}
         if args.chains:
             variants["chained"] = [*sets, f"chains={args.chains}"]  # the --chains topology
         for name, vs in list(variants.items()):
             if args.ab_set:
                 variants[f"{name}+ab"] = [*vs, *args.ab_set]
-        got = run_variants(args, baseline, prompt_files, variants, work)
+        got = run_variants(args, [baseline, *extra_baselines.values()], prompt_files, variants, work)
         runs, chained = got["default"], got.get("chained")
         chain_sets = variants.get("chained")
         base = baseline.result()
+        base["by_batch"] = {mrb: b.result() for mrb, b in extra_baselines.items()}
         stream = streaming_result(runs)
         stream_chained = streaming_result(chained) if chain_sets is not None else None
         stream_ab = {k: streaming_result(v) for k, v in got.items() if k.endswith("+ab")}
@@ -979,7 +1017,9 @@ def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops:
             stream["summary_wall_s"]),
         row("streaming steady-state, two-point (2N - N)", stream["steady_two_point_samples_per_s"],
             stream["summary_wall_2n_s"] - stream["summary_wall_s"]),
-        row("streaming steady-state, advantage log timestamps", stream["log_steady_samples_per_s"], None),
+        row("streaming steady-state, two-point of the output windows", stream["window_two_point_samples_per_s"],
+            None),
+        row("streaming, one run's output window (counts fill and drain)", stream["log_steady_samples_per_s"], None),
         row("in-process LocalChain, 2 torch threads (baseline)", b2["samples_per_s"], b2["wall_s"]),
         row("in-process LocalChain, 1 torch thread", b1["samples_per_s"], b1["wall_s"]),
     ]
@@ -991,6 +1031,12 @@ def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops:
           f"joins, drain) ~ {fmt(stream['fixed_cost_s'], '.1f')} s of the {stream['summary_wall_s']:.1f} s summary "
           f"wall; the command adds {stream['cmd_wall_s'] - stream['summary_wall_s']:.1f} s (CLI start-up, "
           "preflight, shutdown).")
+    for size, other in sorted(base.get("by_batch", {}).items()):
+        print(f"  in-process with micro-batches of {size} (prompt_batch_size {size // args.n}): 1 thread "
+              f"{other[1]['samples_per_s']:.1f} samples/s ({other[1]['cpu_ms_per_sample']:.2f} ms CPU/sample), "
+              f"2 threads {other[2]['samples_per_s']:.1f}")
+    label, best = best_in_process(base)
+    print(f"  best in-process configuration: {label}, {best['samples_per_s']:.1f} samples/s (the goal rows' base)")
     print()
 
     c1, c2 = stream["cpu_s"], stream["cpu_2n_s"]
@@ -1074,7 +1120,10 @@ def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops:
         "samples": n_samples,
         "streaming": {k: rounded(stream[k]) for k in (
             "e2e_samples_per_s", "cmd_wall_s", "summary_samples_per_s", "summary_wall_s", "summary_wall_2n_s",
-            "steady_two_point_samples_per_s", "fixed_cost_s", "log_steady_samples_per_s")},
+            "steady_two_point_samples_per_s", "window_two_point_samples_per_s", "fixed_cost_s",
+            "log_steady_samples_per_s")},
+        "baseline_by_batch": {size: {t: rounded(other[t]["samples_per_s"]) for t in (1, 2)}
+                              for size, other in base.get("by_batch", {}).items()},
         "baseline": {"load_s": rounded(base["load_s"]), "threads2_samples_per_s": rounded(b2["samples_per_s"]),
                      "threads1_samples_per_s": rounded(b1["samples_per_s"]),
                      "threads2_wall_s": rounded(b2["wall_s"]), "threads1_wall_s": rounded(b1["wall_s"])},
@@ -1101,10 +1150,26 @@ def report(args: argparse.Namespace, topo: Topology, base: dict[str, Any], hops:
     }
 
 
+def best_in_process(base: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The fastest in-process configuration measured: (its label, its result row). Over the thread counts
+    of the run's own micro-batch size and of every ``--baseline-batches`` size (``base["by_batch"]``):
+    the streaming side is compared with the alternative at its best, never at a handicapped setting."""
+    found = [(f"{t} thread{'s' if t > 1 else ''}", base[t]) for t in base if isinstance(t, int)]
+    for mrb, other in base.get("by_batch", {}).items():
+        found += [(f"{t} thread{'s' if t > 1 else ''}, micro-batches of {mrb}", other[t])
+                  for t in other if isinstance(t, int)]
+    return max(found, key=lambda lr: lr[1]["samples_per_s"])
+
+
 def steady_rate(stream: dict[str, Any]) -> float:
-    """The steady state of a streaming result: the advantage log's, else the two-point rate (see goals_table)."""
-    steady = stream["log_steady_samples_per_s"]
-    return steady if steady == steady else stream["steady_two_point_samples_per_s"]
+    """The steady state of a streaming result: the two-point rate of the output windows (streaming_result),
+    else one run's window rate (which counts the fill and the drain: an upper bound), else the two-point
+    rate of the summaries' walls."""
+    for key in ("window_two_point_samples_per_s", "log_steady_samples_per_s", "steady_two_point_samples_per_s"):
+        steady = stream[key]
+        if steady == steady and steady > 0:
+            return steady
+    return float("nan")
 
 
 def marginal_by_process(st: dict[str, Any]) -> dict[str, float]:
@@ -1117,15 +1182,25 @@ def marginal_by_process(st: dict[str, Any]) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
-def run_variants(args: argparse.Namespace, baseline: Baseline, prompt_files: dict[int, Path],
+def batch_sizes(text: str, n: int) -> list[int]:
+    """--baseline-batches: the sizes, each a positive multiple of the samples per prompt."""
+    sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    bad = [m for m in sizes if m <= 0 or m % n]
+    if bad:
+        raise SystemExit(f"--baseline-batches: {bad} not positive multiples of --n {n}")
+    return sizes
+
+
+def run_variants(args: argparse.Namespace, baselines: list[Baseline], prompt_files: dict[int, Path],
                  variants: dict[str, list[str]], work: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """The baseline and every topology variant's streaming runs, interleaved (so that the machine's noise,
     other work on these 2 cores, hits every side alike; the variants' order alternates per repeat)."""
     got: dict[str, dict[int, list[dict[str, Any]]]] = {v: {k: [] for k in prompt_files} for v in variants}
     for rep in range(max(args.repeats, args.baseline_repeats)):
         if rep < args.baseline_repeats:
-            for threads in (2, 1) if rep % 2 == 0 else (1, 2):
-                baseline.run(threads)
+            for baseline in baselines:
+                for threads in (2, 1) if rep % 2 == 0 else (1, 2):
+                    baseline.run(threads)
         if rep < args.repeats:
             for count, path in prompt_files.items():
                 for name in list(variants) if rep % 2 == 0 else list(variants)[::-1]:
@@ -1140,8 +1215,8 @@ def run_variants(args: argparse.Namespace, baseline: Baseline, prompt_files: dic
 def ab_report(args: argparse.Namespace, base: dict[str, Any], streams: dict[str, dict[str, Any] | None],
               ab: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """--ab-set: each topology with and without the override, against the best in-process chain."""
-    best_threads = max((t for t in base if isinstance(t, int)), key=lambda t: base[t]["samples_per_s"])
-    best = base[best_threads]["samples_per_s"]
+    best_label, best_row = best_in_process(base)
+    best = best_row["samples_per_s"]
     rows, out = [], {}
     for name, st in streams.items():
         if st is None or f"{name}+ab" not in ab:
@@ -1159,8 +1234,8 @@ def ab_report(args: argparse.Namespace, base: dict[str, Any], streams: dict[str,
                           "broker_cpu_ms_per_sample_2n_run": rounded(broker_2n),
                           "stages_cpu_s_2n_run": {k: rounded(v) for k, v in s["cpu_2n_s"]["stages"].items()},
                           "marginal_cpu_ms_per_sample_by_process": marginal_by_process(s)}
-    rows.append([f"in-process LocalChain, {best_threads} thread(s) (best)", best, 1.0,
-                 base[best_threads]["cpu_ms_per_sample"], None, None, None])
+    rows.append([f"in-process LocalChain, {best_label} (best)", best, 1.0,
+                 best_row["cpu_ms_per_sample"], None, None, None])
     print(table(["topology", "steady samples/s", "x best in-proc", "CPU ms/sample (marginal)",
                  "stages CPU ms/sample (2N run)", "broker CPU ms/sample (2N run)", "command s"], rows,
                 title=f"A/B of {' '.join(args.ab_set)}, same run, interleaved"))
@@ -1168,14 +1243,13 @@ def ab_report(args: argparse.Namespace, base: dict[str, Any], streams: dict[str,
         print(f"  marginal CPU ms per sample (2N - N), {label}: "
               + ", ".join(f"{k} {v:.2f}" for k, v in o["marginal_cpu_ms_per_sample_by_process"].items()))
     print()
-    return {"set": args.ab_set, "best_in_process_threads": best_threads, **out}
+    return {"set": args.ab_set, "best_in_process": best_label, **out}
 
 
 def chained_report(args: argparse.Namespace, base: dict[str, Any], stream: dict[str, Any],
                    chained: dict[str, Any]) -> dict[str, Any]:
     """The default topology and the --chains one side by side, against the best in-process chain."""
-    best_threads = max((t for t in base if isinstance(t, int)), key=lambda t: base[t]["samples_per_s"])
-    best = base[best_threads]
+    best_label, best = best_in_process(base)
     rows, out = [], {}
     for label, st in (("default topology (every stage its own process)", stream),
                       (f"chained: {args.chains}", chained)):
@@ -1188,7 +1262,7 @@ def chained_report(args: argparse.Namespace, base: dict[str, Any], stream: dict[
             "cpu_ms_per_sample_marginal": rounded(st["cpu_ms_per_sample_marginal"]),
             "cpu_n_run_stages_s": {k: rounded(v) for k, v in st["cpu_s"]["stages"].items()},
             "cpu_n_run_broker_s": rounded(st["cpu_s"]["broker"])}
-    rows.append([f"in-process LocalChain, {best_threads} thread(s) (best)", best["samples_per_s"], 1.0, None,
+    rows.append([f"in-process LocalChain, {best_label} (best)", best["samples_per_s"], 1.0, None,
                  best["cpu_ms_per_sample"], None])
     print(table(["topology", "steady samples/s", "x best in-proc", "e2e samples/s", "CPU ms/sample (marginal)",
                  "command s"], rows, title="Chained stages (topology.yaml chains:) vs the default topology, "
@@ -1201,7 +1275,7 @@ def chained_report(args: argparse.Namespace, base: dict[str, Any], stream: dict[
         out["default" if st is stream else "chained"]["marginal_cpu_ms_per_sample_by_process"] = per
         print(f"  marginal CPU ms per sample (2N - N), {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
     print()
-    return {"chains": args.chains, "best_in_process_threads": best_threads, **out}
+    return {"chains": args.chains, "best_in_process": best_label, **out}
 
 
 def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, Any], stream: dict[str, Any],
@@ -1209,14 +1283,13 @@ def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, 
                 chained: dict[str, Any] | None = None) -> dict[str, Any]:
     """Issue 15's table: each measure, its goal, met or not. The baseline is the best in-process
     configuration measured in this run (the fastest thread count), never a handicapped one."""
-    best_threads = max((t for t in base if isinstance(t, int)), key=lambda t: base[t]["samples_per_s"])
-    best = base[best_threads]
-    # the advantage stage's own timestamps (samples after its first micro-batch / time to its last, per
-    # run, median): start-up is outside it by construction. The two-point rate divides by a difference
-    # of two walls that each carry ~10 s of start-up; one slow start-up made it 1770 samples/s in a run.
-    steady = stream["log_steady_samples_per_s"]
-    if not steady == steady:
-        steady = stream["steady_two_point_samples_per_s"]
+    best_label, best = best_in_process(base)
+    # the two-point rate of the output windows (steady_rate): start-up is outside the windows, and the fill
+    # and the drain cancel in the difference. (The two-point rate of the summaries' walls carries two
+    # start-ups, one slow start-up made it 1770 samples/s in a run; one run's window rate counts the
+    # fill and the drain, 1.2-1.7x the steady state on the tiny models.)
+    same_batch = max((base[t] for t in base if isinstance(t, int)), key=lambda r: r["samples_per_s"])
+    steady = steady_rate(stream)
     hop_median = median([1000 * h["total"] for h in hops["hops"].values()])
     grouped_median = median([1000 * v for v in hops["grouped"].values()])
     first = median([d["first_experience_s"] for d in demos if d["first_experience_s"] is not None]) if demos \
@@ -1226,13 +1299,14 @@ def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, 
     # issue 28: the default topology >= 1.4x on tiny models (>= 1.8x on small), a chained one >= 1.8x
     default_goal = 1.4 if args.model_size == "tiny" else 1.8
     rows = [
-        (f"steady state (advantage log) / best in-process chain ({best_threads} thread"
-         f"{'s' if best_threads > 1 else ''}), {args.model_size} models", ratio(steady, best["samples_per_s"]),
+        (f"steady state (2N - N output windows) / best in-process chain ({best_label}), {args.model_size} models",
+         ratio(steady, best["samples_per_s"]),
          f">= {default_goal}x", lambda v: v >= default_goal),
         *([(f"  the same, chained ({args.chains})", ratio(steady_rate(chained), best["samples_per_s"]), ">= 1.8x",
             lambda v: v >= 1.8)] if chained is not None else []),
-        ("streaming CPU per sample / in-process CPU per sample (marginal)",
-         ratio(stream["cpu_ms_per_sample_marginal"], best["cpu_ms_per_sample"]), "<= 1.1x", lambda v: v <= 1.1),
+        # an overhead, so against the in-process chain at the run's own micro-batch size (its faster thread count)
+        ("streaming CPU per sample / in-process CPU per sample, same micro-batch size (marginal)",
+         ratio(stream["cpu_ms_per_sample_marginal"], same_batch["cpu_ms_per_sample"]), "<= 1.1x", lambda v: v <= 1.1),
         ("broker + codec cost per record per hop, median of hops (ms)", hop_median, "<= 1 ms", lambda v: v <= 1.0),
         (f"  the same through a backlog, in commit groups of {GROUP} (ms)", grouped_median, "<= 1 ms",
          lambda v: v <= 1.0),
@@ -1260,7 +1334,7 @@ def goals_table(args: argparse.Namespace, base: dict[str, Any], hops: dict[str, 
           f"ratio {codec['ratio']:.2f}; plain msgpack map (versions 1-5), same run: {pm['encode_ms']:.3f} + "
           f"{pm['decode_ms']:.3f} = {pm['roundtrip_ms']:.3f} ms, ratio {pm['ratio']:.2f} (stages' malloc settings); "
           f"framed with glibc's defaults {dm['roundtrip_ms']:.3f} / {dm['memcpy_ms']:.3f} ms (ratio {dm['ratio']:.2f})")
-    return {"best_in_process_threads": best_threads, "rows": {r[0]: rounded(r[1]) for r in out_rows},
+    return {"best_in_process": best_label, "rows": {r[0]: rounded(r[1]) for r in out_rows},
             "demos": demos, "codec": codec}
 
 
