@@ -151,6 +151,51 @@ def test_group_split_across_batches_and_two_replicas_completes_once(redis_state)
     assert advantage.process(first, replica_b) == []
 
 
+def _whole_group_batch():
+    """One scored record holding the whole group g1 (4 samples) and the first half of g2."""
+    topo = load_topology(overrides=["algo.advantage_estimator=group_norm", "algo.init_kl_coef=0"])
+    groups, rows = ["g1"] * 4 + ["g2"] * 2, [0, 1, 2, 3, 0, 1]
+    b = SampleBatch(
+        batch_id="w/m0", policy_version=0, n_samples_per_prompt=4, eos_token_id=EOS, pad_token_id=PAD,
+        prompt_id=groups, group_id=groups, sample_index=rows, prompt=["p"] * 6, label=["l"] * 6,
+        reference=[""] * 6, response=["r"] * 6, prompt_ids=i32([[5]] * 6), response_ids=i32([[9], [7, 9]] * 3),
+        layout="padded", action_ids=i32([[9], [7, 9]] * 3), action_mask=bools([[1], [1, 1]] * 3),
+        action_log_probs=f32([[-1.0], [-1.0, -1.0]] * 3),
+        rewards=np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.25], np.float32))
+    [scored] = postprocess.process(b, make_context(topo, "postprocess"))
+    return topo, scored
+
+
+@pytest.mark.integration
+def test_a_whole_group_is_parked_on_redis_without_its_bytes_and_emitted_as_in_one_process(redis_state):
+    topo, scored = _whole_group_batch()
+    [alone] = advantage.process(scored, make_context(topo, "advantage"))  # MemoryState: no buffer at all
+    ctx = make_context(topo, "advantage", state=redis_state)
+    [group] = advantage.process(scored, ctx)
+    assert group.batch_id == "g/g1" and encode(group) == encode(alone)
+    client = redis_state.client
+    # g1 names this record its completer with empty payloads; g2's two members wait with their bytes
+    assert client.hgetall(redis_state.group_key("g1", "group")) == {str(i).encode(): b"" for i in range(4)}
+    assert client.hget(redis_state.group_key("g1", "group", "meta"), "completer") == b"w/m0"
+    assert all(len(v) > 100 for v in client.hgetall(redis_state.group_key("g2", "group")).values())
+    # a redelivery emits the same bytes again; a record carrying some of g1's members again emits nothing
+    [again] = advantage.process(scored, ctx)
+    assert encode(again) == encode(group)
+    dup = scored.select([0, 1], batch_id="d/m0")
+    assert advantage.process(dup, ctx) == []
+
+
+@pytest.mark.integration
+def test_a_whole_group_completes_a_group_parked_in_part_before_with_the_same_bytes(redis_state):
+    topo, scored = _whole_group_batch()
+    [alone] = advantage.process(scored, make_context(topo, "advantage"))
+    ctx = make_context(topo, "advantage", state=redis_state)
+    assert advantage.process(scored.select([0, 1], batch_id="d/m0"), ctx) == []  # g1's first half, with bytes
+    [group] = advantage.process(scored, ctx)
+    assert encode(group) == encode(alone)
+    assert advantage.process(scored.select([2, 3], batch_id="e/m0"), ctx) == []  # completed by w/m0 already
+
+
 def test_reward_function_by_import_path_and_bad_count(topo_models):
     topo = load_topology(overrides=[*topo_models, "models.reward=null", "models.reward_fn=tests.rewardfns:label_length"])
     ctx = make_context(topo, "reward")
