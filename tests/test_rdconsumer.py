@@ -61,6 +61,31 @@ def test_the_consumer_settings_mirror_the_kafka_python_ones():
     assert "group.id" not in rdkafka_consumer_config(["h:1"], None, KafkaConfig(client=CK))
 
 
+def test_kafka_python_extra_arguments_are_named_as_not_applied_to_the_librdkafka_clients(caplog):
+    """kafka.extra.all / .consumer are kafka-python arguments (the tools still take them): the stages'
+    librdkafka clients say they do not get them, and where their settings go instead."""
+    from expstream.kafka.rdkafka import rdkafka_config
+
+    cfg = KafkaConfig(client=CK, extra={"all": {"ssl_cafile": "/ca.pem"}, "consumer": {"client_id": "c"},
+                                        "librdkafka": {"ssl.ca.location": "/ca.pem"}})
+    with caplog.at_level("WARNING", logger="expstream.bus"):
+        conf = rdkafka_consumer_config(["h:1"], "grp", cfg)
+    said = [r.getMessage() for r in caplog.records]
+    assert conf["ssl.ca.location"] == "/ca.pem" and "ssl_cafile" not in conf and "client_id" not in conf
+    assert any("kafka.extra.all (ssl_cafile)" in m and "librdkafka consumer" in m for m in said), said
+    assert any("kafka.extra.consumer (client_id)" in m and "kafka.extra.librdkafka" in m for m in said), said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="expstream.bus"):
+        rdkafka_config(["h:1"], cfg)
+    assert [m for m in (r.getMessage() for r in caplog.records) if "kafka.extra." in m] == [
+        "kafka.extra.all (ssl_cafile) holds kafka-python arguments: not applied to this stage's librdkafka producer "
+        "(kafka.client: confluent); give librdkafka properties under kafka.extra.librdkafka"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="expstream.bus"):
+        rdkafka_consumer_config(["h:1"], "grp", KafkaConfig(client=CK, extra={"librdkafka": {"client.id": "x"}}))
+    assert not [r for r in caplog.records if "kafka.extra." in r.getMessage()]
+
+
 def test_a_poll_interval_below_the_session_timeout_is_refused_naming_the_field():
     """librdkafka refuses to make such a consumer: said before any stage starts, not as a stage's crash."""
     with pytest.raises(ConfigError) as err:

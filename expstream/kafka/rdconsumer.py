@@ -48,6 +48,7 @@ from kafka import errors as kafka_errors
 
 from expstream.config.kafka import LIBRDKAFKA, KafkaConfig, MiB
 from expstream.errors import BrokerUnavailableError
+from expstream.kafka.rdkafka import warn_unapplied_extra
 
 __all__ = ["RdRecord", "RdkafkaConsumer", "kafka_error", "rdkafka_consumer_config"]
 
@@ -100,6 +101,7 @@ def rdkafka_consumer_config(bootstrap: list[str], group_id: str | None, cfg: Kaf
         conf.update({"sasl.mechanism": sasl["sasl_mechanism"], "sasl.username": sasl["sasl_plain_username"],
                      "sasl.password": sasl["sasl_plain_password"]})
     conf.update(cfg.extra.get(LIBRDKAFKA, {}))
+    warn_unapplied_extra(cfg, "consumer")
     return conf
 
 

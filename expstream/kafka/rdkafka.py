@@ -41,7 +41,7 @@ from expstream.config.kafka import KafkaConfig
 from expstream.errors import BrokerUnavailableError, ProduceError
 from expstream.kafka.partitioning import RoundRobinPartitioner
 
-__all__ = ["RdkafkaProducer", "rdkafka_config"]
+__all__ = ["RdkafkaProducer", "rdkafka_config", "warn_unapplied_extra"]
 
 log = logging.getLogger("expstream.bus")
 
@@ -54,6 +54,20 @@ PARTITIONS_RETRY_S = 5.0
 # again (another thread's poll may have served it).
 GET_POLL_SLICE_S = 0.05
 _COMPRESSION = {None: "none", "gzip": "gzip", "snappy": "snappy", "lz4": "lz4", "zstd": "zstd"}
+
+
+def warn_unapplied_extra(cfg: KafkaConfig, role: str) -> list[str]:
+    """Warn that ``kafka.extra.all`` / ``kafka.extra.<role>`` (kafka-python arguments, which the tools'
+    clients still take) do not reach this librdkafka ``role`` client; returns the blocks named.
+
+    Not refused: the tools and the trainer stay kafka-python and use them (an SSL or SASL setting there
+    must be given again as librdkafka properties under ``kafka.extra.librdkafka``)."""
+    named = [where for where in ("all", role) if cfg.extra.get(where)]
+    for where in named:
+        log.warning("kafka.extra.%s (%s) holds kafka-python arguments: not applied to this stage's librdkafka %s "
+                    "(kafka.client: confluent); give librdkafka properties under kafka.extra.librdkafka",
+                    where, ", ".join(sorted(cfg.extra[where])), role)
+    return named
 
 
 def rdkafka_config(bootstrap: list[str], cfg: KafkaConfig) -> dict[str, Any]:
@@ -83,6 +97,7 @@ def rdkafka_config(bootstrap: list[str], cfg: KafkaConfig) -> dict[str, Any]:
         conf.update({"sasl.mechanism": sasl["sasl_mechanism"], "sasl.username": sasl["sasl_plain_username"],
                      "sasl.password": sasl["sasl_plain_password"]})
     conf.update(cfg.extra.get("librdkafka", {}))
+    warn_unapplied_extra(cfg, "producer")
     return conf
 
 
