@@ -413,21 +413,12 @@ def recorded_window(out: Path, topic: str = "experiences") -> tuple[int, float]:
 
 
 def recorded_steady_rate(out: Path, topic: str = "experiences") -> float:
-    """Samples/s of the run's output topic between its first and last record, by the records' own
-    timestamps (set when advantage sent them) in the run's recording; NaN without a recording.
+    """One run's window rate (:func:`recorded_window`: samples / seconds); NaN without a recording.
 
     Preferred to the advantage log's: that line is written when the record's commit group is committed
     (up to COMMIT_GROUP_MAX_S, 0.5 s, after the record was done), so its timestamps come in bursts."""
-    from expstream.tools.recording import RecordingError, iter_topic
-
-    try:
-        events = sorted((f.timestamp / 1000, len(decode(f.value))) for f in iter_topic(out, topic,
-                                                                                         strict=False) if f.value)
-    except RecordingError:
-        return float("nan")
-    if len(events) < 2 or events[-1][0] <= events[0][0]:
-        return float("nan")
-    return sum(n for _, n in events[1:]) / (events[-1][0] - events[0][0])
+    samples, window = recorded_window(out, topic)
+    return samples / window if window == window else float("nan")
 
 
 class TreeCPU:
