@@ -205,14 +205,14 @@ def _advantages(batch: SampleBatch, ctx: StageContext) -> list[SampleBatch]:
             # buffer at all. On Redis it is still parked: the buffer names its completer (a redelivery, a
             # sub-batch of a split) and keeps its "done" marker once settled.
             whole[group_id] = batch.select(rows, batch_id=f"g/{group_id}")
-        if group_id in whole and ctx.state.shared:
-            # Parked for its completer and "done" marker only, with empty payloads: the n members arrive
-            # in this one call, so it names this record the completer, and the buffer's payloads only
-            # ever go back to a completer, which uses `whole` (a park of all n that finds the group
-            # complete already writes nothing). Encoding each member cost more than the stage's math
-            # (bench/README.md "The advantage stage parks whole groups without their bytes").
-            parked[group_id] = (n, dict.fromkeys((int(batch.sample_index[i]) for i in rows), b""))
-        elif group_id not in whole:
+            if ctx.state.shared:
+                # Parked for its completer and "done" marker only, with empty payloads: the n members
+                # arrive in this one call, so it names this record the completer, and the buffer's payloads
+                # only ever go back to a completer, which uses `whole` (a park of all n that finds the group
+                # complete already writes nothing). Encoding each member cost more than the stage's math
+                # (bench/README.md "The advantage stage parks whole groups without their bytes").
+                parked[group_id] = (n, dict.fromkeys(range(n), b""))
+        else:
             parked[group_id] = (n, {int(batch.sample_index[i]): encode(batch.select([i], batch_id=f"{batch.batch_id}#{i}"))
                                     for i in rows})
     # every group of the record parked in one round trip (RedisState: one pipeline of the park script)
