@@ -148,7 +148,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vl", action="store_true",
                    help="images through the pipeline instead: bytes per hop with and without the claim check, "
                         "samples/s of a mixed text/image run vs the same prompts without images (vl_cost)")
-    return p.parse_args()
+    args = p.parse_args()
+    try:  # refused before anything starts, as a bad --set is
+        args.baseline_batches = batch_sizes(args.baseline_batches, args.n)
+    except ValueError as exc:
+        p.error(f"--baseline-batches {args.baseline_batches!r}: {exc}")
+    return args
 
 
 # ------------------------------------------------------------------------------------------------
@@ -754,7 +759,7 @@ def main() -> int:
     try:
         baseline = Baseline(topo, prompt_files[args.prompts])
         extra_baselines = {}
-        for mrb in batch_sizes(args.baseline_batches, args.n):
+        for mrb in args.baseline_batches:
             if mrb != topo.algo.micro_rollout_batch_size:
                 extra_baselines[mrb] = Baseline(load_topology(None, [
                     *sets, f"algo.micro_rollout_batch_size={mrb}", f"run.prompt_batch_size={mrb // args.n}"]),
@@ -1178,11 +1183,17 @@ def marginal_by_process(st: dict[str, Any]) -> dict[str, float]:
 
 
 def batch_sizes(text: str, n: int) -> list[int]:
-    """--baseline-batches: the sizes, each a positive multiple of the samples per prompt."""
-    sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    """--baseline-batches: the sizes, each a positive multiple of the samples per prompt.
+
+    Raises:
+        ValueError: a size that is not a whole number, or not a positive multiple of ``n``."""
+    try:
+        sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError("give whole numbers separated by commas, e.g. 16,64") from None
     bad = [m for m in sizes if m <= 0 or m % n]
     if bad:
-        raise SystemExit(f"--baseline-batches: {bad} not positive multiples of --n {n}")
+        raise ValueError(f"{bad} not positive multiples of --n {n} (prompt_batch_size = size / n)")
     return sizes
 
 
