@@ -101,17 +101,29 @@ ADVANTAGE_LINE = re.compile(
 DEFAULT_CHAINS = "[[actor-logprob, reference, critic], [postprocess, advantage]]"
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number ≥ 1 (0 runs or records would leave a table with nothing to take the
+    median of, after minutes of work)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1; give a whole number >= 1")
+    return value
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=48, help="N generated prompts (streaming also runs 2N)")
-    p.add_argument("--n", type=int, default=4, help="samples per prompt (generate.n_samples_per_prompt)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompts", type=positive_int, default=48, help="N generated prompts (streaming also runs 2N)")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt (generate.n_samples_per_prompt)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--estimator", default="group_norm", help="algo.advantage_estimator")
     p.add_argument("--model-size", choices=["tiny", "small"], default="tiny",
                    help="tiny: the built-in h64/l2 models; small: h256/l4 built into a separate cache")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
                    help="topology override for both the pipeline and the baseline (repeatable)")
-    p.add_argument("--repeats", type=int, default=2, help="streaming runs per prompt count (median)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="streaming runs per prompt count (median)")
     p.add_argument("--chains", default=DEFAULT_CHAINS,
                    help="a chained topology measured beside the default one (topology.yaml `chains:`, YAML); "
                         "'' measures the default topology only")
@@ -120,12 +132,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ab-set", action="append", default=[], metavar="dotted.key=value",
                    help="an A/B of a setting: the default (and --chains) topology also run with this override, "
                         "interleaved, e.g. kafka.client=confluent (repeatable: one variant with all of them)")
-    p.add_argument("--baseline-repeats", type=int, default=3, help="in-process runs per thread count (median)")
+    p.add_argument("--baseline-repeats", type=positive_int, default=3, help="in-process runs per thread count (median)")
     p.add_argument("--baseline-batches", default="64", metavar="SIZES",
                    help="more micro-batch sizes for the in-process chain (comma-separated, multiples of --n; "
                         "prompt_batch_size = size / n): the goal rows compare with the fastest in-process "
                         "configuration measured, the run's own size included; '' for the run's own only")
-    p.add_argument("--hop-records", type=int, default=30, help="records timed per hop (median)")
+    p.add_argument("--hop-records", type=positive_int, default=30, help="records timed per hop (median)")
     p.add_argument("--keep-runs", action="store_true", help="keep the streaming runs' output directories")
     p.add_argument("--record", action="store_true",
                    help="instead: the recording's cost, streaming runs with record.enabled=false and true "
