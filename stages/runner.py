@@ -43,6 +43,7 @@ from typing import Any
 
 from kafka import TopicPartition
 
+from expstream.cpuslice import set_thread_slice
 from expstream.errors import BrokerUnavailableError, ExpstreamError, ShutdownRequested
 from expstream.faults import RUNNER_POINTS, fault_plan
 from expstream.kafka.clients import (
@@ -262,7 +263,8 @@ class StageRunner:
                              dead_letters=self.dead_letters, metrics=self.metrics,
                              max_record_bytes=self.max_record_bytes, fault=self.fault,
                              produced_by=self.produced_by)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}")
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{self.stage.name}",
+                                                                initializer=self._compute_thread_started)
         self._confirmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"confirm-{self.stage.name}")
         self.group = CommitGroup(self.ctx, self.log, Clients(self.consumer, self.producer, self.tracker, self.pausing,
                                                              self._confirmer), self.dead_letters,
@@ -305,6 +307,14 @@ class StageRunner:
         self._closing.set()
         self._close()
         self._log_stopped()
+
+    def _compute_thread_started(self) -> None:
+        """The compute thread's CPU slice (``run.cpu_slice_ms``): this thread only, so that the polling
+        thread and the clients' I/O threads keep the kernel's short default (expstream/cpuslice.py)."""
+        ms = self.ctx.topology.run.cpu_slice_ms
+        if ms and not set_thread_slice(ms):
+            self.log.info("stage %s replica %s: run.cpu_slice_ms=%s not applied (needs Linux >= 6.12); the kernel's "
+                          "default slice stays", self.stage.name, self.ctx.replica_id, ms)
 
     def _log_stopped(self) -> None:
         """The replica's last line, on every way out of :meth:`run` that is not an error (also a stop

@@ -118,7 +118,7 @@ def test_the_import_graph_has_no_cycle():
 #: may import modules of its own layer or of a lower one, never of a higher one. Each entry is a
 #: package (every module under it) or a single top-level module.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("schemas", "expstream.errors", "expstream.retry", "expstream.procs", "expstream.faults"),
+    ("schemas", "expstream.errors", "expstream.retry", "expstream.procs", "expstream.cpuslice", "expstream.faults"),
     ("expstream.config",),
     ("expstream.kafka",),
     ("expstream.rl", "expstream.state", "expstream.models", "expstream.observe"),

@@ -26,6 +26,7 @@ import pytest
 from kafka import TopicPartition
 
 from expstream.config.topology import load_topology
+from expstream.cpuslice import thread_slice_ms
 from expstream.errors import StateUnavailableError
 from expstream.kafka.clients import (
     make_consumer,
@@ -775,6 +776,43 @@ def test_a_record_is_committed_while_its_successor_is_still_in_work(broker):
         release.set()
         running.stop()
     assert topic_lag(broker, topo.kafka, runner.group_id, src) == {0: 0}
+
+
+class PollingSlices(StageRunner):
+    """A StageRunner that notes its polling thread's CPU slice at every poll it handles."""
+
+    polling_slices: list = []
+
+    def _handle_polled(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - same signature
+        self.polling_slices.append(thread_slice_ms())
+        return super()._handle_polled(*args, **kwargs)
+
+
+@pytest.mark.skipif(thread_slice_ms() is None, reason="no sched_getattr here (not Linux x86_64/aarch64)")
+@pytest.mark.parametrize("slice_ms", [30, 0])
+def test_the_compute_thread_runs_with_run_cpu_slice_ms_and_the_polling_thread_with_the_default(broker, slice_ms):
+    """run.cpu_slice_ms is the stage's compute thread's slice (expstream/cpuslice.py); the thread that polls
+    the broker keeps the kernel's short default, so that it still pre-empts the long slices when a record
+    comes (0: the compute thread keeps the default too)."""
+    default = thread_slice_ms()
+    topo = stage_topology(broker, "shard-preprocess", f"run.cpu_slice_ms={slice_ms}")
+    seen: list = []
+
+    def process(batch, ctx):
+        seen.append(thread_slice_ms())
+        return [batch]
+
+    produce(broker, topo.stages["shard-preprocess"].input,
+            [encode(PromptBatch(batch_id=b, prompt_id=[b], prompt=["x"], label=[""], reference=[""])) for b in "ab"])
+    runner = PollingSlices(make_context(topo, "shard-preprocess", run_id=f"s{uuid.uuid4().hex[:6]}"), process, broker)
+    runner.polling_slices = []
+    running = Running(runner)
+    try:
+        running.wait(lambda: runner.handled == 2, 30, "both records")
+    finally:
+        running.stop()
+    assert seen == [float(slice_ms or default)] * 2
+    assert runner.polling_slices and set(runner.polling_slices) == {default}
 
 
 class FirstCommitRefused(StageRunner):
