@@ -21,7 +21,7 @@ import os
 import platform
 import struct
 
-__all__ = ["MAX_SLICE_MS", "MIN_SLICE_MS", "set_thread_slice", "thread_slice_ms"]
+__all__ = ["MAX_SLICE_MS", "MIN_SLICE_MS", "is_slice", "set_thread_slice", "thread_slice_ms"]
 
 #: The range the kernel accepts for a custom slice (it clamps to it).
 MIN_SLICE_MS = 0.1
@@ -31,6 +31,12 @@ MAX_SLICE_MS = 100.0
 _ATTR = struct.Struct("IIQiIQQQII")
 _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275), "arm64": (274, 275)}  # (setattr, getattr)
 _SCHED_OTHER = 0
+
+
+def is_slice(ms: object) -> bool:
+    """Whether ``ms`` is a slice :func:`set_thread_slice` takes: 0 (the kernel's default) or a number of ms
+    in ``MIN_SLICE_MS``..``MAX_SLICE_MS`` (not a bool)."""
+    return isinstance(ms, (int, float)) and not isinstance(ms, bool) and (ms == 0 or MIN_SLICE_MS <= ms <= MAX_SLICE_MS)
 
 
 def _syscalls() -> tuple[int, int] | None:
@@ -44,7 +50,7 @@ def _libc() -> ctypes.CDLL:
 
 
 def thread_slice_ms() -> float | None:
-    """The calling thread's custom slice in ms: 0.0 for the kernel's default, None where it cannot be read.
+    """The calling thread's slice in ms (the kernel's default where none was asked), None where it cannot be read.
 
     Returns:
         ``sched_runtime`` of ``sched_getattr(2)`` in ms (the kernel reports its default slice there on
@@ -72,7 +78,7 @@ def set_thread_slice(ms: float) -> bool:
     Raises:
         ValueError: ``ms`` outside 0 or ``MIN_SLICE_MS``..``MAX_SLICE_MS``.
     """
-    if ms != 0 and not MIN_SLICE_MS <= ms <= MAX_SLICE_MS:
+    if not is_slice(ms):
         raise ValueError(f"a CPU slice of {ms} ms: give 0 (the kernel's default) or {MIN_SLICE_MS}-{MAX_SLICE_MS} ms")
     calls = _syscalls()
     if calls is None or os.sched_getscheduler(0) != _SCHED_OTHER:

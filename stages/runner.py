@@ -313,8 +313,8 @@ class StageRunner:
         thread and the clients' I/O threads keep the kernel's short default (expstream/cpuslice.py)."""
         ms = self.ctx.topology.run.cpu_slice_ms
         if ms and not set_thread_slice(ms):
-            self.log.info("stage %s replica %s: run.cpu_slice_ms=%s not applied (needs Linux >= 6.12); the kernel's "
-                          "default slice stays", self.stage.name, self.ctx.replica_id, ms)
+            self.log.info("stage %s replica %s: run.cpu_slice_ms=%s not applied (it needs Linux >= 6.12 and sched_setattr "
+                          "allowed); the kernel's default slice stays", self.stage.name, self.ctx.replica_id, ms)
 
     def _log_stopped(self) -> None:
         """The replica's last line, on every way out of :meth:`run` that is not an error (also a stop

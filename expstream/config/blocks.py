@@ -15,7 +15,7 @@ from typing import Any
 from expstream.config.estimators import ESTIMATORS, KL_ESTIMATORS
 from expstream.config.fieldtypes import check_block, check_fields
 from expstream.config.storeurl import parse_store
-from expstream.cpuslice import MAX_SLICE_MS, MIN_SLICE_MS
+from expstream.cpuslice import MAX_SLICE_MS, MIN_SLICE_MS, is_slice
 from expstream.errors import ConfigError, unknown_key_error
 
 #: train.off_policy choices (docs/async.md has each formula).
@@ -77,10 +77,8 @@ class RunConfig:
                f"got {self.spawn!r}; use fork (stages forked from a preloaded server) or exec")
         check_value(self.prompt_batch_size >= 1, "run.prompt_batch_size", "must be >= 1 (prompt groups per record)")
         check_value(self.torch_threads >= 1, "run.torch_threads", "must be >= 1")
-        slice_ms = self.cpu_slice_ms
-        check_value(isinstance(slice_ms, (int, float)) and not isinstance(slice_ms, bool)
-                    and (slice_ms == 0 or MIN_SLICE_MS <= slice_ms <= MAX_SLICE_MS), "run.cpu_slice_ms",
-                    f"got {slice_ms!r}; give 0 (the kernel's default slice) or {MIN_SLICE_MS}-{MAX_SLICE_MS} ms")
+        check_value(is_slice(self.cpu_slice_ms), "run.cpu_slice_ms",
+                    f"got {self.cpu_slice_ms!r}; give 0 (the kernel's default slice) or {MIN_SLICE_MS}-{MAX_SLICE_MS} ms")
         check_value(self.assign_partitions in (None, True, False), "run.assign_partitions",
                     f"got {self.assign_partitions!r}; give true, false or null (true with the run's own broker)")
         check_value(self.media_max_mb > 0, "run.media_max_mb", f"got {self.media_max_mb!r}; give a size in MiB > 0")
